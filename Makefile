@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both install what they need, idempotently.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint deps system-deps bench clean
+
+demo: deps
+	@bash .ci/demo.sh
+
+test: deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: deps
+	$(VENV)/bin/ruff check .
+
+bench: deps
+	$(VPY) bench/store_throughput.py $(BENCH_ARGS)
+
+deps: system-deps $(STAMP)
+
+system-deps:
+	@bash .ci/install-deps.sh
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""erofs_builder"""

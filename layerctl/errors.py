@@ -1,0 +1,29 @@
+"""The CLI edge of the error family: one clear line on stderr and an exit code, no traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import click
+
+from layerstore.errors import LayerstoreError
+
+T = TypeVar("T")
+
+
+def run_cli(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except LayerstoreError as e:
+        click.echo(f"layerctl: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("layerctl: interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(141)

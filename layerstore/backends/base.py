@@ -1,0 +1,62 @@
+"""The one abstract backend every store location implements.
+
+A backend moves opaque bytes under validated keys. It knows nothing about chunks or digests;
+compression and verification wrap it (see `layerstore.store`). Semantics every backend keeps:
+
+- `store_once(key, data)`: the object is written at most once and is never visible half-written;
+  of several concurrent writers exactly one wins, the others get `False`.
+- `replace(key, data)`: atomic overwrite, readers see the old or the new bytes, never a mix.
+- `load(key, offset, size)`: whole object or a byte range; a range past the end is truncated
+  like a POSIX read.
+- Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+
+class Backend(ABC):
+    url: str
+
+    @abstractmethod
+    def create(self) -> None:
+        """Create the location (directory, bucket) if needed. Idempotent."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise `NotFound` if the location does not exist, `PermissionDenied` if unusable."""
+
+    @abstractmethod
+    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes: ...
+
+    @abstractmethod
+    def store_once(self, key: str, data: bytes | memoryview) -> bool:
+        """Write `data` under `key` unless it exists. True if this call wrote it."""
+
+    @abstractmethod
+    def replace(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove an object; `NotFound` if it is not there."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Yield every key that starts with `prefix`, page by page (order is not part of the contract)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

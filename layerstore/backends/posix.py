@@ -1,0 +1,222 @@
+"""A store in a POSIX directory: a local disk (the embedded default) or a distributed mount
+(CephFS, 3FS, NFS, JuiceFS). Same code for all of them, so it relies on nothing such filesystems
+lack: no flock, no fcntl locks. Publication uses only
+
+- `link(tmp, final)`: exclusive (EEXIST for the loser), also across CephFS clients, so exactly
+  one of several concurrent writers publishes an immutable object;
+- `rename(tmp, final)`: atomic replace, for the mutable tag objects.
+
+Temporary files live next to their target (same directory, so same filesystem) and start with
+'.tmp-', which no key may, so listings never show them. A writer that dies leaves at most such a
+temporary file behind; `sweep_temporaries` removes old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ConfigError, NotFound, PermissionDenied, StoreUnavailable
+from ..keys import validate, validate_prefix
+from .base import Backend
+
+TMP_PREFIX = ".tmp-"
+
+
+def _translate(e: OSError, what: str) -> Exception:
+    if e.errno == errno.ENOENT:
+        return NotFound(f"{what}: not found")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{what}: {os.strerror(e.errno)}")
+    return StoreUnavailable(f"{what}: {os.strerror(e.errno or 0) or e}")
+
+
+class PosixBackend(Backend):
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        root = Path(root)
+        if not root.is_absolute():
+            root = Path.cwd() / root
+        self.root = root
+        self.url = f"file://{root}"
+        self._fsync = fsync
+
+    # -- location ------------------------------------------------------------------------
+    def create(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"store path {self.root} exists and is not a directory") from None
+        except OSError as e:
+            raise _translate(e, f"cannot create store directory {self.root}") from None
+        self.check()
+
+    def check(self) -> None:
+        if not self.root.is_dir():
+            raise NotFound(f"store {self.url} does not exist (run `layerctl store init`)")
+        if not os.access(self.root, os.R_OK | os.X_OK):
+            raise PermissionDenied(f"store {self.url}: permission denied")
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate(key)
+
+    # -- objects -------------------------------------------------------------------------
+    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes:
+        path = self._path(key)
+        if offset < 0 or (size is not None and size < 0):
+            raise ValueError("negative offset or size")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise _translate(e, f"object {key}") from None
+        try:
+            if size is None:
+                size = max(os.fstat(fd).st_size - offset, 0)
+            parts = []
+            while size > 0:
+                b = os.pread(fd, size, offset)
+                if not b:
+                    break
+                parts.append(b)
+                offset += len(b)
+                size -= len(b)
+            return b"".join(parts)
+        except OSError as e:
+            raise _translate(e, f"object {key}") from None
+        finally:
+            os.close(fd)
+
+    def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
+        """Write `data` to a fresh temporary file beside `path`, durably."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _translate(e, f"cannot create {path.parent}") from None
+        tmp = path.parent / f"{TMP_PREFIX}{path.name[:64]}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise _translate(e, f"cannot write to store {self.url}") from None
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self._fsync:
+                os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise _translate(e, f"cannot write to store {self.url}") from None
+        os.close(fd)
+        return tmp
+
+    def _sync_dir(self, path: Path) -> None:
+        if not self._fsync:
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def store_once(self, key: str, data: bytes | memoryview) -> bool:
+        path = self._path(key)
+        if path.exists():
+            return False
+        tmp = self._write_temp(path, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise _translate(e, f"cannot publish {key}") from None
+        finally:
+            _unlink_quietly(tmp)
+        self._sync_dir(path.parent)
+        return True
+
+    def replace(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            os.rename(tmp, path)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            raise _translate(e, f"cannot publish {key}") from None
+        self._sync_dir(path.parent)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self._path(key)).st_size
+        except OSError as e:
+            raise _translate(e, f"object {key}") from None
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except OSError as e:
+            raise _translate(e, f"object {key}") from None
+        # Empty fan-out directories are left: removing them races with concurrent writers.
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        validate_prefix(prefix)
+        head, _, _ = prefix.rpartition("/")
+        start = self.root / head if head else self.root
+        if not start.is_dir():
+            if not self.root.is_dir():
+                self.check()
+            return
+        yield from self._walk(start, head + "/" if head else "", prefix)
+
+    def _walk(self, directory: Path, rel: str, prefix: str) -> Iterator[str]:
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise _translate(e, f"listing {directory}") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            key = rel + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                # descend only where the prefix can still match
+                if key.startswith(prefix) or prefix.startswith(key + "/"):
+                    yield from self._walk(Path(entry.path), key + "/", prefix)
+            elif key.startswith(prefix):
+                yield key
+
+    def sweep_temporaries(self, older_than: float = 3600.0) -> int:
+        """Remove temporary files left by writers that died; returns how many."""
+        cutoff = time.time() - older_than
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(TMP_PREFIX):
+                    p = os.path.join(dirpath, name)
+                    try:
+                        if os.stat(p).st_mtime < cutoff:
+                            os.unlink(p)
+                            removed += 1
+                    except OSError:
+                        pass
+        return removed
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -1,0 +1,361 @@
+"""The content-addressed store: chunks, chunk maps, manifests and tags over any backend.
+
+The store wraps a backend with the object format (header + zstd + blake3 verification, see
+`chunkobj`) and the key layout (see `keys`). Every object but a tag is immutable and written at
+most once, so concurrent writers of the same content never conflict.
+
+Write order is what keeps a store consistent when a writer dies mid-way: a blob's chunks are all
+stored before its chunk map, and a manifest is stored before a tag points at it. A crash leaves
+at most unreferenced chunks (garbage for `gc`), never a reference to something missing.
+
+Tags are the only mutable objects, replaced atomically (rename on POSIX, a plain PUT on S3). When
+two writers move one tag at once, the last write to land wins; both writes are whole, so readers
+see one manifest digest or the other, never a mix, and the loser's manifest stays in the store
+(unreferenced until `gc` sweeps it). Callers that need compare-and-set must serialise themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import chunkobj, keys
+from . import digest as digestmod
+from .backends import Backend, open_backend
+from .chunker import DEFAULT_CHUNK_SIZE, fixed_boundaries
+from .chunkmap import ChunkMap, ChunkRef
+from .config import resolve_store_url
+from .errors import CorruptObject, LayerstoreError, NotFound
+
+STORE_FORMAT = {"format": "layerstore", "version": 1}
+DEFAULT_WORKERS = max(4, (os.cpu_count() or 2) * 2)
+
+
+@dataclass
+class PutStats:
+    """What a put added: `new_bytes` counts uncompressed payload that was not stored before."""
+
+    chunks: int = 0
+    new_chunks: int = 0
+    new_bytes: int = 0
+    stored_bytes: int = 0
+
+    def add(self, other: PutStats) -> None:
+        self.chunks += other.chunks
+        self.new_chunks += other.new_chunks
+        self.new_bytes += other.new_bytes
+        self.stored_bytes += other.stored_bytes
+
+
+@dataclass
+class BlobResult:
+    blob: str
+    size: int
+    chunks: int
+    new_bytes: int
+    stats: PutStats = field(repr=False, default_factory=PutStats)
+
+    def to_json(self) -> dict[str, object]:
+        return {"blob": self.blob, "size": self.size, "chunks": self.chunks, "new_bytes": self.new_bytes}
+
+
+@dataclass
+class VerifyReport:
+    objects: int = 0
+    corrupt: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {"objects": self.objects, "corrupt": sorted(self.corrupt)}
+
+
+class Store:
+    def __init__(self, backend: Backend, *, level: int = chunkobj.DEFAULT_LEVEL,
+                 workers: int = DEFAULT_WORKERS) -> None:
+        self.backend = backend
+        self.level = level
+        self.workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def open(cls, url: str | None = None, **kw: object) -> Store:
+        return cls(open_backend(resolve_store_url(url)), **kw)  # type: ignore[arg-type]
+
+    @property
+    def url(self) -> str:
+        return self.backend.url
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.backend.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="store")
+        return self._pool
+
+    # -- the store itself ----------------------------------------------------------------
+    def init(self) -> bool:
+        """Create the store if needed. Idempotent; True if this call created the marker."""
+        self.backend.create()
+        return self.backend.store_once(keys.CONFIG, _canonical(STORE_FORMAT))
+
+    def check(self) -> None:
+        """Raise unless this is an initialised store of a format we read."""
+        self.backend.check()
+        try:
+            raw = self.backend.load(keys.CONFIG)
+        except NotFound:
+            raise NotFound(f"{self.url} is not a layerstore store (run `layerctl store init`)") from None
+        try:
+            conf = json.loads(raw)
+        except ValueError:
+            raise CorruptObject(f"{self.url}: store config is not JSON") from None
+        if not isinstance(conf, dict) or conf.get("format") != "layerstore":
+            raise CorruptObject(f"{self.url}: store config is not a layerstore config")
+        if conf.get("version") != STORE_FORMAT["version"]:
+            raise CorruptObject(f"{self.url}: unsupported store format version {conf.get('version')}")
+
+    # -- chunks --------------------------------------------------------------------------
+    def chunk_key(self, chunk: str) -> str:
+        return keys.object_key("chunks", chunk)
+
+    def has_chunk(self, chunk: str) -> bool:
+        return self.backend.exists(self.chunk_key(chunk))
+
+    def put_chunk(self, payload: bytes | memoryview, chunk: str | None = None) -> tuple[str, PutStats]:
+        """Store one chunk unless present. Runs in the caller's thread (zstd and blake3 release
+        the GIL, so callers parallelise with threads)."""
+        chunk = chunk or digestmod.of(payload)
+        key = self.chunk_key(chunk)
+        stats = PutStats(chunks=1)
+        if self.backend.exists(key):
+            return chunk, stats
+        obj = chunkobj.pack(payload, self.level)
+        if self.backend.store_once(key, obj):
+            stats.new_chunks, stats.new_bytes, stats.stored_bytes = 1, len(payload), len(obj)
+        return chunk, stats
+
+    def put_chunks(self, payloads: Iterable[bytes | memoryview]) -> Iterator[tuple[str, PutStats]]:
+        """Store many chunks in parallel, yielding results in input order. At most a bounded
+        number of payloads are in flight, so memory stays flat for any blob size."""
+        window: list[Future[tuple[str, PutStats]]] = []
+        limit = self.workers * 2
+        for payload in payloads:
+            window.append(self.pool.submit(self.put_chunk, payload))
+            if len(window) >= limit:
+                yield window.pop(0).result()
+        for fut in window:
+            yield fut.result()
+
+    def get_chunk(self, chunk: str) -> bytes:
+        """The verified payload of a chunk."""
+        return chunkobj.decode(self.backend.load(self.chunk_key(chunk)), chunk)
+
+    # -- blobs ---------------------------------------------------------------------------
+    def has_blob(self, blob: str) -> bool:
+        return self.backend.exists(keys.object_key("blobs", blob))
+
+    def put_chunk_map(self, cm: ChunkMap) -> bool:
+        """Publish a chunk map. Callers store every chunk first; this call checks that they
+        did, so a chunk map never points at a missing chunk."""
+        cm.check()
+        missing = [d for d in cm.unique_digests() if not self.has_chunk(d)]
+        if missing:
+            raise NotFound(f"blob {cm.blob}: {len(missing)} chunk(s) missing, e.g. {missing[0]}")
+        return self.backend.store_once(keys.object_key("blobs", cm.blob), cm.encode())
+
+    def get_chunk_map(self, blob: str) -> ChunkMap:
+        try:
+            data = self.backend.load(keys.object_key("blobs", digestmod.parse(blob)))
+        except NotFound:
+            raise NotFound(f"blob {blob} is not in store {self.url}") from None
+        return ChunkMap.decode(data, blob)
+
+    def put_blob(self, path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 progress: Callable[[int], None] | None = None) -> BlobResult:
+        """Store a file as a blob cut at fixed offsets."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise NotFound(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
+        try:
+            size = os.fstat(fd).st_size
+            bounds = list(fixed_boundaries(size, chunk_size))
+            hasher = digestmod.Hasher()
+
+            def payloads() -> Iterator[bytes]:
+                for off, length in bounds:
+                    data = _pread_exact(fd, length, off, path)
+                    hasher.update(data)
+                    yield data
+
+            refs, stats = [], PutStats()
+            for (off, length), (chunk, st) in zip(bounds, self.put_chunks(payloads()), strict=True):
+                refs.append(ChunkRef(off, length, chunk))
+                stats.add(st)
+                if progress:
+                    progress(length)
+        finally:
+            os.close(fd)
+        blob = hasher.digest()
+        self.put_chunk_map(ChunkMap.build(blob, refs))
+        return BlobResult(blob, size, len(refs), stats.new_bytes, stats)
+
+    def read_blob(self, blob: str, out_fd: int) -> int:
+        """Write the verified blob into `out_fd` (from offset 0); returns its size. The whole
+        blob's digest is checked too, not only each chunk's."""
+        cm = self.get_chunk_map(blob)
+        hasher = digestmod.Hasher()
+        window: list[tuple[ChunkRef, Future[bytes]]] = []
+
+        def drain_one() -> None:
+            ref, fut = window.pop(0)
+            data = fut.result()
+            if len(data) != ref.length:
+                raise CorruptObject(f"blob {blob}: chunk {ref.digest} has {len(data)} bytes, map says {ref.length}")
+            hasher.update(data)
+            _pwrite_all(out_fd, data, ref.offset)
+
+        for ref in cm.chunks:
+            window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
+            if len(window) >= self.workers * 2:
+                drain_one()
+        while window:
+            drain_one()
+        if hasher.digest() != blob:
+            raise CorruptObject(f"blob {blob}: reassembled content hashes to {hasher.digest()}")
+        os.ftruncate(out_fd, cm.size)
+        return cm.size
+
+    # -- manifests and tags --------------------------------------------------------------
+    def put_manifest(self, data: bytes) -> str:
+        ident, obj = chunkobj.encode(data, self.level)
+        self.backend.store_once(keys.object_key("manifests", ident), obj)
+        return ident
+
+    def get_manifest(self, manifest: str) -> bytes:
+        try:
+            obj = self.backend.load(keys.object_key("manifests", digestmod.parse(manifest)))
+        except NotFound:
+            raise NotFound(f"manifest {manifest} is not in store {self.url}") from None
+        return chunkobj.decode(obj, manifest)
+
+    def set_tag(self, ref: str, manifest: str) -> None:
+        """Point `name:tag` at a manifest, which must already be stored."""
+        key = keys.tag_key(ref)
+        if not self.backend.exists(keys.object_key("manifests", digestmod.parse(manifest))):
+            raise NotFound(f"manifest {manifest} is not in store {self.url}")
+        self.backend.replace(key, (manifest + "\n").encode())
+
+    def get_tag(self, ref: str) -> str:
+        try:
+            raw = self.backend.load(keys.tag_key(ref))
+        except NotFound:
+            raise NotFound(f"tag {ref} is not in store {self.url}") from None
+        return _parse_tag_value(raw, ref)
+
+    def delete_tag(self, ref: str) -> None:
+        try:
+            self.backend.delete(keys.tag_key(ref))
+        except NotFound:
+            raise NotFound(f"tag {ref} is not in store {self.url}") from None
+
+    def tags(self) -> dict[str, str]:
+        out = {}
+        for key in self.backend.list("tags/"):
+            ref = keys.tag_of_key(key)
+            try:
+                out[ref] = self.get_tag(ref)
+            except NotFound:
+                continue  # deleted between list and load
+        return out
+
+    # -- inventory -----------------------------------------------------------------------
+    def list_digests(self, kind: str) -> Iterator[str]:
+        for key in self.backend.list(kind + "/"):
+            try:
+                yield keys.digest_of_key(key)[1]
+            except LayerstoreError:
+                continue
+
+    def verify(self, progress: Callable[[], None] | None = None) -> VerifyReport:
+        """Re-read and check every object. Chunk maps must also point only at present chunks."""
+        report = VerifyReport()
+        chunks = set()
+        futures: list[tuple[str, Future[None]]] = []
+        all_keys = list(self.backend.list(""))
+        for key in all_keys:
+            if key.startswith("chunks/"):
+                with contextlib.suppress(LayerstoreError):
+                    chunks.add(keys.digest_of_key(key)[1])
+        for key in all_keys:
+            futures.append((key, self.pool.submit(self._verify_key, key, chunks)))
+        for key, fut in futures:
+            report.objects += 1
+            try:
+                fut.result()
+            except (CorruptObject, LayerstoreError):
+                report.corrupt.append(key)
+            if progress:
+                progress()
+        return report
+
+    def _verify_key(self, key: str, chunks: set[str]) -> None:
+        if key == keys.CONFIG:
+            self.check()
+            return
+        if key.startswith("tags/"):
+            _parse_tag_value(self.backend.load(key), keys.tag_of_key(key))
+            return
+        try:
+            kind, ident = keys.digest_of_key(key)
+        except LayerstoreError:
+            raise CorruptObject(f"{key}: not a layerstore key") from None
+        data = self.backend.load(key)
+        if kind in ("chunks", "manifests"):
+            chunkobj.decode(data, ident)
+        else:
+            cm = ChunkMap.decode(data, ident)
+            if not cm.unique_digests() <= chunks:
+                raise CorruptObject(f"{key}: points at missing chunks")
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _parse_tag_value(raw: bytes, ref: str) -> str:
+    try:
+        return digestmod.parse(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, LayerstoreError):
+        raise CorruptObject(f"tag {ref}: does not hold a manifest digest") from None
+
+
+def _pread_exact(fd: int, length: int, offset: int, what: object) -> bytes:
+    data = os.pread(fd, length, offset)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            raise LayerstoreError(f"{what}: file shrank while it was being stored")
+        data += more
+    return data
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
