@@ -1,0 +1,1 @@
+"""pytest fixtures for the real single-node Ceph (filled by the Ceph harness work)."""
