@@ -19,6 +19,10 @@ def run_cli(fn: Callable[[], T]) -> T:
     except LayerstoreError as e:
         click.echo(f"layerctl: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except click.UsageError as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+        click.echo(f"layerctl: error: {e.format_message()}{hint}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -38,8 +38,6 @@ def open_backend(url: str) -> Backend:
 
         return PosixBackend(unquote(parts.path))
     if scheme == "s3":
-        from .s3 import S3Backend
-
         try:
             query = parse_qs(parts.query, strict_parsing=bool(parts.query))
         except ValueError:
@@ -49,6 +47,8 @@ def open_backend(url: str) -> Backend:
             raise ConfigError(f"unknown store URL parameter(s) {sorted(unknown)} in {url!r}")
         if not parts.netloc:
             raise ConfigError(f"malformed S3 URL (want s3://bucket/prefix): {url!r}")
+        from .s3 import S3Backend
+
         return S3Backend(
             bucket=parts.netloc,
             prefix=parts.path.strip("/"),

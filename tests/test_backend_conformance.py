@@ -1,0 +1,266 @@
+"""One conformance suite, run against every backend: a local directory, CephFS through ceph-fuse,
+and S3 on radosgw (both on the real single-node Ceph the harness starts)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from layerstore import chunkobj, keys
+from layerstore import digest as digestmod
+from layerstore.backends import Backend, open_backend
+from layerstore.chunker import DEFAULT_CHUNK_SIZE
+from layerstore.errors import BadKey, CorruptObject, NotFound
+from layerstore.store import Store
+
+BACKENDS = ["local", "cephfs", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "store")
+    if request.param == "cephfs":
+        return request.getfixturevalue("cephfs_store_url")
+    return request.getfixturevalue("s3_store_url")
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    with Store.open(store_url) as s:
+        s.init()
+        yield s
+
+
+@pytest.fixture
+def backend(store: Store) -> Backend:
+    return store.backend
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    # Cheap, deterministic and poorly compressible.
+    out = bytearray()
+    block = digestmod.raw_of(digestmod.of(seed.to_bytes(8, "little")))
+    while len(out) < n:
+        block = digestmod.raw_of(digestmod.of(block))
+        out += block * 4 + bytes(range(len(out) % 251, 256))
+    return bytes(out[:n])
+
+
+# -- raw backend ------------------------------------------------------------------------
+class TestBackend:
+    def test_init_is_idempotent(self, store: Store) -> None:
+        assert store.init() is False
+        store.check()
+
+    @pytest.mark.parametrize("size", [0, 1, 4096, DEFAULT_CHUNK_SIZE + 17])
+    def test_store_once_and_load(self, backend: Backend, size: int) -> None:
+        data = _payload(size, size)
+        assert backend.store_once("t/obj", data) is True
+        assert backend.store_once("t/obj", b"other") is False
+        assert backend.load("t/obj") == data
+        assert backend.exists("t/obj")
+        assert backend.size("t/obj") == size
+
+    def test_ranged_reads(self, backend: Backend) -> None:
+        data = _payload(100_000)
+        backend.store_once("t/ranged", data)
+        assert backend.load("t/ranged", 0, 10) == data[:10]
+        assert backend.load("t/ranged", 4096, 5000) == data[4096:9096]
+        assert backend.load("t/ranged", 99_990, 100) == data[99_990:]
+        assert backend.load("t/ranged", 50_000) == data[50_000:]
+        assert backend.load("t/ranged", 100_000, 10) == b""
+        assert backend.load("t/ranged", 200_000, 10) == b""
+        assert backend.load("t/ranged", 10, 0) == b""
+
+    def test_missing(self, backend: Backend) -> None:
+        assert not backend.exists("t/missing")
+        with pytest.raises(NotFound):
+            backend.load("t/missing")
+        with pytest.raises(NotFound):
+            backend.load("t/missing", 5, 5)
+        with pytest.raises(NotFound):
+            backend.size("t/missing")
+        with pytest.raises(NotFound):
+            backend.delete("t/missing")
+
+    def test_delete(self, backend: Backend) -> None:
+        backend.store_once("t/gone", b"x")
+        backend.delete("t/gone")
+        assert not backend.exists("t/gone")
+        assert list(backend.list("t/")) == []
+        assert backend.store_once("t/gone", b"y") is True
+        assert backend.load("t/gone") == b"y"
+
+    def test_replace(self, backend: Backend) -> None:
+        backend.replace("t/mutable", b"one")
+        backend.replace("t/mutable", b"two")
+        assert backend.load("t/mutable") == b"two"
+
+    def test_bad_keys(self, backend: Backend) -> None:
+        for bad in ["../escape", "/abs", "a//b", ".tmp-x"]:
+            with pytest.raises(BadKey):
+                backend.store_once(bad, b"x")
+            with pytest.raises(BadKey):
+                backend.load(bad)
+
+    def test_list_thousands(self, backend: Backend) -> None:
+        names = [f"many/{i % 7}/k{i:05d}" for i in range(1500)]
+        with ThreadPoolExecutor(16) as pool:
+            assert all(pool.map(lambda k: backend.store_once(k, k.encode()), names))
+        backend.store_once("manyother/x", b"x")
+        assert sorted(backend.list("many/")) == sorted(names)
+        assert sorted(backend.list("many/3/")) == sorted(n for n in names if n.startswith("many/3/"))
+        assert sorted(backend.list("many/3/k0001")) == sorted(n for n in names if n.startswith("many/3/k0001"))
+        assert "manyother/x" in set(backend.list("many"))
+        assert list(backend.list("nothing/")) == []
+
+    def test_store_once_race(self, store_url: str) -> None:
+        """Several processes write one key at once: exactly one write lands, everyone then
+        reads the same bytes."""
+        ctx = multiprocessing.get_context("spawn")
+        n = 6
+        barrier = ctx.Barrier(n)
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_race_writer, args=(store_url, i, barrier, results)) for i in range(n)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        winners = [i for i, won, _ in outcomes if won]
+        assert len(winners) == 1, outcomes
+        seen = {data for _, _, data in outcomes}
+        assert seen == {_race_payload(winners[0])}
+
+
+def _race_payload(i: int) -> bytes:
+    return f"writer {i} ".encode() * 50_000
+
+
+def _race_writer(url: str, i: int, barrier, results) -> None:  # noqa: ANN001
+    b = open_backend(url)
+    barrier.wait()
+    won = b.store_once("race/key", _race_payload(i))
+    results.put((i, won, b.load("race/key")))
+
+
+# -- the store on top ---------------------------------------------------------------------
+class TestStore:
+    @pytest.mark.parametrize("size", [0, 1, DEFAULT_CHUNK_SIZE, 3 * DEFAULT_CHUNK_SIZE + 12345])
+    def test_blob_round_trip(self, store: Store, tmp_path: Path, size: int) -> None:
+        src = tmp_path / "src"
+        src.write_bytes(_payload(size, 7))
+        res = store.put_blob(src)
+        assert res.blob == digestmod.of(src.read_bytes())
+        assert res.size == size
+        assert res.chunks == -(-size // DEFAULT_CHUNK_SIZE)
+        assert res.new_bytes == size
+        assert store.put_blob(src).new_bytes == 0
+        out = tmp_path / "out"
+        with open(out, "wb") as f:
+            assert store.read_blob(res.blob, f.fileno()) == size
+        assert out.read_bytes() == src.read_bytes()
+
+    def test_duplicate_chunks_stored_once(self, store: Store, tmp_path: Path) -> None:
+        src = tmp_path / "src"
+        src.write_bytes(_payload(DEFAULT_CHUNK_SIZE, 1) * 3)
+        res = store.put_blob(src)
+        assert res.chunks == 3 and res.new_bytes == DEFAULT_CHUNK_SIZE
+        assert len(list(store.list_digests("chunks"))) == 1
+
+    def test_missing_blob_and_chunk(self, store: Store) -> None:
+        with pytest.raises(NotFound):
+            store.get_chunk_map(digestmod.of(b"nothing"))
+        with pytest.raises(NotFound):
+            store.get_chunk(digestmod.of(b"nothing"))
+
+    def test_flipped_byte_is_corruption(self, store: Store) -> None:
+        payload = _payload(50_000, 3)
+        chunk, _ = store.put_chunk(payload)
+        key = keys.object_key("chunks", chunk)
+        raw = bytearray(store.backend.load(key))
+        raw[len(raw) // 2] ^= 0x40
+        _overwrite(store.backend, key, bytes(raw))
+        with pytest.raises(CorruptObject):
+            store.get_chunk(chunk)
+        assert store.verify().corrupt == [key]
+
+    def test_truncated_object_is_corruption(self, store: Store) -> None:
+        chunk, _ = store.put_chunk(_payload(50_000, 4))
+        key = keys.object_key("chunks", chunk)
+        _overwrite(store.backend, key, store.backend.load(key)[:-100])
+        with pytest.raises(CorruptObject):
+            store.get_chunk(chunk)
+        assert key in store.verify().corrupt
+
+    def test_object_under_wrong_id_is_corruption(self, store: Store) -> None:
+        wrong = digestmod.of(b"not this content")
+        key = keys.object_key("chunks", wrong)
+        store.backend.store_once(key, chunkobj.encode(b"other content")[1])
+        with pytest.raises(CorruptObject, match="hashes to"):
+            store.get_chunk(wrong)
+        assert store.verify().corrupt == [key]
+
+    def test_chunk_map_never_points_at_missing_chunks(self, store: Store) -> None:
+        from layerstore.chunkmap import ChunkMap, ChunkRef
+
+        cm = ChunkMap.build(digestmod.of(b"x"), [ChunkRef(0, 1, digestmod.of(b"x"))])
+        with pytest.raises(NotFound, match="missing"):
+            store.put_chunk_map(cm)
+        assert not store.has_blob(cm.blob)
+
+    def test_manifests_and_tags(self, store: Store) -> None:
+        m1 = store.put_manifest(b'{"layers":[]}')
+        m2 = store.put_manifest(b'{"layers":[1]}')
+        assert store.get_manifest(m1) == b'{"layers":[]}'
+        store.set_tag("env:v1", m1)
+        assert store.get_tag("env:v1") == m1
+        store.set_tag("env:v1", m2)
+        store.set_tag("team/other:latest", m1)
+        assert store.tags() == {"env:v1": m2, "team/other:latest": m1}
+        with pytest.raises(NotFound):
+            store.set_tag("env:v2", digestmod.of(b"no manifest"))
+        with pytest.raises(NotFound):
+            store.get_tag("env:nope")
+        store.delete_tag("env:v1")
+        assert "env:v1" not in store.tags()
+
+    def test_verify_clean_store(self, store: Store, tmp_path: Path) -> None:
+        src = tmp_path / "src"
+        src.write_bytes(_payload(2 * DEFAULT_CHUNK_SIZE + 5, 9))
+        store.put_blob(src)
+        store.set_tag("x:1", store.put_manifest(b"{}"))
+        report = store.verify()
+        assert report.corrupt == []
+        assert report.objects == 1 + 3 + 1 + 1 + 1  # config, chunks, chunk map, manifest, tag
+
+
+def _overwrite(backend: Backend, key: str, data: bytes) -> None:
+    """Replace an object's bytes behind the store's back, as disk rot or a bad writer would."""
+    backend.delete(key)
+    assert backend.store_once(key, data)
+
+
+def test_uninitialised_store_is_refused(tmp_path: Path) -> None:
+    with Store.open(str(tmp_path / "nothing")) as s, pytest.raises(NotFound, match="store init"):
+        s.check()
+    (tmp_path / "empty").mkdir()
+    with Store.open(str(tmp_path / "empty")) as s, pytest.raises(NotFound, match="not a layerstore store"):
+        s.check()
+
+
+def test_posix_writes_leave_no_temporaries(tmp_path: Path) -> None:
+    with Store.open(str(tmp_path / "s")) as s:
+        s.init()
+        s.put_chunk(b"abc")
+        s.set_tag("a:b", s.put_manifest(b"{}"))
+    leftovers = [p for p in (tmp_path / "s").rglob(".tmp-*")]
+    assert leftovers == []
+    assert os.listdir(tmp_path / "s")

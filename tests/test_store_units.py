@@ -1,0 +1,211 @@
+"""Pure units: digests, keys, chunk objects and chunk maps."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from layerstore import chunkobj, keys
+from layerstore import digest as digestmod
+from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
+from layerstore.errors import BadDigest, BadKey, ConfigError, CorruptObject
+
+D1 = digestmod.of(b"one")
+D2 = digestmod.of(b"two")
+
+
+class TestDigest:
+    def test_known_value(self) -> None:
+        # blake3("") from the reference test vectors
+        assert digestmod.of(b"") == "b3:af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+
+    @pytest.mark.parametrize(
+        "bad",
+        ["", "b3:", "B3:" + "0" * 64, "b3:" + "0" * 63, "b3:" + "0" * 65, "b3:" + "A" * 64,
+         "sha256:" + "0" * 64, "b3:" + "g" * 64, " b3:" + "0" * 64, "b3:" + "0" * 64 + "\n"],
+    )
+    def test_parse_rejects(self, bad: str) -> None:
+        with pytest.raises(BadDigest, match="not a digest"):
+            digestmod.parse(bad)
+
+    def test_parse_rejects_non_strings(self) -> None:
+        with pytest.raises(BadDigest):
+            digestmod.parse(None)  # type: ignore[arg-type]
+
+    def test_raw_round_trip(self) -> None:
+        assert digestmod.from_raw(digestmod.raw_of(D1)) == D1
+
+    def test_hasher_matches_one_shot(self) -> None:
+        h = digestmod.Hasher()
+        h.update(b"on")
+        h.update(b"e")
+        assert h.digest() == D1
+
+    def test_big_buffers_hash_the_same_threaded(self) -> None:
+        data = bytes(range(256)) * (40 << 12)  # 40 MiB: takes the threaded path
+        h = digestmod.Hasher()
+        h.update(data)
+        assert digestmod.of(data) == h.digest()
+
+
+class TestKeys:
+    def test_object_key_fans_out(self) -> None:
+        key = keys.object_key("chunks", D1)
+        h = digestmod.hex_of(D1)
+        assert key == f"chunks/{h[:2]}/{h[2:4]}/{h}"
+        assert keys.digest_of_key(key) == ("chunks", D1)
+
+    @pytest.mark.parametrize("bad", ["", "/a", "a/", "a//b", "..", "a/../b", ".tmp-x", "a/.hidden",
+                                     "a b", "a\0b", "x" * 300, "é"])
+    def test_validate_rejects(self, bad: str) -> None:
+        with pytest.raises(BadKey):
+            keys.validate(bad)
+
+    def test_wrong_fanout_is_not_an_object_key(self) -> None:
+        h = digestmod.hex_of(D1)
+        with pytest.raises(BadKey):
+            keys.digest_of_key(f"chunks/00/00/{h}" if not h.startswith("00") else f"chunks/11/11/{h}")
+
+    @pytest.mark.parametrize("prefix", ["", "chunks/", "chunks/ab", "tags/", "c"])
+    def test_prefixes(self, prefix: str) -> None:
+        assert keys.validate_prefix(prefix) == prefix
+
+    @pytest.mark.parametrize("prefix", ["/", "a//", "../", "a/../b", ".tmp", "a b"])
+    def test_bad_prefixes(self, prefix: str) -> None:
+        with pytest.raises(BadKey):
+            keys.validate_prefix(prefix)
+
+    @pytest.mark.parametrize("ref", ["python:3.11", "team/env:v1", "a:latest", "a.b-c_d:X_1.0"])
+    def test_tags(self, ref: str) -> None:
+        assert keys.tag_of_key(keys.tag_key(ref)) == ref
+
+    @pytest.mark.parametrize("ref", ["python", ":v1", "Python:v1", "a:", "a:-x", "a/:v", "a:b/c", "../x:1"])
+    def test_bad_tags(self, ref: str) -> None:
+        with pytest.raises(ConfigError, match="not a tag reference"):
+            keys.parse_tag(ref)
+
+
+class TestChunkObject:
+    @pytest.mark.parametrize("payload", [b"", b"x", b"abc" * 10000, bytes(range(256)) * 4096])
+    def test_round_trip(self, payload: bytes) -> None:
+        ident, obj = chunkobj.encode(payload)
+        assert ident == digestmod.of(payload)
+        assert chunkobj.decode(obj, ident) == payload
+
+    def test_compressible_payload_is_compressed(self) -> None:
+        _, obj = chunkobj.encode(b"a" * 100000)
+        assert len(obj) < 1000 and obj[5] == chunkobj.COMP_ZSTD
+
+    def test_incompressible_payload_is_raw(self) -> None:
+        import os
+
+        payload = os.urandom(5000)
+        _, obj = chunkobj.encode(payload)
+        assert obj[5] == chunkobj.COMP_NONE and len(obj) == chunkobj.HEADER_SIZE + 5000
+
+    def test_wrong_id(self) -> None:
+        _, obj = chunkobj.encode(b"one")
+        with pytest.raises(CorruptObject, match="hashes to"):
+            chunkobj.decode(obj, D2)
+
+    @pytest.mark.parametrize(
+        "mutate",
+        [
+            lambda o: o[:-1],
+            lambda o: o + b"\0",
+            lambda o: o[:8],
+            lambda o: b"XXXX" + o[4:],
+            lambda o: o[:4] + b"\x09" + o[5:],
+            lambda o: o[:5] + b"\x07" + o[6:],
+            lambda o: o[:6] + b"\x01\x00" + o[8:],
+            lambda o: o[:8] + struct.pack("<Q", 1 << 40) + o[16:],
+            lambda o: o[:8] + struct.pack("<Q", 12) + o[16:],
+            lambda o: o[:20] + bytes([o[20] ^ 0xFF]) + o[21:],
+        ],
+    )
+    def test_malformed_objects(self, mutate) -> None:  # noqa: ANN001
+        payload = b"layerstore " * 200
+        ident, obj = chunkobj.encode(payload)
+        with pytest.raises(CorruptObject):
+            chunkobj.decode(mutate(obj), ident)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=200))
+    def test_any_bytes_decode_to_payload_or_corrupt(self, junk: bytes) -> None:
+        try:
+            out = chunkobj.decode(junk, D1)
+        except CorruptObject:
+            return
+        assert out == b"one"
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.binary(max_size=4096), st.integers(min_value=0, max_value=4095), st.integers(0, 255))
+    def test_any_single_byte_change_is_caught(self, payload: bytes, pos: int, xor: int) -> None:
+        ident, obj = chunkobj.encode(payload)
+        pos %= len(obj)
+        bad = bytearray(obj)
+        bad[pos] ^= xor
+        if bytes(bad) == obj:
+            return
+        with pytest.raises(CorruptObject):
+            chunkobj.decode(bytes(bad), ident)
+
+
+def _map(lengths: list[int], flags: list[int] | None = None) -> ChunkMap:
+    refs, off = [], 0
+    for i, n in enumerate(lengths):
+        refs.append(ChunkRef(off, n, digestmod.of(str(i).encode()), (flags or [0] * len(lengths))[i]))
+        off += n
+    return ChunkMap.build(digestmod.of(b"blob"), refs)
+
+
+class TestChunkMap:
+    def test_round_trip(self) -> None:
+        cm = _map([4096, 100, 1 << 20], [METADATA, 0, 0])
+        back = ChunkMap.decode(cm.encode(), cm.blob)
+        assert back == cm and back.metadata_chunks() == [cm.chunks[0]]
+
+    def test_empty_blob(self) -> None:
+        cm = ChunkMap.build(digestmod.of(b""), [])
+        assert ChunkMap.decode(cm.encode(), cm.blob).size == 0
+        assert list(cm.span(0, 10)) == []
+
+    def test_span(self) -> None:
+        cm = _map([10, 10, 10])
+        assert list(cm.span(0, 1)) == [0]
+        assert list(cm.span(9, 2)) == [0, 1]
+        assert list(cm.span(10, 10)) == [1]
+        assert list(cm.span(5, 100)) == [0, 1, 2]
+        assert list(cm.span(30, 5)) == []
+
+    def test_gaps_and_overlaps_are_refused(self) -> None:
+        a = ChunkRef(0, 10, D1)
+        with pytest.raises(CorruptObject, match="starts at"):
+            ChunkMap.build(D1, [a, ChunkRef(11, 5, D2)])
+        with pytest.raises(CorruptObject, match="starts at"):
+            ChunkMap.build(D1, [a, ChunkRef(9, 5, D2)])
+        with pytest.raises(CorruptObject, match="length"):
+            ChunkMap.build(D1, [ChunkRef(0, 0, D2)])
+
+    def test_decode_for_another_blob(self) -> None:
+        cm = _map([10])
+        with pytest.raises(CorruptObject, match="describes"):
+            ChunkMap.decode(cm.encode(), D2)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.binary(max_size=300))
+    def test_junk_is_corrupt(self, junk: bytes) -> None:
+        with pytest.raises(CorruptObject):
+            ChunkMap.decode(junk, D1)
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.lists(st.integers(min_value=1, max_value=1 << 21), max_size=50), st.data())
+    def test_span_matches_brute_force(self, lengths: list[int], data: st.DataObject) -> None:
+        cm = _map(lengths)
+        off = data.draw(st.integers(min_value=0, max_value=cm.size + 10))
+        n = data.draw(st.integers(min_value=0, max_value=1 << 22))
+        want = [i for i, c in enumerate(cm.chunks) if c.offset < min(off + n, cm.size) and c.end > off]
+        assert list(cm.span(off, n)) == want
