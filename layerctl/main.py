@@ -22,9 +22,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import cmd_build, cmd_daemon, cmd_env, cmd_store
+    from . import cmd_build, cmd_daemon, cmd_env, cmd_runtime, cmd_store
 
-    for mod in (cmd_store, cmd_build, cmd_env, cmd_daemon):
+    for mod in (cmd_store, cmd_build, cmd_env, cmd_daemon, cmd_runtime):
         mod.register(cli)
 
 
