@@ -8,6 +8,7 @@ PACKAGES=(
     erofs-utils
     ceph-mon ceph-mgr ceph-osd radosgw ceph-mds ceph-fuse ceph-common
     tar gzip zstd
+    runc crun busybox-static
 )
 
 missing=()
