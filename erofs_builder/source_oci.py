@@ -1,0 +1,467 @@
+"""OCI image layouts and `docker save` archives as lists of layers plus a runtime config.
+
+`oci:PATH[:REF]` is an OCI image layout directory (oci-layout, index.json, blobs/<alg>/<hex>);
+REF is a tag (the `org.opencontainers.image.ref.name` annotation in index.json) or a manifest
+digest, and may be left out when the layout holds one image. An image index (multi-platform)
+resolves to this machine's platform, or to its only image.
+
+`docker-archive:PATH[:REF]` is the uncompressed tar that `docker save` writes (manifest.json,
+the config, one tar per layer; old and OCI-style member names); REF picks one of its RepoTags.
+
+Every blob is verified against its digest while it is streamed: manifests and configs by their
+descriptor digest, layers by the descriptor digest (compressed) and the config's diff_id
+(uncompressed). A layer that fails its digest fails the build, even when the mismatch is only
+known at the layer's end: the builder publishes nothing until every entry is consumed.
+
+OCI whiteouts become overlayfs ones (see `whiteouts`), so the layers can be stacked directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import tarfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from layerstore.errors import BadInput, LayerstoreError, NotFound
+
+from .image_config import runtime_config
+from .source_tar import OPAQUE_XATTR, Reader, open_decompressed, show, tar_entries
+from .tree import Data, Entry, Kind, check_path
+
+MAX_JSON = 16 << 20
+REF_ANNOTATION = "org.opencontainers.image.ref.name"
+INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
+               "application/vnd.docker.distribution.manifest.list.v2+json")
+MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
+                  "application/vnd.docker.distribution.manifest.v2+json")
+LAYER_TYPES = (
+    "application/vnd.oci.image.layer.v1.tar", "application/vnd.oci.image.layer.v1.tar+gzip",
+    "application/vnd.oci.image.layer.v1.tar+zstd", "application/vnd.oci.image.layer.nondistributable.v1.tar",
+    "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
+    "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd",
+    "application/vnd.docker.image.rootfs.diff.tar", "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+)
+_DIGEST = re.compile(r"(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128})")
+_WH = b".wh."
+_WH_META = b".wh..wh."
+_OPAQUE_MARKER = b".wh..wh..opq"
+
+
+@dataclass
+class OciLayer:
+    """One layer of an image; `entries()` streams it (once per call) as overlayfs-ready entries."""
+
+    name: str  # for messages
+    digest: str | None  # of the stored (possibly compressed) blob
+    diff_id: str | None  # of the uncompressed tar
+    size: int  # stored size
+    media_type: str
+    opener: Callable[[], BinaryIO] = field(repr=False)
+
+    def entries(self, progress: Callable[[int], None] | None = None) -> Iterator[tuple[Entry, Data | None]]:
+        with self.opener() as f:
+            outer = _Verified(f, self.digest, progress)
+            raw, _codec = open_decompressed(outer, name=self.name)
+            inner = _Verified(raw, self.diff_id)
+            try:
+                yield from whiteouts(tar_entries(inner, name=self.name), name=self.name)
+            except BadInput as e:
+                # A corrupt blob usually breaks the tar or the compression first; say what it is.
+                try:
+                    outer.drain()
+                    self._check(outer, None)
+                except BadInput as digest_error:
+                    raise digest_error from e
+                raise
+            outer.drain()
+            self._check(outer, inner)
+
+    def _check(self, outer: _Verified, inner: _Verified | None) -> None:
+        if self.digest and outer.hexdigest() != self.digest:
+            raise BadInput(f"{self.name}: digest mismatch: content hashes to {outer.hexdigest()}, "
+                           f"expected {self.digest}")
+        if self.digest and outer.count != self.size:
+            raise BadInput(f"{self.name}: size mismatch: {outer.count} bytes, descriptor says {self.size}")
+        if inner is not None and self.diff_id and inner.hexdigest() != self.diff_id:
+            raise BadInput(f"{self.name}: diff_id mismatch: uncompressed content hashes to "
+                           f"{inner.hexdigest()}, config says {self.diff_id}")
+
+
+@dataclass
+class OciImage:
+    source: str
+    layers: list[OciLayer]  # base first
+    config: dict[str, Any]  # the runtime config (image_config.runtime_config)
+    image_config: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(layer.size for layer in self.layers)
+
+
+class _Verified:
+    """A reader that hashes (and counts) what passes through it."""
+
+    def __init__(self, raw: Reader, digest: str | None, progress: Callable[[int], None] | None = None) -> None:
+        self.raw, self.progress, self.count = raw, progress, 0
+        self.alg = digest.split(":", 1)[0] if digest else "sha256"
+        self.hash = hashlib.new(self.alg)
+
+    def read(self, n: int = -1, /) -> bytes:
+        data = self.raw.read(n)
+        self.hash.update(data)
+        self.count += len(data)
+        if self.progress and data:
+            self.progress(len(data))
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+    def hexdigest(self) -> str:
+        return f"{self.alg}:{self.hash.hexdigest()}"
+
+
+# -- whiteouts --------------------------------------------------------------------------------
+def whiteouts(entries: Iterator[tuple[Entry, Data | None]], *, name: str) -> Iterator[tuple[Entry, Data | None]]:
+    """OCI whiteouts as overlayfs ones.
+
+    `DIR/.wh.NAME` becomes a whiteout DIR/NAME (a char device 0:0, mode 0); `DIR/.wh..wh..opq`
+    makes DIR opaque (xattr trusted.overlay.opaque=y); other `.wh..wh.*` names (AUFS metadata)
+    are dropped. Directory entries are held back to the end of the layer, so that a directory's
+    one explicit entry carries the opaque xattr whether the marker came before or after it.
+    Overlayfs xattrs in the layer itself are refused: OCI layers say this with whiteout files.
+    """
+    dirs: dict[bytes, Entry] = {}
+    opaque: set[bytes] = set()
+    markers: set[bytes] = set()  # original paths of whiteout files: no hard link may point at one
+    whited: set[bytes] = set()  # whiteout paths, which nothing else in the layer may use
+    used: set[bytes] = set()  # every other path and its ancestors
+    for entry, data in entries:
+        label = f"{name}: member {show(entry.path or b'.')}"
+        for key in entry.xattrs:
+            if key.startswith(b"trusted.overlay."):
+                raise BadInput(f"{label}: overlayfs xattr {key.decode(errors='replace')!r} in an OCI layer")
+        base, parent = entry.name, entry.parent
+        if base.startswith(_WH):
+            if entry.kind is Kind.DIR:
+                raise BadInput(f"{label}: a whiteout that is a directory")
+            markers.add(entry.path)
+            if base == _OPAQUE_MARKER:
+                opaque.add(parent)
+                continue
+            if base.startswith(_WH_META):
+                continue
+            target = parent + b"/" + base[len(_WH):] if parent else base[len(_WH):]
+            try:
+                check_path(target)
+            except BadInput:
+                raise BadInput(f"{label}: bad whiteout name") from None
+            if target in used or target in whited:
+                raise BadInput(f"{label}: whiteout of {show(target)}, which this layer also holds")
+            whited.add(target)
+            yield Entry(path=target, kind=Kind.CHR, mode=0, mtime=entry.mtime, mtime_nsec=entry.mtime_nsec,
+                        rdev=(0, 0)), None
+            continue
+        if entry.hardlink is not None and entry.hardlink in markers:
+            raise BadInput(f"{label}: hard link to whiteout file {show(entry.hardlink)}")
+        _claim(entry.path, whited, used, label)
+        if entry.kind is Kind.DIR:
+            dirs[entry.path] = entry
+            continue
+        yield entry, data
+    for path in sorted(opaque - dirs.keys()):
+        _claim(path, whited, used, f"{name}: opaque marker in {show(path or b'.')}")
+        dirs[path] = Entry(path=path, kind=Kind.DIR, mode=0o755)
+    for path, entry in dirs.items():
+        if path in opaque:
+            entry.xattrs = {**entry.xattrs, OPAQUE_XATTR: b"y"}
+        yield entry, None
+
+
+def _claim(path: bytes, whited: set[bytes], used: set[bytes], label: str) -> None:
+    parts = path.split(b"/") if path else []
+    for i in range(len(parts), 0, -1):
+        p = b"/".join(parts[:i])
+        if p in whited:
+            raise BadInput(f"{label}: {show(p)} is whited out in this same layer")
+        if p in used:
+            break
+        used.add(p)
+
+
+# -- sources ----------------------------------------------------------------------------------
+def image_layers(spec: str) -> OciImage:
+    """The layers and runtime config of `oci:PATH[:REF]` or `docker-archive:PATH[:REF]`."""
+    if spec.startswith("oci:"):
+        path, ref = _split_ref(spec[len("oci:"):])
+        return _OciLayout(path, spec).image(ref)
+    if spec.startswith("docker-archive:"):
+        path, ref = _split_ref(spec[len("docker-archive:"):])
+        return _DockerArchive(path, spec).image(ref)
+    raise BadInput(f"{spec}: not an oci: or docker-archive: source")
+
+
+def _split_ref(rest: str) -> tuple[Path, str | None]:
+    if not rest:
+        raise BadInput("missing path in image source")
+    if os.path.exists(rest):
+        return Path(rest), None
+    m = re.fullmatch(r"(.*):(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128})", rest)
+    path, ref = (m[1], m[2]) if m else (rest.rsplit(":", 1) if ":" in rest else (rest, None))
+    if not os.path.exists(path):
+        raise NotFound(f"{path}: no such file or directory")
+    return Path(path), ref or None
+
+
+def _digest(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise BadInput(f"{what}: bad digest {str(value)[:100]!r}")
+    return value
+
+
+def _json(raw: bytes, what: str, digest: str | None = None) -> dict[str, Any]:
+    if digest:
+        alg, hexd = digest.split(":", 1)
+        if hashlib.new(alg, raw).hexdigest() != hexd:
+            raise BadInput(f"{what}: digest mismatch (expected {digest})")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadInput(f"{what}: not JSON") from None
+    if not isinstance(doc, dict):
+        raise BadInput(f"{what}: not a JSON object")
+    return doc
+
+
+def _host_platform() -> tuple[str, str]:
+    machine = platform.machine().lower()
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}.get(machine, machine)
+    return "linux", arch
+
+
+def _layers_and_diff_ids(cfg: dict[str, Any], count: int, what: str) -> list[str]:
+    rootfs = cfg.get("rootfs")
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    if not isinstance(diff_ids, list) or len(diff_ids) != count:
+        raise BadInput(f"{what}: config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
+                       f"diff_ids for {count} layers")
+    return [_digest(d, f"{what}: rootfs.diff_ids") for d in diff_ids]
+
+
+class _OciLayout:
+    def __init__(self, root: Path, spec: str) -> None:
+        self.root, self.spec = root, spec
+        if not (root / "index.json").is_file():
+            raise BadInput(f"{spec}: not an OCI image layout (no index.json in {root})")
+        layout = _json(self._read(root / "oci-layout", "oci-layout"), f"{spec}: oci-layout") \
+            if (root / "oci-layout").exists() else {}
+        if layout and not str(layout.get("imageLayoutVersion", "")).startswith("1."):
+            raise BadInput(f"{spec}: unsupported imageLayoutVersion {layout.get('imageLayoutVersion')!r}")
+
+    def _read(self, path: Path, what: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_JSON + 1)
+        except FileNotFoundError:
+            raise NotFound(f"{self.spec}: {what} is missing") from None
+        except OSError as e:
+            raise BadInput(f"{self.spec}: cannot read {what}: {e.strerror}") from None
+        if len(raw) > MAX_JSON:
+            raise BadInput(f"{self.spec}: {what} is larger than {MAX_JSON} bytes")
+        return raw
+
+    def _blob_path(self, digest: str) -> Path:
+        alg, hexd = digest.split(":", 1)
+        return self.root / "blobs" / alg / hexd
+
+    def _blob_json(self, desc: dict[str, Any], what: str) -> dict[str, Any]:
+        digest = _digest(desc.get("digest"), f"{self.spec}: {what}")
+        return _json(self._read(self._blob_path(digest), f"{what} {digest}"), f"{self.spec}: {what} {digest}",
+                     digest)
+
+    def image(self, ref: str | None) -> OciImage:
+        index = _json(self._read(self.root / "index.json", "index.json"), f"{self.spec}: index.json")
+        desc = self._select(index, ref)
+        for _ in range(4):  # nested indexes (multi-platform), a few levels at most
+            if desc.get("mediaType") not in INDEX_TYPES:
+                break
+            desc = self._platform(self._blob_json(desc, "image index"))
+        if desc.get("mediaType") not in (*MANIFEST_TYPES, None):
+            raise BadInput(f"{self.spec}: unsupported manifest media type {desc.get('mediaType')!r}")
+        manifest = self._blob_json(desc, "manifest")
+        if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
+            raise BadInput(f"{self.spec}: {desc.get('digest')} is an image index, not a manifest")
+        cfg_desc, layer_descs = manifest.get("config"), manifest.get("layers")
+        if not isinstance(cfg_desc, dict) or not isinstance(layer_descs, list):
+            raise BadInput(f"{self.spec}: manifest {desc.get('digest')} has no config or layers")
+        cfg = self._blob_json(cfg_desc, "image config")
+        diff_ids = _layers_and_diff_ids(cfg, len(layer_descs), f"{self.spec}: image config")
+        layers = []
+        for i, (ld, diff_id) in enumerate(zip(layer_descs, diff_ids, strict=True)):
+            if not isinstance(ld, dict):
+                raise BadInput(f"{self.spec}: layer {i} descriptor is not an object")
+            digest = _digest(ld.get("digest"), f"{self.spec}: layer {i}")
+            media = ld.get("mediaType", "")
+            if media not in LAYER_TYPES:
+                raise BadInput(f"{self.spec}: layer {i} ({digest}): unsupported media type {media!r}")
+            size = ld.get("size")
+            if not isinstance(size, int) or size < 0:
+                raise BadInput(f"{self.spec}: layer {i} ({digest}): bad size {size!r}")
+            path = self._blob_path(digest)
+            if not path.is_file():
+                raise NotFound(f"{self.spec}: layer {i} blob {digest} is missing")
+            layers.append(OciLayer(name=f"{self.spec}: layer {i} ({digest[:19]})", digest=digest, diff_id=diff_id,
+                                   size=size, media_type=media, opener=functools.partial(open, path, "rb")))
+        return OciImage(self.spec, layers, runtime_config(cfg, f"{self.spec}: image config"), cfg)
+
+    def _select(self, index: dict[str, Any], ref: str | None) -> dict[str, Any]:
+        descs = index.get("manifests")
+        if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
+            raise BadInput(f"{self.spec}: index.json has no manifest list")
+        refs = sorted({str((d.get("annotations") or {}).get(REF_ANNOTATION)) for d in descs
+                       if (d.get("annotations") or {}).get(REF_ANNOTATION)})
+        if ref is None:
+            if len(descs) == 1:
+                return descs[0]
+            raise BadInput(f"{self.spec}: the layout holds {len(descs)} images; pick one with oci:PATH:REF "
+                           f"(refs: {', '.join(refs) or 'none, use a digest'})")
+        if _DIGEST.fullmatch(ref):
+            found = [d for d in descs if d.get("digest") == ref]
+        else:
+            found = [d for d in descs if (d.get("annotations") or {}).get(REF_ANNOTATION) == ref]
+        if not found:
+            raise NotFound(f"{self.spec}: no image {ref!r} in index.json (refs: {', '.join(refs) or 'none'})")
+        if len({d.get("digest") for d in found}) > 1:
+            raise BadInput(f"{self.spec}: ref {ref!r} names several images")
+        return found[0]
+
+    def _platform(self, index: dict[str, Any]) -> dict[str, Any]:
+        descs = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+        os_name, arch = _host_platform()
+        real = [d for d in descs if (d.get("platform") or {}).get("os") != "unknown"]  # skip attestations
+        for d in real:
+            p = d.get("platform") or {}
+            if p.get("os") == os_name and p.get("architecture") == arch:
+                return d
+        if len(real) == 1:
+            return real[0]
+        raise BadInput(f"{self.spec}: image index has no manifest for {os_name}/{arch}")
+
+
+class _Member:
+    """A byte range of the archive file, read as a stream of its own."""
+
+    def __init__(self, path: Path, offset: int, size: int) -> None:
+        self.f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        self.f.seek(offset)
+        self.left = size
+
+    def read(self, n: int = -1, /) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+    def __enter__(self) -> _Member:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+class _DockerArchive:
+    def __init__(self, path: Path, spec: str) -> None:
+        self.path, self.spec = path, spec
+        self.members: dict[str, tarfile.TarInfo] = {}
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(6)
+            if magic[:2] == b"\x1f\x8b" or magic[:4] == b"\x28\xb5\x2f\xfd" or magic[:3] == b"BZh" \
+                    or magic == b"\xfd7zXZ\x00":
+                raise BadInput(f"{spec}: compressed archive; docker-archive needs the plain tar `docker save` "
+                               "writes (decompress it first)")
+            with tarfile.open(path, "r:") as tf:
+                for info in tf:
+                    self.members[os.path.normpath(info.name).lstrip("/")] = info
+        except IsADirectoryError:
+            raise BadInput(f"{spec}: is a directory, not a docker save archive") from None
+        except (tarfile.TarError, OSError) as e:
+            if isinstance(e, LayerstoreError):
+                raise
+            raise BadInput(f"{spec}: not a readable tar archive: {e}") from None
+
+    def _info(self, name: str, what: str) -> tarfile.TarInfo:
+        key = os.path.normpath(name).lstrip("/")
+        for _ in range(8):  # `docker save` stores a repeated layer as a symlink to the first copy
+            info = self.members.get(key)
+            if info is None:
+                raise NotFound(f"{self.spec}: {what} {name!r} is missing from the archive")
+            if info.issym():
+                key = os.path.normpath(os.path.join(os.path.dirname(key), info.linkname)).lstrip("/")
+            elif info.islnk():
+                key = os.path.normpath(info.linkname).lstrip("/")
+            elif info.isreg():
+                return info
+            else:
+                break
+        raise BadInput(f"{self.spec}: {what} {name!r} is not a regular file")
+
+    def _read_json(self, name: str, what: str) -> bytes:
+        info = self._info(name, what)
+        if info.size > MAX_JSON:
+            raise BadInput(f"{self.spec}: {what} is larger than {MAX_JSON} bytes")
+        with _Member(self.path, info.offset_data, info.size) as m:
+            return m.read()
+
+    def image(self, ref: str | None) -> OciImage:
+        try:
+            doc = json.loads(self._read_json("manifest.json", "manifest.json"))
+        except (ValueError, UnicodeDecodeError):
+            raise BadInput(f"{self.spec}: manifest.json is not JSON") from None
+        if not isinstance(doc, list) or not doc or not all(isinstance(d, dict) for d in doc):
+            raise BadInput(f"{self.spec}: manifest.json is not a list of images")
+        tags = sorted(t for d in doc for t in d.get("RepoTags") or [] if isinstance(t, str))
+        if ref is None:
+            if len(doc) != 1:
+                raise BadInput(f"{self.spec}: the archive holds {len(doc)} images; pick one with "
+                               f"docker-archive:PATH:REF (tags: {', '.join(tags) or 'none'})")
+            entry = doc[0]
+        else:
+            found = [d for d in doc if ref in (d.get("RepoTags") or [])]
+            if not found:
+                raise NotFound(f"{self.spec}: no image tagged {ref!r} (tags: {', '.join(tags) or 'none'})")
+            entry = found[0]
+        cfg_name, layer_names = entry.get("Config"), entry.get("Layers")
+        if not isinstance(cfg_name, str) or not isinstance(layer_names, list) \
+                or not all(isinstance(n, str) for n in layer_names):
+            raise BadInput(f"{self.spec}: manifest.json entry has no Config or Layers")
+        cfg = _json(self._read_json(cfg_name, "image config"), f"{self.spec}: image config", _name_digest(cfg_name))
+        diff_ids = _layers_and_diff_ids(cfg, len(layer_names), f"{self.spec}: image config")
+        layers = []
+        for i, (lname, diff_id) in enumerate(zip(layer_names, diff_ids, strict=True)):
+            info = self._info(lname, f"layer {i}")
+            off, size = info.offset_data, info.size
+            layers.append(OciLayer(name=f"{self.spec}: layer {i} ({lname})", digest=_name_digest(lname),
+                                   diff_id=diff_id, size=size, media_type="application/x-tar",
+                                   opener=lambda o=off, s=size: _Member(self.path, o, s)))  # type: ignore[misc]
+        return OciImage(self.spec, layers, runtime_config(cfg, f"{self.spec}: image config"), cfg)
+
+
+def _name_digest(name: str) -> str | None:
+    """The digest a member name states: `blobs/sha256/<hex>` or `<hex>.json`."""
+    m = re.fullmatch(r"(?:\./)?blobs/(sha256|sha512)/([0-9a-f]{64,128})", name)
+    if m:
+        return f"{m[1]}:{m[2]}"
+    m = re.fullmatch(r"(?:\./)?([0-9a-f]{64})\.json", name)
+    return f"sha256:{m[1]}" if m else None
