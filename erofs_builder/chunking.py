@@ -1,0 +1,146 @@
+"""Cut an EROFS image into content-defined chunks (pure).
+
+The writer describes its image as an `ImageLayout`: the superblock block, the data extents
+(one per stored run of a regular file, each starting on a block boundary), and the metadata
+segments (volatile ones that hold absolute addresses, and stable groups whose bytes depend only
+on the entries they describe). `cut` turns that into chunk boundaries so that identical content
+gives identical chunks in different images:
+
+- a big extent (>= `big`) is cut alone at fixed offsets from its own start, `max_chunk` apart;
+- small extents are grouped without ever splitting one; a group ends after an extent whose
+  content hint falls under a threshold proportional to its length (content-defined, so an
+  insertion or a change disturbs only its own group), or before it would outgrow `max_group`;
+- each stable metadata group is one chunk; volatile metadata is cut every `max_chunk`;
+- every metadata chunk carries the METADATA flag; the chunks cover the image contiguously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from layerstore.chunkmap import METADATA
+
+from .format import BLOCK_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class DataExtent:
+    offset: int
+    length: int
+    hint: int  # 32-bit content fingerprint used for group boundaries
+
+
+@dataclass(frozen=True, slots=True)
+class MetaSegment:
+    offset: int
+    length: int
+    stable: bool  # a content-defined group of position-independent inode records
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    size: int
+    data_start: int
+    data_end: int  # == start of the metadata region
+    extents: tuple[DataExtent, ...] = ()
+    meta: tuple[MetaSegment, ...] = ()
+    files: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    max_chunk: int = 1 << 20
+    big: int = 256 << 10
+    min_group: int = 128 << 10
+    target_group: int = 512 << 10
+    max_group: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    offset: int
+    length: int
+    flags: int = 0
+
+
+def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
+    span = max(1, policy.target_group - policy.min_group)
+    # multiplicative mixing spreads crc-like hints; the threshold makes the expected group
+    # size about `target_group` whatever the file sizes are
+    mixed = (ext.hint * 0x9E3779B1) & 0xFFFFFFFF
+    return mixed < min(1.0, ext.length / span) * 0xFFFFFFFF
+
+
+def _fixed(offset: int, length: int, step: int, flags: int) -> Iterable[Cut]:
+    for off in range(offset, offset + length, step):
+        yield Cut(off, min(step, offset + length - off), flags)
+
+
+def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
+    policy = policy or ChunkPolicy()
+    out: list[Cut] = []
+    pos = 0
+
+    def emit(c: Cut) -> None:
+        nonlocal pos
+        assert c.offset == pos and c.length > 0, (c, pos)
+        out.append(c)
+        pos = c.offset + c.length
+
+    if layout.data_start:
+        emit(Cut(0, layout.data_start, METADATA))
+
+    group_start, group_len = pos, 0
+
+    def flush() -> None:
+        nonlocal group_start, group_len
+        if group_len:
+            emit(Cut(group_start, group_len))
+        group_start, group_len = pos, 0
+
+    for ext in layout.extents:
+        if ext.offset != group_start + group_len:  # defensive: an unexpected gap joins the group
+            group_len = ext.offset - group_start
+        if ext.length >= policy.big:
+            flush()
+            for c in _fixed(ext.offset, ext.length, policy.max_chunk, 0):
+                emit(c)
+            group_start, group_len = pos, 0
+            continue
+        if group_len and group_len + ext.length > policy.max_group:
+            flush()
+        group_len += ext.length
+        if group_len >= policy.min_group and _boundary_after(ext, policy):
+            flush()
+    if layout.data_end > group_start + group_len:
+        group_len = layout.data_end - group_start
+    flush()
+
+    for seg in layout.meta:
+        if seg.offset > pos:  # defensive: bytes between segments become their own chunk
+            emit(Cut(pos, seg.offset - pos, METADATA))
+        if seg.stable and seg.length <= policy.max_chunk:
+            emit(Cut(seg.offset, seg.length, METADATA))
+        else:
+            for c in _fixed(seg.offset, seg.length, policy.max_chunk, METADATA):
+                emit(c)
+    if layout.size > pos:
+        for c in _fixed(pos, layout.size - pos, policy.max_chunk, METADATA):
+            emit(c)
+    return out
+
+
+def check_cover(cuts: list[Cut], size: int) -> None:
+    pos = 0
+    for c in cuts:
+        if c.offset != pos or c.length <= 0:
+            raise ValueError(f"chunk at {c.offset} (+{c.length}) does not follow {pos}")
+        pos += c.length
+    if pos != size:
+        raise ValueError(f"chunks cover {pos} of {size} bytes")
+
+
+def block_align(n: int) -> int:
+    return (n + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
