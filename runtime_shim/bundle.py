@@ -1,0 +1,148 @@
+"""OCI runtime bundles: config.json for one sandbox, from the environment's runtime config (the
+config builder is pure; `write_bundle` does the I/O).
+
+The container sees only its composed root (read-write: writes land in the sandbox's upper), with
+a minimal /proc, /dev, /sys and /tmp as runc's default spec has them; it runs as root (unless the
+environment names a user) in its own pid, ipc, uts, mount and network namespaces (the network
+namespace has only loopback). Node paths are never bind-mounted in: the daemon's socket, the
+store, the cache and other sandboxes' uppers are simply not in its mount tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from layerstore.errors import BadInput
+
+from .records import write_atomic
+
+DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Docker's default capability set: enough for package managers and build tools run as root.
+CAPABILITIES = [
+    "CAP_AUDIT_WRITE", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_MKNOD",
+    "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP", "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID",
+    "CAP_SYS_CHROOT",
+]
+MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+          "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi"]
+READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+def process_args(config: dict[str, Any], command: Sequence[str] | None) -> list[str]:
+    """OCI semantics: entrypoint + (the caller's command, else the image's cmd)."""
+    args = [*config.get("entrypoint", []), *(command if command else config.get("cmd", []))]
+    if not args:
+        raise BadInput("nothing to run: the environment has no entrypoint or cmd and no command was given")
+    return args
+
+
+def process_env(config: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
+    env = [*config.get("env", []), *extra]
+    if not any(e.startswith("PATH=") for e in env):
+        env.insert(0, DEFAULT_PATH)
+    return env
+
+
+def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str = "/", uid: int = 0,
+               gid: int = 0, hostname: str = "sandbox", cgroups_path: str = "",
+               terminal: bool = False, nofile: int = 1024) -> dict[str, Any]:
+    """A complete config.json (OCI runtime spec 1.0.2) for a sandbox (pure)."""
+    caps = list(CAPABILITIES)
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "nodev", "mode=1777", "size=1048576k"]},
+    ]
+    linux: dict[str, Any] = {
+        "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+        "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+        "maskedPaths": MASKED,
+        "readonlyPaths": READONLY,
+    }
+    if cgroups_path:
+        linux["cgroupsPath"] = cgroups_path
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": terminal,
+            "user": {"uid": uid, "gid": gid},
+            "args": list(args),
+            "env": list(env),
+            "cwd": cwd or "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": hostname[:63],
+        "mounts": mounts,
+        "linux": linux,
+    }
+
+
+def parse_user(user: str, passwd: str = "", group: str = "") -> tuple[int, int]:
+    """"" -> root; "uid[:gid]" numeric, or names looked up in the rootfs's /etc/passwd and /etc/group."""
+    if not user:
+        return 0, 0
+    name, _, grp = user.partition(":")
+
+    def lookup(text: str, key: str, what: str) -> tuple[int, int]:
+        for line in text.splitlines():
+            f = line.split(":")
+            if len(f) >= 4 and f[0] == key:
+                return int(f[2]), int(f[3])
+        raise BadInput(f"user {user!r}: no {what} {key!r} in the environment")
+
+    if name.isdigit():
+        uid, gid = int(name), int(name) if not grp else 0
+        if not grp:
+            for line in passwd.splitlines():
+                f = line.split(":")
+                if len(f) >= 4 and f[2] == name:
+                    gid = int(f[3])
+                    break
+    else:
+        uid, gid = lookup(passwd, name, "user")
+    if grp:
+        gid = int(grp) if grp.isdigit() else lookup(group, grp, "group")[0]
+    return uid, gid
+
+
+def _read(rootfs: str, rel: str) -> str:
+    # The rootfs is the sandbox's own tree: read it without following a link out of it.
+    path = Path(rootfs, rel)
+    try:
+        if path.is_symlink():
+            return ""
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Sequence[str] | None, *,
+                 sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "") -> Path:
+    """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`."""
+    uid, gid = parse_user(config.get("user", ""), _read(rootfs, "etc/passwd"), _read(rootfs, "etc/group"))
+    spec = oci_config(rootfs, process_args(config, command), env=process_env(config, extra_env),
+                      cwd=config.get("workdir") or "/", uid=uid, gid=gid, hostname=sandbox,
+                      cgroups_path=cgroups_path,
+                      # never above the runtime's own hard limit: raising it needs CAP_SYS_RESOURCE
+                      nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    bundle.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = bundle / "config.json"
+    write_atomic(path, json.dumps(spec, indent=1).encode())
+    os.chmod(path, 0o600)
+    return path

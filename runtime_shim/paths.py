@@ -1,0 +1,116 @@
+"""Where a node keeps things: one node directory holds the daemon's cache and FUSE mountpoint,
+the shared layer mounts, the sandboxes' private directories and the shim's state (pure apart
+from reading the environment).
+
+    NODE/lock                       flock(2) serialising every state change on the node
+    NODE/state/                     LMDB environment: sandboxes, layer mounts, daemon record
+    NODE/daemon.log                 the node daemon's stdout and stderr
+    NODE/cache/                     the daemon's chunk cache (its control socket lives here)
+    NODE/fuse/                      the daemon's FUSE mount: fuse/blobs/<digest>
+    NODE/layers/<hex>/              one read-only EROFS mount per layer blob, shared
+    NODE/sandboxes/<id>/upper       a sandbox's private writable layer
+    NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
+    NODE/sandboxes/<id>/rootfs      where `layerctl run` mounts the composed root
+    NODE/sandboxes/<id>/bundle/     the OCI bundle (config.json) for `layerctl run`
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from layerstore import digest as digestmod
+from layerstore.errors import ConfigError
+
+NODE_DIR_ENV = "LAYERSTORE_NODE_DIR"
+DEFAULT_NODE_DIR = "/var/lib/layerstore"
+SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# overlayfs splits its options at ',' and lowerdir at ':'; '\\' escapes; keep them out of node paths.
+_UNSAFE = re.compile(r"[,:\\\s]")
+
+
+def resolve_node_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """`--node-dir`, else $LAYERSTORE_NODE_DIR, else /var/lib/layerstore."""
+    raw = os.fspath(explicit) if explicit else os.environ.get(NODE_DIR_ENV) or DEFAULT_NODE_DIR
+    path = Path(os.path.abspath(raw))
+    check_overlay_safe(path, "node directory")
+    return path
+
+
+def check_overlay_safe(path: str | os.PathLike[str], what: str) -> None:
+    if _UNSAFE.search(os.fspath(path)):
+        raise ConfigError(f"{what} {os.fspath(path)!r}: overlayfs cannot take a path with ',', ':', '\\' or spaces")
+
+
+def check_sandbox_id(sandbox: str) -> str:
+    if not SANDBOX_ID.fullmatch(sandbox):
+        raise ConfigError(f"bad sandbox id {sandbox!r} (want letters, digits, '_', '.', '-'; at most 128)")
+    return sandbox
+
+
+def new_sandbox_id() -> str:
+    return "sb-" + secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    root: Path
+
+    @classmethod
+    def resolve(cls, explicit: str | os.PathLike[str] | None = None) -> NodePaths:
+        return cls(resolve_node_dir(explicit))
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "lock"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def daemon_log(self) -> Path:
+        return self.root / "daemon.log"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def fuse(self) -> Path:
+        return self.root / "fuse"
+
+    @property
+    def layers(self) -> Path:
+        return self.root / "layers"
+
+    @property
+    def sandboxes(self) -> Path:
+        return self.root / "sandboxes"
+
+    def layer_mount(self, blob: str) -> Path:
+        return self.layers / digestmod.parse(blob).split(":", 1)[1]
+
+    def sandbox_dir(self, sandbox: str) -> Path:
+        return self.sandboxes / check_sandbox_id(sandbox)
+
+    def upper(self, sandbox: str) -> Path:
+        return self.sandbox_dir(sandbox) / "upper"
+
+    def work(self, sandbox: str) -> Path:
+        return self.sandbox_dir(sandbox) / "work"
+
+    def rootfs(self, sandbox: str) -> Path:
+        return self.sandbox_dir(sandbox) / "rootfs"
+
+    def bundle(self, sandbox: str) -> Path:
+        return self.sandbox_dir(sandbox) / "bundle"
+
+    def create(self) -> None:
+        """Make the node directory tree. The root is 0700: nothing under it is for other users."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (self.state, self.cache, self.fuse, self.layers, self.sandboxes):
+            d.mkdir(mode=0o700, exist_ok=True)

@@ -1,0 +1,82 @@
+"""Per-sandbox record files: NODE/sandboxes/<id>/sandbox.json, written once when the sandbox is
+created. They duplicate the sandbox's state record so that recovery can rebuild the picture even
+when the state database itself is lost; a sandbox being torn down is first renamed into
+NODE/sandboxes/.trash, so a record file present means "this sandbox exists".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from .paths import SANDBOX_ID, NodePaths
+from .state import Sandbox
+
+RECORD = "sandbox.json"
+TRASH = ".trash"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def save(paths: NodePaths, sb: Sandbox) -> None:
+    write_atomic(paths.sandbox_dir(sb.id) / RECORD, json.dumps(sb.to_json(), sort_keys=True, indent=1).encode())
+
+
+def scan(paths: NodePaths) -> Iterator[Sandbox]:
+    """Every readable sandbox record on the node (unreadable ones are skipped: never guessed at)."""
+    try:
+        names = os.listdir(paths.sandboxes)
+    except FileNotFoundError:
+        return
+    for name in sorted(names):
+        if not SANDBOX_ID.fullmatch(name):
+            continue
+        try:
+            obj = json.loads((paths.sandboxes / name / RECORD).read_bytes())
+            sb = Sandbox.from_json(obj)
+        except (OSError, ValueError, TypeError):
+            continue
+        if sb.id == name:
+            yield sb
+
+
+def trash(paths: NodePaths, sandbox: str) -> Path | None:
+    """Move a sandbox's directory out of the way (atomically: its record goes with it)."""
+    src = paths.sandbox_dir(sandbox)
+    dst_dir = paths.sandboxes / TRASH
+    dst_dir.mkdir(mode=0o700, exist_ok=True)
+    dst = dst_dir / f"{sandbox}.{secrets.token_hex(4)}"
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        return None
+    return dst
+
+
+def empty_trash(paths: NodePaths) -> int:
+    d = paths.sandboxes / TRASH
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        shutil.rmtree(d / name, ignore_errors=True)
+    return len(names)
