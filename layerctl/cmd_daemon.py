@@ -1,9 +1,230 @@
-"""(filled by a later issue)"""
+"""`layerctl daemon`, `prefetch`, `cache ls|verify|evict`, `stats`: the node daemon and the
+commands that talk to it over the control socket in its cache directory."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
 import click
+
+from layerstore import digest as digestmod
+from layerstore.errors import BadInput, ConfigError
+
+from .options import emit_json, human_bytes, json_option, store_option
+
+cache_dir_option = click.option("--cache", "cache_dir", required=True, metavar="DIR",
+                                type=click.Path(file_okay=False, path_type=Path),
+                                help="The node cache directory (local disk); its control socket lives there.")
+
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes, with an optional K/M/G/T suffix (powers of 1024): 512M, 2GiB, 1048576."""
+    m = _SIZE_RE.fullmatch(text.strip())
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (e.g. 512M, 2G, 1048576)")
+    suffix = m.group(2).lower()
+    return int(float(m.group(1)) * (1024 ** ("kmgt".index(suffix) + 1) if suffix else 1))
+
+
+@click.command("daemon")
+@store_option
+@cache_dir_option
+@click.option("--mountpoint", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where to mount; blobs appear as MOUNTPOINT/blobs/<digest>.")
+@click.option("--cache-size", default=None, metavar="BYTES", help="Disk budget of the cache (e.g. 20G).")
+@click.option("--high-watermark", default=None, type=float, metavar="FRACTION",
+              help="Start evicting above this fraction of --cache-size (default 0.90).")
+@click.option("--low-watermark", default=None, type=float, metavar="FRACTION",
+              help="Evict down to this fraction of --cache-size (default 0.75).")
+@click.option("--record-trace", default=None, type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Record the first-access order of chunks per blob to FILE (JSON).")
+@click.option("--fetch-deadline", default=None, type=float, metavar="SECONDS",
+              help="How long a read retries an unreachable store before EIO (default 10).")
+@click.option("--fetch-concurrency", default=None, type=int, metavar="N", help="Parallel chunk fetches (default 16).")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_size: str | None,
+               high_watermark: float | None, low_watermark: float | None, record_trace: Path | None,
+               fetch_deadline: float | None, fetch_concurrency: int | None, log_level: str) -> None:
+    """Serve every blob of the store read-only at MOUNTPOINT/blobs/<digest>, lazily, through
+    the node cache. Runs in the foreground until SIGTERM or SIGINT; ready once mounted."""
+    from fuse_client.daemon import DaemonConfig, run
+    from layerstore.store import Store
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = DaemonConfig(cache_dir=cache_dir, mountpoint=mountpoint,
+                       cache_size=parse_size(cache_size) if cache_size else None,
+                       record_trace=record_trace)
+    if high_watermark is not None:
+        cfg.high_watermark = high_watermark
+    if low_watermark is not None:
+        cfg.low_watermark = low_watermark
+    if fetch_deadline is not None:
+        if fetch_deadline <= 0:
+            raise ConfigError("--fetch-deadline must be positive")
+        cfg.fetch_deadline = fetch_deadline
+    if fetch_concurrency is not None:
+        if fetch_concurrency < 1:
+            raise ConfigError("--fetch-concurrency must be at least 1")
+        cfg.fetch_concurrency = fetch_concurrency
+    cfg.budget()  # validate before mounting
+    # The store may be unreachable now: the daemon still starts and serves what is cached.
+    with Store.open(store_url) as store:
+        run(cfg, store)
+
+
+@click.command("prefetch")
+@cache_dir_option
+@click.argument("digest")
+@click.option("--ranges", "ranges_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="JSON: a list of [offset, length] byte ranges, or an access trace "
+                   '({"version": 1, "blobs": {...}}) whose entry for DIGEST gives chunk indexes.')
+@click.option("--all", "all_chunks", is_flag=True, help="Every chunk of the blob (metadata first).")
+@click.option("--wait", is_flag=True, help="Return when the prefetch has finished.")
+@json_option
+def prefetch_cmd(cache_dir: Path, digest: str, ranges_file: Path | None, all_chunks: bool, wait: bool,
+                 as_json: bool) -> None:
+    """Ask the daemon to fetch chunks of blob DIGEST in the background, below demand reads.
+    Without --ranges or --all, the blob's metadata chunks."""
+    from fuse_client.control import request_json
+
+    digestmod.parse(digest)
+    if ranges_file and all_chunks:
+        raise ConfigError("--ranges and --all exclude each other")
+    req: dict[str, Any] = {"blob": digest, "wait": wait}
+    if all_chunks:
+        req["all"] = True
+    elif ranges_file:
+        req.update(_read_ranges(ranges_file, digest))
+    res = request_json(cache_dir, "POST", "/prefetch", req, timeout=None if wait else 60.0)
+    if as_json:
+        emit_json(res)
+    elif wait:
+        click.echo(f"{digest}: {res['done']} chunk(s) fetched, {res['failed']} failed, of {res['queued']}")
+    else:
+        click.echo(f"{digest}: {res['queued']} chunk(s) queued")
+
+
+def _read_ranges(path: Path, digest: str) -> dict[str, Any]:
+    from fuse_client.trace import parse_trace
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"{path}: not JSON: {e}") from None
+    if isinstance(data, dict) and "version" in data:
+        return {"chunks": parse_trace(data).get(digest, [])}
+    if isinstance(data, dict) and "ranges" in data:
+        data = data["ranges"]
+    if not isinstance(data, list):
+        raise BadInput(f"{path}: want a list of [offset, length] ranges or an access trace")
+    return {"ranges": data}
+
+
+@click.group("cache")
+def cache_group() -> None:
+    """Inspect and maintain a node cache (through its daemon, or directly when none runs)."""
+
+
+@cache_group.command("ls")
+@cache_dir_option
+@json_option
+def cache_ls_cmd(cache_dir: Path, as_json: bool) -> None:
+    """List the blobs in the cache and how much of each is cached."""
+    res = _with_daemon_or_offline(cache_dir, "GET", "/cache", None, "ls")
+    if as_json:
+        emit_json(res)
+        return
+    budget = res.get("budget")
+    click.echo(f"cache {cache_dir}: {human_bytes(res['used_bytes'])} used"
+               + (f" of {human_bytes(budget['size'])}" if budget else "") + f", {len(res['blobs'])} blob(s)")
+    for b in res["blobs"]:
+        click.echo(f"{b['blob']}  {b['cached_chunks']}/{b['chunks']} chunks, "
+                   f"{human_bytes(b['cached_bytes'])} of {human_bytes(b['size'])}"
+                   + (f", open {b['open']}" if b["open"] else ""))
+
+
+@cache_group.command("verify")
+@cache_dir_option
+@json_option
+def cache_verify_cmd(cache_dir: Path, as_json: bool) -> None:
+    """Re-hash every committed chunk and drop the bad ones; exit 1 if any was bad."""
+    res = _with_daemon_or_offline(cache_dir, "POST", "/cache/verify", {}, "verify")
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(f"{res['checked']} chunk(s) checked, {len(res['bad'])} bad (dropped)")
+        for b in res["bad"]:
+            click.echo(f"bad: {b['blob']} chunk {b['chunk']} ({b['digest']})")
+    if res["bad"]:
+        sys.exit(1)
+
+
+@cache_group.command("evict")
+@cache_dir_option
+@click.option("--blob", "blob", default=None, metavar="DIGEST", help="Drop every cached chunk of this blob.")
+@click.option("--all", "evict_all", is_flag=True, help="Drop every chunk that is not being read.")
+@click.option("--to", "to_bytes", default=None, metavar="BYTES", help="Drop LRU chunks until usage <= BYTES.")
+@json_option
+def cache_evict_cmd(cache_dir: Path, blob: str | None, evict_all: bool, to_bytes: str | None, as_json: bool) -> None:
+    """Evict chunks (default: least recently used, down to the daemon's low watermark)."""
+    if sum(x is not None and x is not False for x in (blob, evict_all or None, to_bytes)) > 1:
+        raise ConfigError("--blob, --all and --to exclude each other")
+    req: dict[str, Any] = {}
+    if blob:
+        req["blob"] = digestmod.parse(blob)
+    elif evict_all:
+        req["all"] = True
+    elif to_bytes is not None:
+        req["to_bytes"] = parse_size(to_bytes)
+    res = _with_daemon_or_offline(cache_dir, "POST", "/cache/evict", req, "evict")
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(f"evicted {res['evicted_chunks']} chunk(s), {human_bytes(res['evicted_bytes'])}; "
+                   f"{human_bytes(res['used_bytes'])} used")
+
+
+def _with_daemon_or_offline(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None,
+                            what: str) -> Any:
+    from fuse_client import maintenance
+    from fuse_client.control import DaemonNotRunning, request_json
+
+    try:
+        return request_json(cache_dir, method, path, body, timeout=None)
+    except DaemonNotRunning:
+        pass
+    if what == "ls":
+        return maintenance.ls(cache_dir)
+    if what == "verify":
+        return maintenance.verify(cache_dir)
+    return maintenance.evict_offline(cache_dir, body or {})
+
+
+@click.command("stats")
+@cache_dir_option
+@json_option
+def stats_cmd(cache_dir: Path, as_json: bool) -> None:
+    """What the daemon fetched and served, per blob, since it started."""
+    from fuse_client.control import request_json
+
+    res = request_json(cache_dir, "GET", "/stats")
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(f"corrupt chunks: {res['corrupt_chunks']}, store errors: {res['store_errors']}")
+    for blob, s in res["blobs"].items():
+        click.echo(f"{blob}  size {human_bytes(s['size'])}, fetched {human_bytes(s['fetched_bytes'])}, "
+                   f"served {human_bytes(s['served_bytes'])}, {s['hits']} hits, {s['misses']} misses")
 
 
 def register(cli: click.Group) -> None:
-    pass
+    for cmd in (daemon_cmd, prefetch_cmd, cache_group, stats_cmd):
+        cli.add_command(cmd)

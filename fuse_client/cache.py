@@ -1,0 +1,424 @@
+"""The node cache: shared by every reader on the node, persistent across daemon restarts.
+
+State and ownership (see docs/fuse-client.md for the full protocol and the crash table):
+
+- `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served: its bytes
+  are in the blob's data file. A cache hit is this lookup plus one pread; nothing else.
+- `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
+  time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
+- The LMDB index (`cache_index`) is the durable commit record, written only by the journal task
+  (`run`), one batch at a time, in the order operations were made.
+
+Commit: fetched bytes are pwritten to the data file (worker thread), then `commit` marks them
+present (servable at once) and queues an index record; the journal syncs the data files of the
+batch, then commits the batch to LMDB. Eviction: mark absent (no new reader can start), queue the
+record's deletion, and punch the hole only after that deletion committed. A crash can therefore
+leave data without a record (recovery punches it), never a record without data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import blake3
+import trio
+
+from layerstore import digest as digestmod
+from layerstore.chunkmap import ChunkMap
+from layerstore.errors import CorruptObject
+
+from . import cache_index as ci
+from .cache_files import BlobFiles, data_extents, punch_hole, pwrite_all
+from .eviction import Budget, Candidate, choose_victims
+from .limiter import DEMAND
+
+log = logging.getLogger("layerstore.fuse.cache")
+
+TOUCH_INTERVAL = 30.0
+
+
+class Flight:
+    """One operation in progress on some chunk positions; waiters block on `done`."""
+
+    __slots__ = ("priority", "done", "error", "kind")
+
+    def __init__(self, priority: int, kind: str) -> None:
+        self.priority = priority
+        self.kind = kind
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+
+class BlobEntry:
+    """The cache's picture of one blob. Mutated only on the trio thread."""
+
+    __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
+                 "use_dirty", "_positions")
+
+    def __init__(self, cmap: ChunkMap, fd: int) -> None:
+        n = len(cmap.chunks)
+        self.blob = cmap.blob
+        self.cmap = cmap
+        self.fd = fd
+        self.present = bytearray(n)
+        self.last_use = [0.0] * n
+        self.pins: dict[int, int] = {}
+        self.open_count = 0
+        self.metadata = [i for i, c in enumerate(cmap.chunks) if c.metadata]
+        self.use_dirty = False
+        self._positions: dict[str, list[int]] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.cmap.size
+
+    def positions(self, digest: str) -> list[int]:
+        """Every index of this blob whose chunk has `digest` (identical files share chunks)."""
+        if self._positions is None:
+            pos: dict[str, list[int]] = {}
+            for i, c in enumerate(self.cmap.chunks):
+                pos.setdefault(c.digest, []).append(i)
+            self._positions = pos
+        return self._positions.get(digest, [])
+
+    def missing(self, idxs: Iterable[int]) -> list[int]:
+        present = self.present
+        return [i for i in idxs if not present[i]]
+
+    def cached_bytes(self) -> int:
+        chunks = self.cmap.chunks
+        return sum(chunks[i].length for i, p in enumerate(self.present) if p)
+
+    def touch(self, start: int, stop: int, now: float) -> None:
+        lu = self.last_use
+        for i in range(start, stop):
+            lu[i] = now
+        self.use_dirty = True
+
+
+class NodeCache:
+    def __init__(self, root: Path, files: BlobFiles, index: ci.CacheIndex, *, budget: Budget | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = Path(root)
+        self.files = files
+        self.index = index
+        self.budget = budget
+        self.clock = clock
+        self.entries: dict[str, BlobEntry] = {}
+        self.busy: dict[tuple[str, int], Flight] = {}
+        self.usage = 0
+        self.evicted_chunks = 0
+        self.evicted_bytes = 0
+        self._pending: list[ci.Op] = []
+        self._punches: list[tuple[str, list[tuple[int, int]]]] = []
+        self._apply_lock = trio.Lock()
+        self._journal_kick = trio.Event()
+        self._evict_kick = trio.Event()
+        self._evict_unmet = False
+        self._journal_failures = 0
+
+    # -- start-up (blocking; run in a worker thread before serving) ----------------------
+    @classmethod
+    def recover(cls, root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) -> NodeCache:
+        """Load the index and make the data files agree with it: committed chunks whose bytes
+        are missing lose their record, bytes without a record are punched out, data files
+        without a map are removed."""
+        cache = cls(root, files, index, **kw)  # type: ignore[arg-type]
+        committed = index.committed()
+        ops: list[ci.Op] = []
+        dropped = punched = 0
+        for blob, data in index.maps():
+            try:
+                cmap = ChunkMap.decode(data, blob)
+            except CorruptObject as e:
+                log.warning("cache: dropping blob %s with a corrupt chunk map: %s", blob, e)
+                ops.append(ci.DelBlob(blob))
+                files.remove(blob)
+                committed.pop(blob, None)
+                continue
+            recs = committed.pop(blob, {})
+            fd = files.open(blob, cmap.size)
+            entry = BlobEntry(cmap, fd)
+            extents = list(data_extents(fd, cmap.size))
+            starts = [s for s, _ in extents]
+            for idx, last_use in recs.items():
+                ref = cmap.chunks[idx] if idx < len(cmap.chunks) else None
+                if ref is None or not _covered(extents, starts, ref.offset, ref.end):
+                    ops.append(ci.DelChunk(blob, idx))
+                    dropped += 1
+                    continue
+                entry.present[idx] = 1
+                entry.last_use[idx] = last_use
+                cache.usage += ref.length
+            for s, e in extents:
+                for idx in cmap.span(s, e - s):
+                    if not entry.present[idx]:
+                        ref = cmap.chunks[idx]
+                        lo, hi = max(s, ref.offset), min(e, ref.end)
+                        punch_hole(fd, lo, hi - lo)
+                        punched += 1
+            cache.entries[blob] = entry
+        for blob in committed:  # records without a map
+            ops.append(ci.DelBlob(blob))
+        for blob in list(files.blobs()):
+            if blob not in cache.entries:
+                files.remove(blob)
+        if ops:
+            index.apply(ops)
+        if dropped or punched:
+            log.warning("cache recovery: %d record(s) without data dropped, %d uncommitted range(s) punched",
+                        dropped, punched)
+        return cache
+
+    def close(self) -> None:
+        for e in self.entries.values():
+            os.close(e.fd)
+        self.entries.clear()
+
+    # -- blobs ---------------------------------------------------------------------------
+    def get(self, blob: str) -> BlobEntry | None:
+        return self.entries.get(blob)
+
+    def add_blob(self, cmap: ChunkMap) -> BlobEntry:
+        entry = self.entries.get(cmap.blob)
+        if entry is not None:
+            return entry
+        entry = BlobEntry(cmap, self.files.open(cmap.blob, cmap.size))
+        self.entries[cmap.blob] = entry
+        self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
+        return entry
+
+    # -- readers ---------------------------------------------------------------------------
+    def pin(self, entry: BlobEntry, idxs: Iterable[int]) -> None:
+        pins = entry.pins
+        for i in idxs:
+            pins[i] = pins.get(i, 0) + 1
+
+    def unpin(self, entry: BlobEntry, idxs: Iterable[int]) -> None:
+        pins = entry.pins
+        for i in idxs:
+            n = pins[i] - 1
+            if n:
+                pins[i] = n
+            else:
+                del pins[i]
+        if self._evict_unmet:
+            self._evict_kick.set()
+
+    # -- writers ---------------------------------------------------------------------------
+    @staticmethod
+    def write_sync(entry: BlobEntry, positions: Sequence[int], payload: bytes) -> None:
+        """Worker thread: put a chunk's bytes at each position (not yet servable)."""
+        chunks = entry.cmap.chunks
+        for i in positions:
+            pwrite_all(entry.fd, payload, chunks[i].offset)
+
+    def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
+        """Trio thread, after `write_sync` returned: the positions become servable now and
+        durable at the journal's next batch."""
+        now = self.clock()
+        chunks = entry.cmap.chunks
+        ops: list[ci.Op] = []
+        for i in positions:
+            if not entry.present[i]:
+                entry.present[i] = 1
+                self.usage += chunks[i].length
+            entry.last_use[i] = now
+            ops.append(ci.PutChunk(entry.blob, i, now))
+        self._enqueue(ops)
+        if self.budget is not None and self.usage > self.budget.high:
+            self._evict_kick.set()
+
+    def _enqueue(self, ops: list[ci.Op], punches: tuple[str, list[tuple[int, int]]] | None = None) -> None:
+        self._pending.extend(ops)
+        if punches is not None:
+            self._punches.append(punches)
+        self._journal_kick.set()
+
+    async def flush(self) -> None:
+        """Return once everything queued before the call is committed to the index.
+
+        Whoever holds the lock takes every queued op, in order, so batches never overtake each
+        other: a chunk's record is deleted after it was put, and punched after it was deleted."""
+        async with self._apply_lock:
+            ops, punches = self._pending, self._punches
+            self._pending, self._punches = [], []
+            if not ops and not punches:
+                return
+            try:
+                # Not abandonable: a batch half-way through a commit must finish before exit.
+                await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+            except Exception:
+                self._journal_failures += 1
+                log.exception("cache journal: a batch of %d op(s) failed; the chunks stay served from memory "
+                              "and are re-fetched after a restart", len(ops))
+
+    def queue_touches(self) -> None:
+        """Queue the last-use times of recently read blobs (off the read path, batched)."""
+        ops: list[ci.Op] = []
+        for e in self.entries.values():
+            if e.use_dirty:
+                e.use_dirty = False
+                ops.extend(ci.Touch(e.blob, i, e.last_use[i]) for i, p in enumerate(e.present) if p)
+        if ops:
+            self._enqueue(ops)
+
+    # -- background tasks --------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._journal_loop)
+            nursery.start_soon(self._touch_loop)
+            if self.budget is not None:
+                nursery.start_soon(self._evict_loop)
+                if self.usage > self.budget.high:
+                    self._evict_kick.set()
+            task_status.started()
+
+    async def _journal_loop(self) -> None:
+        while True:
+            await self._journal_kick.wait()
+            self._journal_kick = trio.Event()
+            await self.flush()
+
+    def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        for blob in {op.blob for op in ops if isinstance(op, ci.PutChunk)}:
+            self.files.sync(blob)  # the bytes are durable before the record that vouches for them
+        self.index.apply(ops)
+        for blob, ranges in punches:  # the records are gone before the bytes are
+            self.files.punch(blob, ranges)
+
+    async def _touch_loop(self) -> None:
+        while True:
+            await trio.sleep(TOUCH_INTERVAL)
+            self.queue_touches()
+
+    async def shutdown_flush(self) -> None:
+        """Final batch at a clean shutdown (shielded by the caller)."""
+        self.queue_touches()
+        await self.flush()
+
+    # -- eviction ----------------------------------------------------------------------------
+    async def _evict_loop(self) -> None:
+        assert self.budget is not None
+        while True:
+            await self._evict_kick.wait()
+            self._evict_kick = trio.Event()
+            if self.usage > self.budget.high or (self._evict_unmet and self.usage > self.budget.low):
+                await self.evict_to(self.budget.low)
+                self._evict_unmet = self.usage > self.budget.low
+
+    def _candidates(self, only: str | None = None) -> list[Candidate]:
+        out = []
+        busy = self.busy
+        for blob, e in self.entries.items() if only is None else [(only, self.entries[only])]:
+            meta = set(e.metadata) if e.open_count else ()
+            chunks = e.cmap.chunks
+            pins = e.pins
+            for i, p in enumerate(e.present):
+                if p and i not in pins and (blob, i) not in busy:
+                    out.append(Candidate(blob, i, chunks[i].length, e.last_use[i], i in meta))
+        return out
+
+    async def evict_to(self, target: int) -> tuple[int, int]:
+        """Drop least recently used chunks until usage <= target (as far as unpinned chunks
+        allow). Returns (chunks, bytes) dropped."""
+        victims = choose_victims(self._candidates(), self.usage, target)
+        return await self.drop([(v.blob, v.index) for v in victims])
+
+    async def drop_blob(self, blob: str) -> tuple[int, int]:
+        if blob not in self.entries:
+            return 0, 0
+        return await self.drop([(c.blob, c.index) for c in self._candidates(blob)])
+
+    async def drop(self, victims: Sequence[tuple[str, int]]) -> tuple[int, int]:
+        """Evict specific chunks (skipping any that are pinned, busy or absent)."""
+        flight = Flight(DEMAND, "evict")
+        per_blob: dict[str, list[tuple[int, int]]] = {}
+        ops: list[ci.Op] = []
+        taken: list[tuple[str, int]] = []
+        nbytes = 0
+        for blob, i in victims:
+            e = self.entries.get(blob)
+            if e is None or not e.present[i] or i in e.pins or (blob, i) in self.busy:
+                continue
+            ref = e.cmap.chunks[i]
+            e.present[i] = 0  # from here on no reader starts on it
+            self.busy[(blob, i)] = flight
+            taken.append((blob, i))
+            self.usage -= ref.length
+            nbytes += ref.length
+            ops.append(ci.DelChunk(blob, i))
+            per_blob.setdefault(blob, []).append((ref.offset, ref.length))
+        if not taken:
+            return 0, 0
+        try:
+            self._pending.extend(ops)
+            self._punches.extend(per_blob.items())
+            with trio.CancelScope(shield=True):
+                await self.flush()
+        finally:
+            for key in taken:
+                del self.busy[key]
+            flight.done.set()
+        self.evicted_chunks += len(taken)
+        self.evicted_bytes += nbytes
+        log.info("cache: evicted %d chunk(s), %d bytes; usage now %d", len(taken), nbytes, self.usage)
+        return len(taken), nbytes
+
+    # -- maintenance ---------------------------------------------------------------------------
+    async def verify(self) -> dict[str, object]:
+        """Re-hash every committed chunk; drop the bad ones. Chunks are pinned while checked."""
+        checked = 0
+        bad: list[dict[str, object]] = []
+        for blob, e in list(self.entries.items()):
+            idxs = [i for i, p in enumerate(e.present) if p]
+            if not idxs:
+                continue
+            self.pin(e, idxs)
+            try:
+                wrong = await trio.to_thread.run_sync(_rehash, e.fd, e.cmap, idxs)
+            finally:
+                self.unpin(e, idxs)
+            checked += len(idxs)
+            if wrong:
+                for i in wrong:
+                    log.error("cache verify: blob %s chunk %d (%s) does not match its digest; dropped",
+                              blob, i, e.cmap.chunks[i].digest)
+                    bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest})
+                await self.drop([(blob, i) for i in wrong])
+        return {"checked": checked, "bad": bad}
+
+    def ls(self) -> dict[str, object]:
+        blobs = []
+        disk = 0
+        for blob, e in sorted(self.entries.items()):
+            n = sum(e.present)
+            alloc = self.files.allocated_bytes(blob)
+            disk += alloc
+            blobs.append({"blob": blob, "size": e.size, "chunks": len(e.present), "cached_chunks": n,
+                          "cached_bytes": e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count})
+        return {"used_bytes": self.usage, "disk_bytes": disk,
+                "budget": self.budget.to_json() if self.budget else None,
+                "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes, "blobs": blobs}
+
+
+def _covered(extents: list[tuple[int, int]], starts: list[int], lo: int, hi: int) -> bool:
+    """Is [lo, hi) inside one data extent?"""
+    k = bisect.bisect_right(starts, lo) - 1
+    return k >= 0 and extents[k][1] >= hi
+
+
+def _rehash(fd: int, cmap: ChunkMap, idxs: Sequence[int]) -> list[int]:
+    wrong = []
+    for i in idxs:
+        ref = cmap.chunks[i]
+        data = os.pread(fd, ref.length, ref.offset)
+        h = blake3.blake3(data).hexdigest()
+        if len(data) != ref.length or digestmod.PREFIX + h != ref.digest:
+            wrong.append(i)
+    return wrong

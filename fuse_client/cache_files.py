@@ -1,0 +1,145 @@
+"""The node cache's data files: one sparse file per blob, each chunk's bytes at its offset in
+the blob, so a cached read of any range is a single pread at the offset the kernel asked for.
+
+A byte range of a data file means nothing until the cache index (`cache_index`) says its chunk
+is committed; ranges that are not committed are holes, or junk that recovery punches out.
+Eviction punches holes (fallocate PUNCH_HOLE | KEEP_SIZE), which frees the blocks and keeps the
+file's size. Punching only ever touches the bytes of the range given, so chunks that share a
+filesystem block with their neighbours are safe to evict one by one.
+
+Every function here is blocking file I/O and touches no shared Python state: callers run them
+in worker threads (or inline on the read fast path, for pread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from layerstore import digest as digestmod
+from layerstore.errors import LayerstoreError
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.fallocate.restype = ctypes.c_int
+
+
+class CacheIOError(LayerstoreError):
+    """The node cache's own disk failed (not the store)."""
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate [offset, offset+length) of a file, keeping its size; the range reads as zeros."""
+    if length <= 0:
+        return
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise CacheIOError(f"punching a hole at {offset}+{length}: {os.strerror(err)}")
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of the allocated regions of a sparse file, via SEEK_DATA/SEEK_HOLE."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data after pos
+                return
+            raise
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            return
+        yield start, end
+        pos = end
+
+
+class BlobFiles:
+    """Where the data files live: DIR/data/<2 hex>/<64 hex>."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root) / "data"
+
+    def path(self, blob: str) -> Path:
+        hexd = digestmod.hex_of(blob)
+        return self.root / hexd[:2] / hexd
+
+    def open(self, blob: str, size: int) -> int:
+        """An O_RDWR descriptor for the blob's data file, created sparse at its full size."""
+        path = self.path(blob)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise CacheIOError(f"cannot open cache file {path}: {os.strerror(e.errno or 0)}") from None
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            os.close(fd)
+            raise CacheIOError(f"cannot size cache file {path}: {os.strerror(e.errno or 0)}") from None
+        return fd
+
+    def exists(self, blob: str) -> bool:
+        return self.path(blob).is_file()
+
+    def remove(self, blob: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(blob))
+
+    def blobs(self) -> Iterator[str]:
+        """Digests of every data file present (including ones the index does not know)."""
+        if not self.root.is_dir():
+            return
+        for sub in sorted(self.root.iterdir()):
+            if not sub.is_dir():
+                continue
+            for f in sorted(sub.iterdir()):
+                try:
+                    yield digestmod.from_hex(f.name)
+                except LayerstoreError:
+                    continue
+
+    def sync(self, blob: str) -> None:
+        """Make the data written so far durable (any descriptor of the file will do)."""
+        try:
+            fd = os.open(self.path(blob), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def punch(self, blob: str, ranges: list[tuple[int, int]]) -> None:
+        """Punch (offset, length) ranges out of a blob's data file, if it still exists."""
+        try:
+            fd = os.open(self.path(blob), os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            for off, length in ranges:
+                punch_hole(fd, off, length)
+        finally:
+            os.close(fd)
+
+    def allocated_bytes(self, blob: str) -> int:
+        try:
+            return os.stat(self.path(blob)).st_blocks * 512
+        except FileNotFoundError:
+            return 0

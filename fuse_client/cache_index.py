@@ -1,0 +1,155 @@
+"""The node cache's persistent index (LMDB): which chunks of which blob are committed, when
+each was last used, and the chunk map of every blob the node has seen.
+
+    db "maps"    blob (32 raw bytes)            -> encoded chunk map (self-checking, see chunkmap)
+    db "chunks"  blob (32 raw) + index (u32 BE) -> last use (f64, seconds since the epoch)
+    db "meta"    b"format"                      -> b"1"
+
+A record in "chunks" is the commit point of a chunk: it is written only after the chunk's bytes
+are in the data file and synced, and it is deleted before those bytes are punched out. All writes
+go through `apply`, one LMDB write transaction per batch, applied in order, so the daemon's
+journal (in `cache`) is the only writer. LMDB commits atomically, so a crash leaves each batch
+either wholly applied or not at all.
+
+Every method blocks; the daemon calls them from worker threads.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from layerstore import digest as digestmod
+from layerstore.errors import CorruptObject
+
+FORMAT = b"1"
+_IDX = struct.Struct(">I")
+_USE = struct.Struct("<d")
+DEFAULT_MAP_SIZE = 8 << 30  # address space only; the file grows as records are added
+
+
+@dataclass(frozen=True, slots=True)
+class PutChunk:
+    blob: str
+    index: int
+    last_use: float
+
+
+@dataclass(frozen=True, slots=True)
+class DelChunk:
+    blob: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """Update the last use of a chunk, only if it is still committed."""
+
+    blob: str
+    index: int
+    last_use: float
+
+
+@dataclass(frozen=True, slots=True)
+class PutMap:
+    blob: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DelBlob:
+    """Forget a blob entirely: its chunk records and its map."""
+
+    blob: str
+
+
+Op = PutChunk | DelChunk | Touch | PutMap | DelBlob
+
+
+def chunk_key(blob: str, index: int) -> bytes:
+    return digestmod.raw_of(blob) + _IDX.pack(index)
+
+
+class CacheIndex:
+    def __init__(self, path: Path, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False) -> None:
+        path = Path(path)
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(path), subdir=True, max_dbs=4, map_size=map_size, readonly=readonly,
+                             sync=True, metasync=True, lock=True, create=not readonly)
+        self._maps = self.env.open_db(b"maps", create=not readonly)
+        self._chunks = self.env.open_db(b"chunks", create=not readonly)
+        self._meta = self.env.open_db(b"meta", create=not readonly)
+        if not readonly:
+            with self.env.begin(write=True) as txn:
+                fmt = txn.get(b"format", db=self._meta)
+                if fmt is None:
+                    txn.put(b"format", FORMAT, db=self._meta)
+                elif fmt != FORMAT:
+                    raise CorruptObject(f"cache index {path}: unknown format {fmt!r}")
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- reads ---------------------------------------------------------------------------
+    def maps(self) -> Iterator[tuple[str, bytes]]:
+        with self.env.begin() as txn:
+            for raw, data in txn.cursor(db=self._maps):
+                yield digestmod.from_raw(bytes(raw)), bytes(data)
+
+    def get_map(self, blob: str) -> bytes | None:
+        with self.env.begin() as txn:
+            data = txn.get(digestmod.raw_of(blob), db=self._maps)
+            return bytes(data) if data is not None else None
+
+    def committed(self) -> dict[str, dict[int, float]]:
+        """Every committed chunk: blob -> {index: last use}."""
+        out: dict[str, dict[int, float]] = {}
+        with self.env.begin() as txn:
+            for key, val in txn.cursor(db=self._chunks):
+                key = bytes(key)
+                blob = digestmod.from_raw(key[:32])
+                out.setdefault(blob, {})[_IDX.unpack(key[32:])[0]] = _USE.unpack(bytes(val))[0]
+        return out
+
+    def committed_of(self, blob: str) -> dict[int, float]:
+        raw = digestmod.raw_of(blob)
+        out: dict[int, float] = {}
+        with self.env.begin() as txn:
+            cur = txn.cursor(db=self._chunks)
+            if cur.set_range(raw):
+                for key, val in cur:
+                    key = bytes(key)
+                    if key[:32] != raw:
+                        break
+                    out[_IDX.unpack(key[32:])[0]] = _USE.unpack(bytes(val))[0]
+        return out
+
+    # -- the one writer ------------------------------------------------------------------
+    def apply(self, ops: Iterable[Op]) -> None:
+        with self.env.begin(write=True) as txn:
+            for op in ops:
+                if isinstance(op, PutChunk):
+                    txn.put(chunk_key(op.blob, op.index), _USE.pack(op.last_use), db=self._chunks)
+                elif isinstance(op, DelChunk):
+                    txn.delete(chunk_key(op.blob, op.index), db=self._chunks)
+                elif isinstance(op, Touch):
+                    key = chunk_key(op.blob, op.index)
+                    if txn.get(key, db=self._chunks) is not None:
+                        txn.put(key, _USE.pack(op.last_use), db=self._chunks)
+                elif isinstance(op, PutMap):
+                    txn.put(digestmod.raw_of(op.blob), op.data, db=self._maps)
+                elif isinstance(op, DelBlob):
+                    raw = digestmod.raw_of(op.blob)
+                    cur = txn.cursor(db=self._chunks)
+                    if cur.set_range(raw):
+                        while bytes(cur.key())[:32] == raw:
+                            if not cur.delete():
+                                break
+                    txn.delete(raw, db=self._maps)
+                else:  # pragma: no cover - the Op union is closed
+                    raise TypeError(f"unknown cache index op {op!r}")

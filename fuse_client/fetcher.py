@@ -1,0 +1,270 @@
+"""Fetching from the store: chunk maps on first lookup, chunks on demand and in the background.
+
+- Single-flight: one `Flight` per chunk position, registered in `NodeCache.busy`; every reader of
+  that position waits for it. A fetched payload is written to every position of the blob that has
+  the same digest, so a chunk is fetched once per blob even when files repeat.
+- Bounded concurrency: a `PriorityLimiter` of `concurrency` slots orders flights demand-first;
+  prefetch additionally holds one of `prefetch_concurrency` tokens, so it never occupies more
+  than that many slots, and a demand reader joining a queued prefetch flight raises its priority.
+- Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
+  GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
+- Failures: a chunk that fails verification fails its flight (EIO for the readers; counted and
+  logged with blob and chunk; nothing is written), and the next read starts a new flight. A store
+  that cannot be reached fails the flight too, but each waiting reader retries with exponential
+  backoff until its own deadline before giving up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import trio
+
+from layerstore.chunkmap import ChunkMap
+from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
+
+from .cache import BlobEntry, Flight, NodeCache
+from .limiter import DEMAND, PREFETCH, PriorityLimiter
+from .stats import Stats
+
+log = logging.getLogger("layerstore.fuse.fetch")
+
+DEFAULT_CONCURRENCY = 16
+DEFAULT_DEADLINE = 10.0
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 1.0
+_PRIORITY_NAMES = {DEMAND: "demand", PREFETCH: "prefetch"}
+
+
+class ChunkSource(Protocol):
+    """What the fetcher needs of a store (`layerstore.store.Store` is one)."""
+
+    def get_chunk(self, chunk: str) -> bytes: ...
+
+    def get_chunk_map(self, blob: str) -> ChunkMap: ...
+
+
+class Fetcher:
+    def __init__(self, store: ChunkSource, cache: NodeCache, stats: Stats, *, nursery: trio.Nursery,
+                 concurrency: int = DEFAULT_CONCURRENCY, prefetch_concurrency: int | None = None,
+                 deadline: float = DEFAULT_DEADLINE) -> None:
+        self.store = store
+        self.cache = cache
+        self.stats = stats
+        self.deadline = deadline
+        self._nursery = nursery
+        self._slots = PriorityLimiter(concurrency)
+        self._threads = trio.CapacityLimiter(concurrency)
+        self._prefetch = trio.CapacityLimiter(prefetch_concurrency or max(1, concurrency // 2))
+        self._map_flights: dict[str, Flight] = {}
+        self._last_error_log = 0.0
+        self._suppressed = 0
+
+    # -- chunk maps ------------------------------------------------------------------------
+    async def entry(self, blob: str) -> BlobEntry:
+        """The cache entry of a blob, fetching its chunk map from the store on first use.
+        `NotFound` if the store does not have the blob."""
+        e = self.cache.get(blob)
+        if e is not None:
+            return e
+        fl = self._map_flights.get(blob)
+        if fl is None:
+            fl = self._map_flights[blob] = Flight(DEMAND, "map")
+            self._nursery.start_soon(self._fetch_map, blob, fl)
+        with trio.move_on_after(self.deadline + 1.0):
+            await fl.done.wait()
+        if not fl.done.is_set():
+            raise StoreUnavailable(f"blob {blob}: chunk map not fetched within {self.deadline:g} s")
+        if fl.error is not None:
+            raise _copy(fl.error)
+        e = self.cache.get(blob)
+        if e is None:  # pragma: no cover - the flight added it
+            raise StoreUnavailable(f"blob {blob}: chunk map vanished")
+        return e
+
+    async def _fetch_map(self, blob: str, fl: Flight) -> None:
+        deadline = trio.current_time() + self.deadline
+        backoff = BACKOFF_MIN
+        try:
+            while True:
+                try:
+                    cmap = await trio.to_thread.run_sync(self.store.get_chunk_map, blob, abandon_on_cancel=True,
+                                                         limiter=self._threads)
+                    break
+                except (NotFound, CorruptObject):
+                    raise
+                except Exception as e:
+                    err = _as_store_error(e)
+                    self._store_error(f"blob {blob}: chunk map", err)
+                    if trio.current_time() + backoff >= deadline:
+                        raise err from None
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX)
+            self.cache.add_blob(cmap)
+        except LayerstoreError as e:
+            fl.error = e
+        except Exception as e:  # the cache's own disk: still an expected, reported failure
+            log.exception("blob %s: cannot add to the cache", blob)
+            fl.error = StoreUnavailable(f"blob {blob}: {e}")
+        finally:
+            del self._map_flights[blob]
+            fl.done.set()
+
+    # -- chunks ------------------------------------------------------------------------------
+    async def ensure(self, entry: BlobEntry, idxs: Sequence[int], *, priority: int = DEMAND,
+                     deadline: float | None = None) -> None:
+        """Return once every chunk in `idxs` is present (all fetched in parallel), or raise
+        `CorruptObject` / `StoreUnavailable`."""
+        missing = entry.missing(idxs)
+        if not missing:
+            return
+        if deadline is None:
+            deadline = trio.current_time() + self.deadline
+        if len(missing) == 1:
+            await self._ensure_one(entry, missing[0], priority, deadline)
+            return
+        errors: list[LayerstoreError] = []
+
+        async def one(i: int) -> None:
+            try:
+                await self._ensure_one(entry, i, priority, deadline)
+            except LayerstoreError as e:
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for i in missing:
+                nursery.start_soon(one, i)
+        if errors:
+            raise next((e for e in errors if isinstance(e, CorruptObject)), errors[0])
+
+    async def _ensure_one(self, entry: BlobEntry, idx: int, priority: int, deadline: float) -> None:
+        backoff = BACKOFF_MIN
+        while not entry.present[idx]:
+            try:
+                await self._join(entry, idx, priority, deadline)
+            except CorruptObject:
+                raise
+            except LayerstoreError as e:
+                if trio.current_time() + backoff >= deadline:
+                    raise StoreUnavailable(f"blob {entry.blob} chunk {idx}: giving up after "
+                                           f"{self.deadline:g} s: {e}") from None
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+
+    async def _join(self, entry: BlobEntry, idx: int, priority: int, deadline: float) -> None:
+        key = (entry.blob, idx)
+        fl = self.cache.busy.get(key)
+        if fl is None:
+            fl = self._launch(entry, idx, priority)
+        elif priority < fl.priority:
+            fl.priority = priority
+        with trio.move_on_at(deadline):
+            await fl.done.wait()
+        if not fl.done.is_set():
+            raise StoreUnavailable(f"blob {entry.blob} chunk {idx}: no answer from the store")
+        if fl.error is not None and fl.kind == "fetch":
+            raise _copy(fl.error)
+
+    def _launch(self, entry: BlobEntry, idx: int, priority: int) -> Flight:
+        blob, busy = entry.blob, self.cache.busy
+        digest = entry.cmap.chunks[idx].digest
+        positions = [i for i in entry.positions(digest)
+                     if i == idx or (not entry.present[i] and (blob, i) not in busy)]
+        fl = Flight(priority, "fetch")
+        for i in positions:
+            busy[(blob, i)] = fl
+        self._nursery.start_soon(self._fly, entry, positions, digest, fl)
+        return fl
+
+    async def _fly(self, entry: BlobEntry, positions: list[int], digest: str, fl: Flight) -> None:
+        blob = entry.blob
+        ref = entry.cmap.chunks[positions[0]]
+        try:
+            async with self._slots.hold(fl):
+                t0 = time.perf_counter()
+                prio = fl.priority
+                try:
+                    payload = await trio.to_thread.run_sync(self.store.get_chunk, digest, abandon_on_cancel=True,
+                                                            limiter=self._threads)
+                except CorruptObject:
+                    raise
+                except Exception as e:
+                    raise _as_store_error(e) from None
+                if len(payload) != ref.length:
+                    raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {ref.length}")
+                await trio.to_thread.run_sync(NodeCache.write_sync, entry, positions, payload, limiter=self._threads)
+                self.cache.commit(entry, positions)
+                self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other")).observe(time.perf_counter() - t0)
+                bs = self.stats.blob(blob, entry.size)
+                bs.fetched_bytes += ref.length
+                bs.fetches += 1
+        except CorruptObject as e:
+            self.stats.corrupt_chunks += 1
+            log.error("corrupt chunk: blob %s chunk %d (%s) failed verification, not served: %s",
+                      blob, positions[0], digest, e)
+            fl.error = e
+        except LayerstoreError as e:
+            self._store_error(f"blob {blob} chunk {positions[0]}", e)
+            fl.error = e
+        except Exception as e:  # the cache's own disk failed: report, never serve
+            log.exception("blob %s chunk %d: cannot write to the cache", blob, positions[0])
+            fl.error = StoreUnavailable(f"blob {blob} chunk {positions[0]}: cache write failed: {e}")
+        finally:
+            busy = self.cache.busy
+            for i in positions:
+                if busy.get((blob, i)) is fl:
+                    del busy[(blob, i)]
+            fl.done.set()
+
+    def _store_error(self, what: str, err: LayerstoreError) -> None:
+        self.stats.store_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log >= 1.0:
+            extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
+            log.warning("store error: %s: %s%s", what, err, extra)
+            self._last_error_log, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+
+    # -- prefetch ----------------------------------------------------------------------------
+    async def prefetch(self, entry: BlobEntry, idxs: Sequence[int]) -> tuple[int, int]:
+        """Fetch chunks in the given order below demand priority. Returns (done, failed)."""
+        done = failed = 0
+
+        async def one(i: int, token: object) -> None:
+            nonlocal done, failed
+            try:
+                await self._ensure_one(entry, i, PREFETCH, trio.current_time() + self.deadline)
+                done += 1
+            except LayerstoreError as e:
+                failed += 1
+                log.debug("prefetch of blob %s chunk %d failed: %s", entry.blob, i, e)
+            finally:
+                self._prefetch.release_on_behalf_of(token)
+
+        async with trio.open_nursery() as nursery:
+            for i in idxs:
+                if entry.present[i]:
+                    continue
+                token = object()
+                await self._prefetch.acquire_on_behalf_of(token)
+                nursery.start_soon(one, i, token)
+        return done, failed
+
+
+def _as_store_error(e: BaseException) -> LayerstoreError:
+    if isinstance(e, LayerstoreError):
+        return e
+    return StoreUnavailable(f"{type(e).__name__}: {e}")
+
+
+def _copy(e: BaseException) -> BaseException:
+    """A fresh exception for each waiter (one instance raised in many tasks would share a
+    growing traceback)."""
+    try:
+        return type(e)(*e.args)
+    except Exception:
+        return StoreUnavailable(str(e))
