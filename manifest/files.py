@@ -12,6 +12,7 @@ from layerstore.errors import ConfigError, NotFound, PermissionDenied
 
 from . import canonical
 from .config import RuntimeConfig
+from .errors import InvalidManifest
 from .signing import PrivateKey, TrustPolicy
 from .trace import parse_trace
 
@@ -37,8 +38,12 @@ def read_file(path: str | os.PathLike[str], what: str, limit: int = MAX_FILE) ->
 
 def read_config(path: str | os.PathLike[str]) -> RuntimeConfig:
     """A runtime config file (as `layerctl build --config-out` writes); missing fields take defaults."""
-    where = f"config {path}"
-    return RuntimeConfig.from_json(canonical.loads(read_file(path, "config"), where), where, partial=True)
+    where = f"config file {path}"
+    obj = canonical.loads(read_file(path, "config file"), where)
+    try:
+        return RuntimeConfig.from_json(obj, "config", partial=True)
+    except InvalidManifest as e:
+        raise InvalidManifest(f"{where}: {e}") from None
 
 
 def read_trace(path: str | os.PathLike[str]) -> dict[str, list[int]]:

@@ -128,26 +128,30 @@ class Manifest:
 
 
 def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
-    """The JSON form (already decoded) to a `Manifest`, or one `InvalidManifest` naming the field."""
+    """The JSON form (already decoded) to a `Manifest`, or one `InvalidManifest` that names the
+    input (`where`) and then the field: "manifest b3:...: layers[1].size: want ..."."""
+    try:
+        return _parse_manifest(obj)
+    except InvalidManifest as e:
+        raise InvalidManifest(f"{where}: {e}") from None
+
+
+def _parse_manifest(obj: Any) -> Manifest:
     if not isinstance(obj, Mapping):
-        raise InvalidManifest(f"{where}: want an object, got {kind_of(obj)}")
+        raise InvalidManifest(f"want an object, got {kind_of(obj)}")
     # The version comes first: a newer manifest may have fields this reader does not know.
     if "schema_version" not in obj:
-        raise InvalidManifest(f"{where}: missing field 'schema_version'")
+        raise InvalidManifest("missing field 'schema_version'")
     version = obj["schema_version"]
     if version != SCHEMA_VERSION or isinstance(version, bool):
-        raise InvalidManifest(f"{where}: unknown schema version {version!r} (this layerctl reads {SCHEMA_VERSION})")
+        raise InvalidManifest(f"unknown schema version {_short(version)} (this layerctl reads {SCHEMA_VERSION})")
     if obj.get("kind") != KIND:
-        raise InvalidManifest(f"{where}: not an environment manifest (kind {obj.get('kind')!r}, want {KIND!r})")
-    _check_fields(obj, FIELDS, where)
-    layers = _parse_layers(obj["layers"], f"{where}.layers")
-    config = RuntimeConfig.from_json(obj["config"], f"{where}.config")
-    prefetch = _parse_prefetch(obj["prefetch"], f"{where}.prefetch")
-    annotations = _parse_annotations(obj["annotations"], f"{where}.annotations")
-    try:
-        return Manifest(layers=layers, config=config, prefetch=prefetch, annotations=annotations)
-    except InvalidManifest as e:
-        raise InvalidManifest(f"{where}.{e}") from None
+        raise InvalidManifest(f"not an environment manifest (kind {_short(obj.get('kind'))}, want {KIND!r})")
+    _check_fields(obj, FIELDS, "")
+    return Manifest(layers=_parse_layers(obj["layers"], "layers"),
+                    config=RuntimeConfig.from_json(obj["config"], "config"),
+                    prefetch=_parse_prefetch(obj["prefetch"], "prefetch"),
+                    annotations=_parse_annotations(obj["annotations"], "annotations"))
 
 
 def check_manifest(m: Manifest) -> None:
@@ -226,12 +230,13 @@ def referenced_blobs(m: Manifest) -> frozenset[str]:
 
 
 def _check_fields(obj: Mapping[str, Any], fields: tuple[str, ...], where: str) -> None:
+    at = f"{where}: " if where else ""
     for name in fields:
         if name not in obj:
-            raise InvalidManifest(f"{where}: missing field {name!r}")
+            raise InvalidManifest(f"{at}missing field {name!r}")
     extra = sorted(str(k) for k in set(obj) - set(fields))
     if extra:
-        raise InvalidManifest(f"{where}: unknown field {extra[0]!r}")
+        raise InvalidManifest(f"{at}unknown field {_short(extra[0])}")
 
 
 def _check_digest(value: Any, where: str) -> None:

@@ -164,9 +164,9 @@ class Signature:
         try:
             manifest = digestmod.parse(obj["manifest"])
         except BadDigest:
-            raise InvalidManifest(f"{where}.manifest: not a digest") from None
+            raise InvalidManifest(f"{where}: manifest: not a digest") from None
         try:
-            key = PublicKey.parse(obj["key"], f"{where}.key")
+            key = PublicKey.parse(obj["key"], f"{where}: key")
         except ConfigError as e:
             raise InvalidManifest(str(e)) from None
         sig = obj["signature"]
@@ -175,7 +175,7 @@ class Signature:
         except (binascii.Error, ValueError):
             raw = b""
         if len(raw) != 64:
-            raise InvalidManifest(f"{where}.signature: want base64 of 64 bytes")
+            raise InvalidManifest(f"{where}: signature: want base64 of 64 bytes")
         out = cls(manifest, key, raw)
         if out.to_bytes() != bytes(data):
             raise InvalidManifest(f"{where}: not in canonical form")
@@ -206,11 +206,11 @@ class TrustPolicy:
             raise ConfigError(f"{where}: missing field 'require_signature'")
         require = obj["require_signature"]
         if not isinstance(require, bool):
-            raise ConfigError(f"{where}.require_signature: want true or false, got {kind_of(require)}")
+            raise ConfigError(f"{where}: require_signature: want true or false, got {kind_of(require)}")
         keys = obj.get("trusted_keys", [])
         if not isinstance(keys, list):
-            raise ConfigError(f"{where}.trusted_keys: want a list of keys, got {kind_of(keys)}")
-        trusted = frozenset(PublicKey.parse(k, f"{where}.trusted_keys[{i}]") for i, k in enumerate(keys))
+            raise ConfigError(f"{where}: trusted_keys: want a list of keys, got {kind_of(keys)}")
+        trusted = frozenset(PublicKey.parse(k, f"{where}: trusted_keys[{i}]") for i, k in enumerate(keys))
         if require and not trusted:
             raise ConfigError(f"{where}: requires a signature but trusts no key (add trusted_keys)")
         return cls(require, trusted)

@@ -42,10 +42,10 @@ def parse_trace_json(obj: Any, where: str = "prefetch trace") -> dict[str, list[
         raise InvalidManifest(f"{where}: missing field 'blobs'")
     blobs = obj["blobs"]
     if not isinstance(blobs, Mapping):
-        raise InvalidManifest(f"{where}.blobs: want an object of blob -> chunk indexes, got {kind_of(blobs)}")
+        raise InvalidManifest(f"{where}: blobs: want an object of blob -> chunk indexes, got {kind_of(blobs)}")
     out: dict[str, list[int]] = {}
     for blob, indexes in blobs.items():
-        w = f"{where}.blobs[{blob[:80]!r}]" if isinstance(blob, str) else f"{where}.blobs"
+        w = f"{where}: blobs[{blob[:80]!r}]"
         try:
             digestmod.parse(blob)
         except BadDigest:

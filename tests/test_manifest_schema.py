@@ -145,7 +145,7 @@ def L(blob: str, role: str, size: int = 1) -> dict[str, Any]:  # noqa: N802
     ([{"blob": B, "size": 1.0, "role": "base"}], "want a non-negative integer, got 1.0"),
     ([L(B, "base", 1 << 63)], "want a non-negative integer"),
     ([L(B, 7, 1)], "layers[0].role: want a string, got an integer"),  # type: ignore[arg-type]
-    ("base", "manifest.layers: want a list of layers, got a string"),
+    ("base", "manifest: layers: want a list of layers, got a string"),
     (["x"], "layers[0]: want an object, got a string"),
     ([L(B, "base")] + [L(digestmod.of(str(i).encode()), "toolkit") for i in range(500)], "more than overlayfs"),
 ])
@@ -214,7 +214,7 @@ def test_config_values() -> None:
     ({B: ["0"]}, "want a chunk index (a non-negative integer), got '0'"),
     ({B: [False]}, "want a chunk index"),
     ({B: 3}, "want a list of chunk indexes, got an integer"),
-    ([B], "manifest.prefetch: want an object"),
+    ([B], "manifest: prefetch: want an object"),
 ])
 def test_bad_prefetch(prefetch: Any, needle: str) -> None:
     assert needle in err(doc(prefetch=prefetch))
@@ -267,7 +267,7 @@ def test_trace_keeps_only_layers_dedupes_and_drops_empty() -> None:
     (trace_bytes({}) .replace(b'"version": 1', b'"version": 2'), "unknown trace version 2"),
     (b'{"blobs": {}}', "missing field 'version'"),
     (b'{"version": 1}', "missing field 'blobs'"),
-    (trace_bytes([]), "prefetch trace.blobs: want an object"),
+    (trace_bytes([]), "prefetch trace: blobs: want an object"),
     (trace_bytes({"x": [1]}), "not a digest"),
     (trace_bytes({B: {}}), "want a list of chunk indexes, got an object"),
     (trace_bytes({B: [1.5]}), "want a chunk index (a non-negative integer), got a number"),

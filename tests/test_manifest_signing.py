@@ -94,9 +94,9 @@ def test_signature_object_round_trip(keys: tuple[PrivateKey, PrivateKey]) -> Non
 @pytest.mark.parametrize("change, needle", [
     ({"schema_version": 2}, "unknown schema version 2"),
     ({"kind": "environment"}, "not a signature"),
-    ({"manifest": "b3:12"}, "signature.manifest: not a digest"),
-    ({"key": "ed25519:AAAA"}, "signature.key: want"),
-    ({"signature": "AAAA"}, "signature.signature: want base64 of 64 bytes"),
+    ({"manifest": "b3:12"}, "signature: manifest: not a digest"),
+    ({"key": "ed25519:AAAA"}, "signature: key: want"),
+    ({"signature": "AAAA"}, "signature: signature: want base64 of 64 bytes"),
     ({"signature": 7}, "want base64 of 64 bytes"),
     ({"extra": 1}, "unknown field 'extra'"),
 ])
