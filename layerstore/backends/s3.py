@@ -1,0 +1,447 @@
+"""A store in an S3 bucket (boto3): Ceph RGW, AWS S3, MinIO.
+
+Objects live under `<prefix>/<key>` in one bucket. Credentials, region, retry mode and attempts
+come from the standard boto3 sources (environment, `~/.aws/config`, instance metadata); the
+store URL's `endpoint=` and `region=` override them. See docs/s3-backend.md.
+
+- `store_once` is a PUT with `If-None-Match: *`: the server creates the object only if the key is
+  free (412 for the others), so of several concurrent writers exactly one wins. A server that
+  rejects the header (501) switches this backend to HEAD-then-PUT, which has a race window: two
+  writers can both see the key free and both write (last write wins, both return True). Objects
+  above `multipart_threshold` go up in parts; the completion carries `If-None-Match: *` too, but
+  some servers (RGW 16.2 among them) ignore it there, so the same window exists for large objects.
+  For content-addressed keys both writers carry identical bytes, so the window only skews stats.
+- `replace` is a plain PUT: S3 makes a whole object visible atomically.
+- Transient failures are retried by botocore (mode `standard` unless configured, exponential
+  backoff with jitter); a failure that outlives the retries raises `StoreUnavailable`. Body reads
+  that break mid-stream are retried here, since botocore has already returned by then.
+
+One boto3 client is shared by every thread (clients are thread-safe; sessions are not, so the
+session is used only to build the client, under a lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlencode, urlsplit
+
+from ..errors import ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
+from ..keys import validate, validate_prefix
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
+DEFAULT_PART_SIZE = 16 * MiB
+MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
+DEFAULT_MAX_ATTEMPTS = 5  # total attempts, when neither the environment nor ~/.aws/config says
+DEFAULT_POOL = 32
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
+_NO_BUCKET = {"NoSuchBucket"}
+_DENIED = {"403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+           "AccountProblem", "InvalidToken", "ExpiredToken", "UserSuspended"}
+_TRANSIENT = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed",
+              "Throttling", "ThrottlingException", "TooManyRequests", "OperationAborted"}
+
+
+class S3Backend(Backend):
+    def __init__(self, bucket: str, prefix: str = "", endpoint: str | None = None, region: str | None = None,
+                 *, multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD, part_size: int = DEFAULT_PART_SIZE,
+                 max_attempts: int | None = None, max_pool_connections: int = DEFAULT_POOL,
+                 connect_timeout: float = 5.0, read_timeout: float = 60.0, page_size: int = 1000) -> None:
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise ConfigError(f"bad S3 bucket name {bucket!r} (3-63 of a-z 0-9 . -)")
+        prefix = prefix.strip("/")
+        if prefix:
+            try:
+                validate(prefix)
+            except LayerstoreError:
+                raise ConfigError(f"bad S3 key prefix {prefix!r}") from None
+        if endpoint is not None:
+            parts = urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"bad S3 endpoint {endpoint!r} (want http(s)://host[:port])")
+        if part_size < MIN_PART_SIZE or multipart_threshold < part_size:
+            raise ConfigError("S3 part size must be >= 5 MiB and <= the multipart threshold")
+        if page_size < 1 or max_pool_connections < 1 or (max_attempts is not None and max_attempts < 1):
+            raise ConfigError("S3 page size, pool size and attempts must be positive")
+        self.bucket = bucket
+        self.prefix = prefix
+        self.endpoint = endpoint
+        self.region = region
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.page_size = page_size
+        self._max_attempts = max_attempts
+        self._pool = max_pool_connections
+        self._timeouts = (connect_timeout, read_timeout)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        # Cleared the first time the server rejects `If-None-Match` (see `store_once`).
+        self._conditional_put = True
+        query = {k: v for k, v in (("endpoint", endpoint), ("region", region)) if v}
+        self.url = f"s3://{bucket}/{prefix}" + (f"?{urlencode(query)}" if query else "")
+        self._where = f"s3://{bucket}" + (f" at {endpoint}" if endpoint else "")
+
+    # -- the client ----------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make_client()
+        return self._client
+
+    def _make_client(self) -> Any:
+        import boto3
+        import botocore.session
+        from botocore.config import Config
+
+        # A private session per client: sessions are not thread-safe, the client built from one is.
+        core = botocore.session.Session()
+        session = boto3.session.Session(botocore_session=core)
+        retries: dict[str, Any] = {"mode": core.get_config_variable("retry_mode") or "standard"}
+        attempts = self._max_attempts or core.get_config_variable("max_attempts")
+        retries["total_max_attempts"] = int(attempts or DEFAULT_MAX_ATTEMPTS)
+        kwargs: dict[str, Any] = {
+            "retries": retries,
+            "max_pool_connections": self._pool,
+            "connect_timeout": self._timeouts[0],
+            "read_timeout": self._timeouts[1],
+        }
+        custom_endpoint = self.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if custom_endpoint:
+            # RGW and MinIO route by path; virtual hosts would need DNS for every bucket.
+            kwargs["s3"] = {"addressing_style": "path"}
+        # Newer botocore adds CRC checksums (and aws-chunked trailers) that older S3 servers refuse;
+        # the store verifies every object by its blake3 id anyway. An explicit setting wins.
+        for var in ("request_checksum_calculation", "response_checksum_validation"):
+            if not _configured(core, var):
+                kwargs[var] = "when_required"
+        region = self.region or core.get_config_variable("region") or "us-east-1"
+        try:
+            return session.client("s3", endpoint_url=self.endpoint, region_name=region, config=Config(**kwargs))
+        except ValueError as e:
+            raise ConfigError(f"bad S3 configuration for {self.url}: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def _name(self, key: str) -> str:
+        validate(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- error translation ---------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
+        """Run one S3 request; every failure leaves as one of the project's errors."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(**kwargs)
+        except ClientError as e:
+            raise self._translate(e, what) from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, what) from None
+
+    def _translate(self, e: Any, what: str) -> LayerstoreError:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code") or "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        detail = err.get("Message") or code or f"HTTP {status}"
+        if code in _NO_BUCKET:
+            return NotFound(f"bucket {self.bucket} does not exist ({self._where})")
+        if code in _NOT_FOUND or status == 404:
+            return NotFound(f"{what}: not found")
+        if code in _DENIED or status == 403:
+            return PermissionDenied(f"{what}: access denied by {self._where} ({detail})")
+        if code in _TRANSIENT or status >= 500 or status == 429:
+            return StoreUnavailable(f"{what}: {self._where} failed after retries ({detail})")
+        return LayerstoreError(f"{what}: {self._where} refused the request ({detail})")
+
+    def _translate_core(self, e: Exception, what: str) -> LayerstoreError:
+        from botocore.exceptions import (
+            ConnectionError as BotoConnectionError,
+        )
+        from botocore.exceptions import (
+            HTTPClientError,
+            NoCredentialsError,
+            NoRegionError,
+            PartialCredentialsError,
+            ResponseStreamingError,
+        )
+
+        if isinstance(e, NoCredentialsError):
+            return PermissionDenied(f"{what}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                                    "or configure a profile)")
+        if isinstance(e, (PartialCredentialsError, NoRegionError)):
+            return ConfigError(f"{what}: {e}")
+        if isinstance(e, (BotoConnectionError, HTTPClientError, ResponseStreamingError)):
+            return StoreUnavailable(f"{what}: S3 endpoint {self.endpoint or 'of ' + self._where} unreachable: {e}")
+        return StoreUnavailable(f"{what}: {self._where}: {e}")
+
+    # -- location ------------------------------------------------------------------------
+    def create(self) -> None:
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if self.region and self.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.create_bucket(**kwargs)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            if code == "BucketAlreadyExists":
+                raise PermissionDenied(f"bucket {self.bucket} belongs to another account ({self._where})") from None
+            if code != "BucketAlreadyOwnedByYou":
+                raise self._translate(e, f"create bucket {self.bucket}") from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, f"create bucket {self.bucket}") from None
+        self.check()
+
+    def check(self) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 404 or e.response.get("Error", {}).get("Code") in _NO_BUCKET:
+                raise NotFound(f"store {self.url} does not exist: no bucket {self.bucket} "
+                               "(run `layerctl store init`)") from None
+            raise self._translate(e, f"bucket {self.bucket}") from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, f"bucket {self.bucket}") from None
+
+    # -- objects -------------------------------------------------------------------------
+    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes:
+        name = self._name(key)
+        if offset < 0 or (size is not None and size < 0):
+            raise ValueError("negative offset or size")
+        if size == 0:
+            self.size(key)  # still NotFound for a missing object
+            return b""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name}
+        if offset or size is not None:
+            end = "" if size is None else str(offset + size - 1)
+            kwargs["Range"] = f"bytes={offset}-{end}"
+        return self._get(f"object {key}", kwargs)
+
+    def _get(self, what: str, kwargs: dict[str, Any]) -> bytes:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        attempts = self._max_attempts or DEFAULT_MAX_ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                resp = self.client.get_object(**kwargs)
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                    return b""  # the range starts at or after the end: a POSIX read at EOF
+                raise self._translate(e, what) from None
+            except BotoCoreError as e:
+                raise self._translate_core(e, what) from None
+            body = resp["Body"]
+            try:
+                return body.read()
+            except (BotoCoreError, OSError) as e:
+                # The body broke mid-stream after botocore's retries had already returned.
+                if attempt + 1 >= attempts:
+                    raise self._translate_core(e, what) from None
+                _backoff(attempt)
+            finally:
+                body.close()
+        raise AssertionError("unreachable")
+
+    def store_once(self, key: str, data: bytes | memoryview) -> bool:
+        name = self._name(key)
+        if len(data) > self.multipart_threshold:
+            # Uploading a large object only to be told it exists is waste: look first.
+            if self.exists(key):
+                return False
+            return self._multipart(name, key, data, create_once=True)
+        if self._conditional_put:
+            try:
+                self._put(name, key, data, conditional=True)
+                return True
+            except _PreconditionFailed:
+                return False
+            except _ConditionalRejected:
+                log.warning("%s rejects If-None-Match on PUT; create-once falls back to HEAD then PUT",
+                            self._where)
+                self._conditional_put = False
+        if self.exists(key):
+            return False
+        self._put(name, key, data, conditional=False)
+        return True
+
+    def replace(self, key: str, data: bytes) -> None:
+        name = self._name(key)
+        if len(data) > self.multipart_threshold:
+            self._multipart(name, key, data, create_once=False)
+        else:
+            self._put(name, key, data, conditional=False)
+
+    def _put(self, name: str, key: str, data: bytes | memoryview, *, conditional: bool) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "Body": _as_bytes(data)}
+        if conditional:
+            kwargs["IfNoneMatch"] = "*"
+        for attempt in range(self._max_attempts or DEFAULT_MAX_ATTEMPTS):
+            try:
+                self.client.put_object(**kwargs)
+                return
+            except ClientError as e:
+                _raise_if_conditional(e, conditional)
+                if _code(e) == "ConditionalRequestConflict" and attempt < 3:
+                    _backoff(attempt)  # another conditional write is in flight: ask again
+                    continue
+                raise self._translate(e, f"write {key}") from None
+            except BotoCoreError as e:
+                raise self._translate_core(e, f"write {key}") from None
+        raise StoreUnavailable(f"write {key}: {self._where} kept reporting conflicting writes")
+
+    def _multipart(self, name: str, key: str, data: bytes | memoryview, *, create_once: bool) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        view = memoryview(data)
+        what = f"write {key}"
+        upload = self._call(what, self.client.create_multipart_upload, Bucket=self.bucket, Key=name)["UploadId"]
+        done = False
+        try:
+            parts = []
+            for number, off in enumerate(range(0, len(view), self.part_size), start=1):
+                resp = self._call(what, self.client.upload_part, Bucket=self.bucket, Key=name, UploadId=upload,
+                                  PartNumber=number, Body=bytes(view[off : off + self.part_size]))
+                parts.append({"ETag": resp["ETag"], "PartNumber": number})
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "UploadId": upload,
+                                      "MultipartUpload": {"Parts": parts}}
+            if create_once and self._conditional_put:
+                kwargs["IfNoneMatch"] = "*"
+            elif create_once and self.exists(key):
+                return False
+            try:
+                self.client.complete_multipart_upload(**kwargs)
+            except ClientError as e:
+                try:
+                    _raise_if_conditional(e, "IfNoneMatch" in kwargs)
+                except _PreconditionFailed:
+                    return False
+                except _ConditionalRejected:
+                    self._conditional_put = False
+                    kwargs.pop("IfNoneMatch")
+                    if self.exists(key):
+                        return False
+                    self._call(what, self.client.complete_multipart_upload, **kwargs)
+                    done = True
+                    return True
+                raise self._translate(e, what) from None
+            except BotoCoreError as e:
+                raise self._translate_core(e, what) from None
+            done = True
+            return True
+        finally:
+            if not done:
+                # Parts of an abandoned upload are invisible but cost space until aborted.
+                try:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload)
+                except Exception:  # noqa: BLE001 - best effort; a bucket lifecycle rule is the backstop
+                    log.warning("could not abort multipart upload %s of %s", upload, key)
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except NotFound:
+            return False
+        return True
+
+    def size(self, key: str) -> int:
+        resp = self._call(f"object {key}", self.client.head_object, Bucket=self.bucket, Key=self._name(key))
+        return int(resp["ContentLength"])
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        # S3 deletes succeed for missing keys; the contract wants NotFound, so look first.
+        # Two concurrent deletes of one key may therefore both succeed.
+        self.size(key)
+        self._call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=name)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        validate_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=base + prefix,
+                                   PaginationConfig={"PageSize": self.page_size})
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    key = obj["Key"][len(base):]
+                    try:
+                        yield validate(key)
+                    except LayerstoreError:
+                        continue  # not one of ours (a foreign object in a shared bucket)
+        except ClientError as e:
+            raise self._translate(e, f"list {prefix or '/'}") from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, f"list {prefix or '/'}") from None
+
+
+class _PreconditionFailed(Exception):
+    pass
+
+
+class _ConditionalRejected(Exception):
+    pass
+
+
+def _code(e: Any) -> str:
+    return str(e.response.get("Error", {}).get("Code") or "")
+
+
+def _raise_if_conditional(e: Any, conditional: bool) -> None:
+    """Sort out the answers to `If-None-Match: *`: 412 means the key exists; 501 (or a 400 that
+    names the header) means the server does not do conditional writes."""
+    if not conditional:
+        return
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = _code(e)
+    if status == 412 or code == "PreconditionFailed":
+        raise _PreconditionFailed
+    message = str(e.response.get("Error", {}).get("Message") or "")
+    if status == 501 or code == "NotImplemented" or (status == 400 and "If-None-Match" in message):
+        raise _ConditionalRejected
+
+
+def _configured(core: Any, var: str) -> bool:
+    """Did the environment or the config file set `var` (as opposed to botocore's default)?"""
+    if os.environ.get("AWS_" + var.upper()):
+        return True
+    try:
+        return var in core.get_scoped_config()
+    except Exception:  # noqa: BLE001 - e.g. a named profile that does not exist: boto3 reports it later
+        return False
+
+
+def _as_bytes(data: bytes | memoryview) -> bytes:
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def _backoff(attempt: int) -> None:
+    """Exponential backoff with full jitter (as botocore's standard mode does)."""
+    time.sleep(random.uniform(0, min(0.1 * (2**attempt), 5.0)))
