@@ -290,6 +290,8 @@ class _MemberData:
     def __iter__(self) -> Iterator[bytes | Hole]:
         if self.started:
             raise BadInput(f"{self.label}: content read twice")
+        if self.closed:
+            raise BadInput(f"{self.label}: content read after the archive moved on")
         self.started = True
         return self._blocks()
 

@@ -27,7 +27,7 @@ ODD_NAME = b"caf\xe9-latin1"  # not UTF-8
 
 # -- source trees -----------------------------------------------------------------------------
 def make_tree(root: Path, *, devices: bool = True, xattrs: bool = True, odd_names: bool = True,
-              sparse: bool = True) -> Path:
+              sparse: bool = True, long_names: bool = True) -> Path:
     """A tree with every kind of entry a layer holds, integer mtimes, varied owners and modes."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "etc").mkdir()
@@ -48,9 +48,10 @@ def make_tree(root: Path, *, devices: bool = True, xattrs: bool = True, odd_name
     os.chown(root / "home/user/.config/settings", 1000, 1000)
     os.chown(root / "home/user/.config", 1000, 1000)
     os.chown(root / "home/user", 1000, 1000)
-    (root / LONG).write_text("long name\n")
-    (root / DEEP).mkdir(parents=True)
-    (root / DEEP / "leaf").write_text("deep\n")
+    if long_names:
+        (root / LONG).write_text("long name\n")
+        (root / DEEP).mkdir(parents=True)
+        (root / DEEP / "leaf").write_text("deep\n")
     os.mkfifo(root / "fifo")
     if devices:
         os.mknod(root / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
@@ -104,7 +105,9 @@ def tar_with_tarfile(src: Path, fmt: int) -> bytes:
 def tar_with_gnu_tar(src: Path, out: Path, fmt: str) -> Path:
     """`src` archived by GNU tar in `fmt` (gnu, oldgnu, posix, ustar, v7)."""
     extra = ["--xattrs", "--xattrs-include=*"] if fmt == "posix" else []
-    subprocess.run(["tar", f"--format={fmt}", "--sparse", "--numeric-owner", "--sort=name", *extra,
+    if fmt not in ("ustar", "v7"):
+        extra.append("--sparse")
+    subprocess.run(["tar", f"--format={fmt}", "--numeric-owner", "--sort=name", *extra,
                     "-C", str(src), "-cf", str(out), "."], check=True, capture_output=True)
     return out
 
