@@ -1,0 +1,129 @@
+"""Build a layer image from entries, cut it into chunks, and push it to a store.
+
+`build_layer` writes the image to a temporary file next to `out_path`, fsyncs it and renames it
+into place only once it is complete and hashed: a crash leaves at most a stray `.*.tmp` file,
+never a half-written image under the real name. `push_layer` stores every chunk before the
+chunk map (the store's own write-order rule), so a crash leaves only unreferenced chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+
+from layerstore import digest as digestmod
+from layerstore.chunkmap import ChunkMap, ChunkRef
+from layerstore.errors import CorruptObject
+from layerstore.store import PutStats, Store
+
+from .chunking import ChunkPolicy, Cut, ImageLayout, cut
+from .tree import Data, Entry, Kind
+from .writer import ImageWriter
+
+HASH_THREADS = max(2, os.cpu_count() or 2)
+
+
+@dataclass
+class BuiltLayer:
+    path: Path
+    blob: str  # b3: digest of the whole image
+    size: int
+    files: int  # paths in the image, the root included
+    refs: list[ChunkRef]
+    layout: ImageLayout | None = None
+
+
+def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None = None,
+                all_root: bool = False, progress: Callable[[int], None] | None = None,
+                pack_tails: bool = False, policy: ChunkPolicy | None = None) -> BuiltLayer:
+    """Write the image for `entries` to `out_path` and cut it into chunks. `progress` is called
+    with the number of content bytes each added entry carried."""
+    out_path = Path(out_path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails)
+            for entry, data in entries:
+                writer.add(entry, data)
+                if progress is not None:
+                    progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
+            layout = writer.finish()
+            f.flush()
+            os.fsync(f.fileno())
+            blob, refs = hash_image(f.fileno(), layout, policy)
+        os.replace(tmp, out_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(out_path.parent)
+    return BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout)
+
+
+def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None) -> tuple[str, list[ChunkRef]]:
+    """The whole image's digest and its chunk refs (digests filled), hashed in threads."""
+    cuts = cut(layout, policy)
+    if not layout.size:
+        return digestmod.of(b""), []
+    with mmap.mmap(fd, layout.size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            def one(c: Cut) -> str:
+                return digestmod.PREFIX + blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest()
+
+            with ThreadPoolExecutor(HASH_THREADS) as pool:
+                whole = pool.submit(_whole, view)
+                digests = list(pool.map(one, cuts, chunksize=16))
+                blob = whole.result()
+        finally:
+            view.release()
+    refs = [ChunkRef(c.offset, c.length, d, c.flags) for c, d in zip(cuts, digests, strict=True)]
+    ChunkMap.build(blob, refs)  # checks the cover
+    return blob, refs
+
+
+def _whole(view: memoryview) -> str:
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    h.update(view)
+    return digestmod.PREFIX + h.hexdigest()
+
+
+def push_layer(store: Store, layer: BuiltLayer, progress: Callable[[int], None] | None = None) -> PutStats:
+    """Store the layer's missing chunks (in parallel), then its chunk map."""
+    unique: dict[str, ChunkRef] = {}
+    for ref in layer.refs:
+        unique.setdefault(ref.digest, ref)
+    todo = list(unique.values())
+    stats = PutStats()
+    fd = os.open(layer.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        def payloads() -> Iterator[bytes]:
+            for ref in todo:
+                yield os.pread(fd, ref.length, ref.offset)
+
+        for ref, (digest, st) in zip(todo, store.put_chunks(payloads()), strict=True):
+            if digest != ref.digest:
+                raise CorruptObject(f"{layer.path}: bytes at {ref.offset} changed since the image was built")
+            stats.add(st)
+            if progress is not None:
+                progress(ref.length)
+    finally:
+        os.close(fd)
+    store.put_chunk_map(ChunkMap.build(layer.blob, layer.refs))
+    return stats
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
