@@ -156,8 +156,9 @@ def sign_cmd(store_url: str | None, key_file: Path, as_json: bool, ref: str) -> 
 
 @env_group.command("verify")
 @store_option
-@click.option("--policy", "policy_file", type=_file, required=True, metavar="FILE",
-              help='Trust policy JSON: {"require_signature": true, "trusted_keys": ["ed25519:..."]}.')
+@click.option("--policy", "policy_file", type=_file, required=True, metavar="FILE", envvar=files.POLICY_ENV,
+              help='Trust policy JSON: {"require_signature": true, "trusted_keys": ["ed25519:..."]}. '
+              f"Default: ${files.POLICY_ENV}.")
 @json_option
 @click.argument("ref")
 def verify_cmd(store_url: str | None, policy_file: Path, as_json: bool, ref: str) -> None:

@@ -2,7 +2,7 @@
 config, prefetch hints and annotations, in canonical JSON addressed by blake3, named by tags,
 optionally signed (ed25519) and checked against a trust policy. See docs/manifests.md.
 
-Pure modules: `canonical`, `config`, `schema`, `trace`, `signing`. I/O: `environment` (the
+Pure modules: `canonical`, `config`, `schema`, `trace`, `signing`, `refs` (for gc). I/O: `environment` (the
 store), `files` (local files).
 """
 

@@ -17,7 +17,7 @@ reads the verified manifest, parses it, and applies the trust policy.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from layerstore import digest as digestmod
@@ -26,7 +26,7 @@ from layerstore.errors import ConfigError, CorruptObject, LayerstoreError, NotFo
 
 from .config import RuntimeConfig
 from .errors import InvalidManifest
-from .schema import BASE, TOOLKIT, WORKSPACE, Layer, Manifest, check_against_chunk_maps
+from .schema import BASE, MAX_MANIFEST_BYTES, TOOLKIT, WORKSPACE, Layer, Manifest, check_against_chunk_maps
 from .signing import PrivateKey, PublicKey, Signature, TrustPolicy, check_trust, sign_manifest
 from .trace import prefetch_from_trace
 
@@ -66,7 +66,6 @@ class Created:
     manifest: str
     tag: str
     signed_by: PublicKey | None = None
-    environment: Manifest = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"manifest": self.manifest, "tag": self.tag}
@@ -155,14 +154,17 @@ def build_manifest(store: Store, *, base: str, toolkits: Iterable[str] = (), wor
 def create_environment(store: Store, manifest: Manifest, tag: str, *, key: PrivateKey | None = None) -> Created:
     """Store `manifest`, its signature (with `key`), then point `tag` at it: in that order."""
     check_environment_tag(tag)
-    digest = store.put_manifest(manifest.to_bytes())
+    data = manifest.to_bytes()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InvalidManifest(f"manifest: {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
+    digest = store.put_manifest(data)
     if digest != manifest.digest():  # the store and this package must agree on the id
         raise CorruptObject(f"store filed the manifest as {digest}, expected {manifest.digest()}")
     signer = None
     if key is not None:
         signer = put_signature(store, sign_manifest(digest, key))
     store.set_tag(tag, digest)
-    return Created(digest, tag, signer, manifest)
+    return Created(digest, tag, signer)
 
 
 # -- signatures ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from .signing import PrivateKey, TrustPolicy
 from .trace import parse_trace
 
 MAX_FILE = 64 << 20
+POLICY_ENV = "LAYERSTORE_TRUST_POLICY"
 
 
 def read_file(path: str | os.PathLike[str], what: str, limit: int = MAX_FILE) -> bytes:
@@ -52,6 +53,13 @@ def read_trace(path: str | os.PathLike[str]) -> dict[str, list[int]]:
 
 def read_policy(path: str | os.PathLike[str]) -> TrustPolicy:
     return TrustPolicy.from_bytes(read_file(path, "trust policy"), f"trust policy {path}")
+
+
+def load_policy(path: str | os.PathLike[str] | None = None) -> TrustPolicy | None:
+    """The trust policy a runtime applies: `path`, else $LAYERSTORE_TRUST_POLICY, else none
+    (no signature checks)."""
+    chosen = path or os.environ.get(POLICY_ENV) or None
+    return read_policy(chosen) if chosen else None
 
 
 def read_private_key(path: str | os.PathLike[str]) -> PrivateKey:

@@ -184,3 +184,33 @@ def test_tampered_signatures_never_count(store: Store, layers: tuple[str, str, s
 def test_put_signature_needs_the_manifest(store: Store, key: PrivateKey) -> None:
     with pytest.raises(NotFound, match="manifest b3:2+ is not in store"):
         put_signature(store, sign_manifest("b3:" + "2" * 64, key))
+
+
+def test_references_for_gc(store: Store, layers: tuple[str, str, str], key: PrivateKey) -> None:
+    from manifest.refs import references
+
+    m = build_manifest(store, base=layers[0], toolkits=[layers[1]])
+    create_environment(store, m, "gc:v1", key=key)
+    r = references(store.get_manifest(m.digest()))
+    assert r.kind == "environment" and r.blobs == {layers[0], layers[1]} and not r.manifests
+    sig = store.get_tag(signature_tag(m.digest(), key.public_key()))
+    r = references(store.get_manifest(sig))
+    assert r.kind == "signature" and r.manifests == {m.digest()} and not r.blobs
+    assert references(b'{"kind":"environment","schema_version":9}').kind == "unknown"
+    assert references(b"\xff").kind == "unknown"
+
+
+def test_load_policy_from_environment(tmp_path: Path, key: PrivateKey, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from manifest.files import POLICY_ENV, load_policy
+
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert load_policy() is None
+    p = tmp_path / "policy.json"
+    p.write_text(json.dumps({"require_signature": True, "trusted_keys": [str(key.public_key())]}))
+    monkeypatch.setenv(POLICY_ENV, str(p))
+    policy = load_policy()
+    assert policy is not None and policy.trusted_keys == {key.public_key()}
+    with pytest.raises(NotFound, match="trust policy .*: no such file"):
+        load_policy(tmp_path / "nope.json")
