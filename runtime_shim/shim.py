@@ -59,16 +59,20 @@ class Shim:
 
     @classmethod
     def for_node(cls, node_dir: str | os.PathLike[str] | None = None, store_url: str | None = None, *,
-                 daemon_command: DaemonCommand = default_command, auto_recover: bool = True) -> Shim:
+                 daemon_command: DaemonCommand = default_command, auto_recover: bool = True,
+                 policy: str | os.PathLike[str] | None = None) -> Shim:
         """The production shim: blobs from the node daemon, environments from the store. Without
-        an explicit store the running daemon's store is used, else the default store."""
+        an explicit store the running daemon's store is used, else the default store. The trust
+        policy is `policy`, else NODE/policy.json when the node has one, else none."""
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import resolve
+        from .environment import read_policy, resolve
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
+        node_policy = paths.root / "policy.json"
+        trust = read_policy(policy) if policy else read_policy(node_policy) if node_policy.exists() else None
         state = NodeState(paths.state)
         if store_url is None:
             with state.read() as t:
@@ -81,7 +85,7 @@ class Shim:
         def resolver(ref: str) -> EnvSpec:
             with Store.open(url) as s:
                 s.check()
-                return resolve(s, ref)
+                return resolve(s, ref, trust)
 
         blobs = DaemonBlobs(paths, state, url, daemon_command)
         return cls(paths, blobs, resolver=resolver, store_url=url, state=state, auto_recover=auto_recover)

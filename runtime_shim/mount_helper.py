@@ -1,0 +1,145 @@
+"""`mount.layerstore` and `umount.layerstore`: the shim as a mount(8) helper for sandbox runtimes.
+
+    mount -t layerstore ENV TARGET -o sandbox=ID[,upper=DIR][,store=URL][,node_dir=DIR][,eager][,policy=FILE]
+    -> /sbin/mount.layerstore ENV TARGET [-sfnv] [-N NS] [-o OPTS] [-t layerstore]
+    umount.layerstore TARGET [-flnrv] [-N NS] [-t TYPE]      (or `layerctl umount TARGET`)
+
+The argv grammar is parsed purely (`parse_mount_argv`); exit codes follow mount(8): 0 success,
+1 bad usage, 32 mount failure. A node installs the helpers with
+    ln -sf "$(command -v mount.layerstore)" /sbin/mount.layerstore
+    ln -sf "$(command -v umount.layerstore)" /sbin/umount.layerstore
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from layerstore.errors import ConfigError, LayerstoreError
+
+EXIT_USAGE, EXIT_FAILURE = 1, 32
+# Generic options mount(8) may pass along; they mean nothing to an overlay root and are ignored.
+GENERIC = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner", "nofail", "_netdev", "exec",
+           "suid", "dev", "async", "relatime", "noatime", "atime", "loud", "silent"}
+
+
+@dataclass
+class MountRequest:
+    env: str
+    target: str
+    sandbox: str | None = None
+    upper: str | None = None
+    store: str | None = None
+    node_dir: str | None = None
+    policy: str | None = None
+    eager: bool = False
+    fake: bool = False
+    verbose: bool = False
+    ignored: list[str] = field(default_factory=list)
+
+
+def _split_opts(text: str) -> list[str]:
+    return [o for o in text.split(",") if o]
+
+
+def parse_mount_argv(argv: Sequence[str]) -> MountRequest:
+    """`ENV TARGET [-sfnv] [-N NS] [-o OPTS] [-t TYPE]` in any order, as mount(8) calls helpers."""
+    positional: list[str] = []
+    opts: list[str] = []
+    sloppy = fake = verbose = False
+    it = iter(argv)
+    for arg in it:
+        if arg == "-o":
+            opts += _split_opts(next(it, ""))
+        elif arg.startswith("-o") and len(arg) > 2:
+            opts += _split_opts(arg[2:])
+        elif arg in ("-t", "-N"):
+            next(it, None)
+        elif arg.startswith("-") and len(arg) > 1 and set(arg[1:]) <= set("sfnvrl"):
+            sloppy |= "s" in arg
+            fake |= "f" in arg
+            verbose |= "v" in arg
+        elif arg.startswith("-") and len(arg) > 1:
+            raise ConfigError(f"mount.layerstore: unknown flag {arg}")
+        else:
+            positional.append(arg)
+    if len(positional) != 2:
+        raise ConfigError("usage: mount.layerstore ENV TARGET [-sfnv] [-o sandbox=ID[,upper=DIR]...]")
+    req = MountRequest(env=positional[0], target=positional[1], fake=fake, verbose=verbose)
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if key in ("sandbox", "upper", "store", "node_dir", "policy") and sep and value:
+            setattr(req, key, value)
+        elif key == "eager" and not sep:
+            req.eager = True
+        elif key == "ro":
+            raise ConfigError("mount.layerstore: a sandbox root is writable (its upper); 'ro' is not supported")
+        elif key in GENERIC or sloppy:
+            req.ignored.append(opt)
+        else:
+            raise ConfigError(f"mount.layerstore: unknown option {opt!r}")
+    return req
+
+
+def parse_umount_argv(argv: Sequence[str]) -> str:
+    """`TARGET [-flnrv] [-N NS] [-t TYPE]`; the flags change nothing for a sandbox root."""
+    positional = []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-t", "-N"):
+            next(it, None)
+        elif not (arg.startswith("-") and len(arg) > 1):
+            positional.append(arg)
+    if len(positional) != 1:
+        raise ConfigError("usage: umount.layerstore TARGET [-flnrv]")
+    return positional[0]
+
+
+def _fail(e: LayerstoreError, code: int) -> int:
+    print(f"layerstore: {e}", file=sys.stderr)
+    return code
+
+
+def mount_main(argv: Sequence[str] | None = None) -> int:
+    from .shim import Shim
+
+    try:
+        req = parse_mount_argv(sys.argv[1:] if argv is None else argv)
+    except LayerstoreError as e:
+        return _fail(e, EXIT_USAGE)
+    if req.fake:
+        return 0
+    try:
+        with Shim.for_node(req.node_dir, req.store, policy=req.policy) as shim:
+            sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager)
+    except LayerstoreError as e:
+        return _fail(e, EXIT_FAILURE)
+    if req.verbose:
+        print(f"layerstore: sandbox {sb.id} ({sb.manifest}) mounted on {sb.target}")
+    return 0
+
+
+def umount_main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    from .shim import Shim
+
+    try:
+        target = parse_umount_argv(sys.argv[1:] if argv is None else argv)
+    except LayerstoreError as e:
+        return _fail(e, EXIT_USAGE)
+    try:
+        with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR")) as shim:
+            shim.unmount(target)
+    except LayerstoreError as e:
+        return _fail(e, EXIT_FAILURE)
+    return 0
+
+
+def main() -> None:
+    sys.exit(mount_main())
+
+
+def umount_entry() -> None:
+    sys.exit(umount_main())
