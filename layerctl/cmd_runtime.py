@@ -84,6 +84,8 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
     from layerstore.errors import ConfigError
     from runtime_shim import runner
 
+    if command[:1] == ("--",):  # click keeps the separator once positional parsing has begun
+        command = command[1:]
     for item in extra_env:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"--env: want KEY=VALUE, got {item!r}")

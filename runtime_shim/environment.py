@@ -51,3 +51,10 @@ def read_policy(path: str | os.PathLike[str]) -> Any:
     from manifest import files
 
     return files.read_policy(Path(path))
+
+
+def load_policy(path: str | os.PathLike[str] | None) -> Any:
+    """`path`, else $LAYERSTORE_TRUST_POLICY, else None."""
+    from manifest import files
+
+    return files.load_policy(path)

@@ -63,16 +63,16 @@ class Shim:
                  policy: str | os.PathLike[str] | None = None) -> Shim:
         """The production shim: blobs from the node daemon, environments from the store. Without
         an explicit store the running daemon's store is used, else the default store. The trust
-        policy is `policy`, else NODE/policy.json when the node has one, else none."""
+        policy is `policy`, else $LAYERSTORE_TRUST_POLICY, else NODE/policy.json when the node has one, else none."""
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import read_policy, resolve
+        from .environment import load_policy, read_policy, resolve
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
         node_policy = paths.root / "policy.json"
-        trust = read_policy(policy) if policy else read_policy(node_policy) if node_policy.exists() else None
+        trust = load_policy(policy) or (read_policy(node_policy) if node_policy.exists() else None)
         state = NodeState(paths.state)
         if store_url is None:
             with state.read() as t:
