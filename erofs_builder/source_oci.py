@@ -213,15 +213,16 @@ def image_layers(spec: str) -> OciImage:
 
 
 def _split_ref(rest: str) -> tuple[Path, str | None]:
+    """PATH[:REF]; REF may hold ':' itself (a digest, a repo:tag), so PATH is the longest prefix
+    ending before a ':' that exists."""
     if not rest:
         raise BadInput("missing path in image source")
     if os.path.exists(rest):
         return Path(rest), None
-    m = re.fullmatch(r"(.*):(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128})", rest)
-    path, ref = (m[1], m[2]) if m else (rest.rsplit(":", 1) if ":" in rest else (rest, None))
-    if not os.path.exists(path):
-        raise NotFound(f"{path}: no such file or directory")
-    return Path(path), ref or None
+    cuts = [i for i, c in enumerate(rest) if c == ":" and os.path.exists(rest[:i])]
+    if not cuts or not rest[cuts[-1] + 1:]:
+        raise NotFound(f"{rest}: no such file or directory")
+    return Path(rest[:cuts[-1]]), rest[cuts[-1] + 1:]
 
 
 def _digest(value: Any, what: str) -> str:

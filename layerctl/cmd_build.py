@@ -35,6 +35,7 @@ class LayerSource:
     label: str
     entries: EntriesFactory  # called once with a progress callback (input bytes read)
     size: int | None  # input bytes, when known
+    counts_input: bool = True  # False: progress comes from the builder (content bytes added)
 
 
 @dataclass
@@ -83,7 +84,7 @@ def resolve_source(src: str, *, all_root: bool) -> Source:
         def dir_layer(progress: Progress) -> Iterator[Any]:
             return dir_entries(path, all_root=all_root)
 
-        return Source([LayerSource(str(path), dir_layer, None)], None, False)
+        return Source([LayerSource(str(path), dir_layer, None, counts_input=False)], None, False)
     if path.is_file():
         return Source([_tar_layer(str(path), lambda: open(path, "rb"), path.stat().st_size)], None, False)
     if path.exists():
@@ -156,7 +157,7 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
                 what = f"layer {i + 1}/{len(source.layers)}" if source.multi else "building"
                 progress = bar.task(f"{what}: reading", layer.size)
                 built.append(build_layer(layer.entries(progress), staging.path_for(i), mtime_clamp=mtime,
-                                         all_root=all_root))
+                                         all_root=all_root, progress=None if layer.counts_input else progress))
             published = staging.publish(built)
             for i, layer in enumerate(built):
                 res: dict[str, Any] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
