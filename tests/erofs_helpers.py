@@ -137,3 +137,58 @@ def make_tree(root: Path, spec: dict[str, Any]) -> None:
             os.chmod(p, what["mode"])
         for k, v in what.get("xattrs", {}).items():
             os.setxattr(p, k, v, follow_symlinks=False)
+
+
+def expected_snapshot(entries: list[tuple[Any, bytes | None]], *, mtime_clamp: int | None = None,
+                      all_root: bool = False) -> dict[bytes, dict[str, Any]]:
+    """What `snapshot_tree` of the mounted image should show for in-memory entries whose
+    content is given as whole byte strings (implicit parents, hard links, clamping applied)."""
+    from erofs_builder.tree import Kind
+
+    type_char = {Kind.DIR: "d", Kind.REG: "-", Kind.SYMLINK: "l", Kind.CHR: "c", Kind.BLK: "b",
+                 Kind.FIFO: "p", Kind.SOCK: "s"}
+    default_mtime = (mtime_clamp or 0) * 1_000_000_000
+
+    def implicit() -> dict[str, Any]:
+        return {"type": "d", "mode": "0o755", "uid": 0, "gid": 0, "mtime_ns": default_mtime, "xattrs": {}}
+
+    out: dict[bytes, dict[str, Any]] = {b"": implicit()}
+    inode_of: dict[bytes, dict[str, Any]] = {}
+    paths_of: dict[int, list[bytes]] = {}
+    for e, data in entries:
+        parts = e.path.split(b"/") if e.path else []
+        for i in range(1, len(parts)):
+            out.setdefault(b"/".join(parts[:i]), implicit())
+        if e.hardlink is not None:
+            rec = inode_of[e.hardlink]
+            out[e.path] = rec
+            inode_of[e.path] = rec
+            paths_of[id(rec)].append(e.path)
+            continue
+        mtime, nsec = e.mtime, e.mtime_nsec
+        if mtime_clamp is not None and (mtime, nsec) > (mtime_clamp, 0):
+            mtime, nsec = mtime_clamp, 0
+        rec = {"type": type_char[e.kind], "mode": oct(e.mode), "uid": 0 if all_root else e.uid,
+               "gid": 0 if all_root else e.gid, "mtime_ns": mtime * 1_000_000_000 + nsec,
+               "xattrs": {os.fsdecode(k): v for k, v in sorted(e.xattrs.items())}}
+        if e.kind is Kind.REG:
+            content = data or b""
+            rec.update(size=len(content), blake3=blake3.blake3(content).hexdigest())
+        elif e.kind is Kind.SYMLINK:
+            rec["target"] = e.symlink
+        elif e.kind in (Kind.CHR, Kind.BLK):
+            rec["rdev"] = tuple(e.rdev)
+        out[e.path] = rec
+        inode_of[e.path] = rec
+        paths_of[id(rec)] = [e.path]
+    result: dict[bytes, dict[str, Any]] = {}
+    for path, rec in out.items():
+        rec = dict(rec)
+        if rec["type"] != "d":
+            group = paths_of.get(id(out[path]), [path])
+            if rec["type"] in "-l":
+                rec["nlink"] = len(group)
+            if len(group) > 1:
+                rec["link_group"] = tuple(sorted(group))
+        result[path] = rec
+    return result

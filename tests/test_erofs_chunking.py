@@ -1,0 +1,113 @@
+"""Chunk cuts (pure), cross-image dedup, and pushing a layer to a local store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from erofs_builder.build import build_layer, push_layer
+from erofs_builder.chunking import ChunkPolicy, DataExtent, ImageLayout, MetaSegment, check_cover, cut
+from erofs_builder.source_dir import dir_entries
+from layerstore.chunkmap import METADATA
+from layerstore.store import Store
+from tests.erofs_helpers import make_tree
+
+MiB = 1 << 20
+
+
+def test_cut_covers_and_respects_extents() -> None:
+    exts = []
+    pos = 4096
+    sizes = [4096, 8192, 3 * MiB + 4096, 4096 * 5, 300 << 10, 4096] + [4096 * (i % 9 + 1) for i in range(400)]
+    for i, n in enumerate(sizes):
+        exts.append(DataExtent(pos, n, (i * 2654435761) & 0xFFFFFFFF))
+        pos += n
+    meta = [MetaSegment(pos, 8192, False), MetaSegment(pos + 8192, 20480, True), MetaSegment(pos + 28672, 4096, True)]
+    layout = ImageLayout(size=pos + 32768, data_start=4096, data_end=pos, extents=tuple(exts), meta=tuple(meta))
+    cuts = cut(layout)
+    check_cover(cuts, layout.size)
+    starts = {c.offset for c in cuts}
+    for e in exts:  # a cut never splits a small extent; a big one is cut from its own start
+        if e.length < ChunkPolicy().big:
+            assert not any(e.offset < s < e.offset + e.length for s in starts)
+        else:
+            inner = sorted(s for s in starts if e.offset <= s < e.offset + e.length)
+            assert inner == list(range(e.offset, e.offset + e.length, MiB))
+    assert all(c.length <= MiB for c in cuts)
+    assert cuts[0].flags == METADATA and cuts[0].length == 4096
+    assert all((c.flags == METADATA) == (c.offset >= pos or c.offset == 0) for c in cuts)
+    assert [c.offset for c in cuts if c.offset >= pos] == [pos, pos + 8192, pos + 28672]
+
+
+def test_cut_group_boundaries_are_local() -> None:
+    """Changing one small extent only disturbs the groups around it."""
+    def layout(sizes: list[int], hints: list[int]) -> ImageLayout:
+        exts, pos = [], 4096
+        for n, h in zip(sizes, hints, strict=True):
+            exts.append(DataExtent(pos, n, h))
+            pos += n
+        return ImageLayout(size=pos, data_start=4096, data_end=pos, extents=tuple(exts))
+
+    sizes = [4096 * (i % 13 + 1) for i in range(2000)]
+    hints = [(i * 0x5BD1E995 + 7) & 0xFFFFFFFF for i in range(2000)]
+    a = cut(layout(sizes, hints))
+    sizes2, hints2 = list(sizes), list(hints)
+    sizes2[1000] += 8192
+    hints2[1000] ^= 0xABCDEF
+    b = cut(layout(sizes2, hints2))
+    lens_a = [c.length for c in a]
+    lens_b = [c.length for c in b]
+    same = len(set(lens_a) & set(lens_b))
+    assert len(a) > 10 and sum(1 for x, y in zip(lens_a, lens_b, strict=False) if x == y) >= len(a) // 2
+    assert same
+
+
+def test_identical_files_give_identical_chunks_across_images(tmp_path: Path) -> None:
+    big = os.urandom(5 * MiB + 12345)
+    smalls = {f"lib/mod{i}.py": os.urandom(5000 + i * 37) for i in range(300)}
+    make_tree(tmp_path / "a", {"big.bin": big, **smalls, "only-a.txt": b"a" * 100})
+    make_tree(tmp_path / "b", {"zzz/elsewhere/big.bin": big, **smalls, "aaa/other": os.urandom(MiB // 3),
+                               "lib/mod150.py": b"changed"})
+    la = build_layer(dir_entries(tmp_path / "a"), tmp_path / "a.img")
+    lb = build_layer(dir_entries(tmp_path / "b"), tmp_path / "b.img")
+    da = {r.digest for r in la.refs if not r.metadata}
+    data_bytes = sum(r.length for r in lb.refs if not r.metadata)
+    shared = sum(r.length for r in lb.refs if not r.metadata and r.digest in da)
+    assert shared >= len(big)
+    assert shared >= 0.7 * data_bytes, (shared, data_bytes)  # one changed file costs its group(s)
+
+
+def test_push_layer_stores_missing_chunks_then_the_map(tmp_path: Path) -> None:
+    make_tree(tmp_path / "src", {"big": os.urandom(3 * MiB), **{f"s/{i}": os.urandom(i * 50) for i in range(100)}})
+    layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / "img")
+    with Store.open(str(tmp_path / "store")) as store:
+        store.init()
+        seen: list[int] = []
+        first = push_layer(store, layer, progress=seen.append)
+        assert first.new_chunks == len({r.digest for r in layer.refs}) and sum(seen) > 0
+        again = push_layer(store, layer)
+        assert again.new_chunks == 0
+        cm = store.get_chunk_map(layer.blob)
+        assert list(cm.chunks) == layer.refs
+        out = tmp_path / "restored"
+        fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            assert store.read_blob(layer.blob, fd) == layer.size
+        finally:
+            os.close(fd)
+        assert out.read_bytes() == layer.path.read_bytes()
+
+
+def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
+    from erofs_builder.tree import Entry, Kind
+    from layerstore.errors import BadInput
+
+    def entries():  # type: ignore[no-untyped-def]
+        yield Entry(b"ok", Kind.REG, size=3), [b"abc"]
+        yield Entry(b"bad", Kind.REG, size=5), [b"abc"]
+
+    import pytest
+
+    with pytest.raises(BadInput):
+        build_layer(entries(), tmp_path / "img")
+    assert os.listdir(tmp_path) == []
