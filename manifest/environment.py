@@ -110,9 +110,10 @@ def layer_chunk_maps(store: Store, blobs: Iterable[str]) -> dict[str, ChunkMap]:
     out = {}
     for blob in blobs:
         digestmod.parse(blob)
-        if not store.has_blob(blob):
-            raise NotFound(f"layer blob {blob} is not in store {store.url} (push it first)")
-        out[blob] = store.get_chunk_map(blob)
+        try:
+            out[blob] = store.get_chunk_map(blob)
+        except NotFound:
+            raise NotFound(f"layer blob {blob} is not in store {store.url} (push it first)") from None
     return out
 
 

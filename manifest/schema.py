@@ -66,9 +66,12 @@ class Manifest:
     __hash__ = None  # type: ignore[assignment]  # holds dicts
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "prefetch", {k: tuple(v) for k, v in dict(self.prefetch).items()})
-        object.__setattr__(self, "annotations", dict(self.annotations))
+        try:
+            object.__setattr__(self, "layers", tuple(self.layers))
+            object.__setattr__(self, "prefetch", {k: tuple(v) for k, v in dict(self.prefetch).items()})
+            object.__setattr__(self, "annotations", dict(self.annotations))
+        except (TypeError, ValueError):
+            raise InvalidManifest("layers, prefetch or annotations have the wrong shape") from None
         check_manifest(self)
 
     # -- views ---------------------------------------------------------------------------

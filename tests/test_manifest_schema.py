@@ -284,3 +284,10 @@ def test_trace_index_beyond_chunk_map() -> None:
     t = parse_trace(trace_bytes({B: [0, 5]}))
     with pytest.raises(InvalidManifest, match=f"blob {B}: entry 1 is chunk 5, but the blob has 5 chunks"):
         prefetch_from_trace(t, {B: 5})
+
+
+def test_constructor_refuses_wrong_shapes() -> None:
+    with pytest.raises(InvalidManifest, match="wrong shape"):
+        Manifest(layers=(Layer(B, 1, "base"),), prefetch={B: 5})  # type: ignore[dict-item]
+    with pytest.raises(InvalidManifest, match=r"layers\[0\]: not a Layer"):
+        Manifest(layers=({"blob": B},))  # type: ignore[arg-type]
