@@ -40,6 +40,7 @@ from .limiter import DEMAND
 log = logging.getLogger("layerstore.fuse.cache")
 
 TOUCH_INTERVAL = 30.0
+SETTLE = 0.5  # seconds without commits that end an eviction episode
 
 
 class Flight:
@@ -119,7 +120,7 @@ class NodeCache:
         self._apply_lock = trio.Lock()
         self._journal_kick = trio.Event()
         self._evict_kick = trio.Event()
-        self._evict_unmet = False
+        self._episode = False
         self._journal_failures = 0
 
     # -- start-up (blocking; run in a worker thread before serving) ----------------------
@@ -207,7 +208,7 @@ class NodeCache:
                 pins[i] = n
             else:
                 del pins[i]
-        if self._evict_unmet:
+        if self._episode:
             self._evict_kick.set()
 
     # -- writers ---------------------------------------------------------------------------
@@ -231,7 +232,7 @@ class NodeCache:
             entry.last_use[i] = now
             ops.append(ci.PutChunk(entry.blob, i, now))
         self._enqueue(ops)
-        if self.budget is not None and self.usage > self.budget.high:
+        if self.budget is not None and (self._episode or self.usage > self.budget.high):
             self._evict_kick.set()
 
     def _enqueue(self, ops: list[ci.Op], punches: tuple[str, list[tuple[int, int]]] | None = None) -> None:
@@ -303,14 +304,38 @@ class NodeCache:
         await self.flush()
 
     # -- eviction ----------------------------------------------------------------------------
+    async def _next_kick(self) -> None:
+        await self._evict_kick.wait()
+        self._evict_kick = trio.Event()
+
     async def _evict_loop(self) -> None:
+        """Watermark eviction. Crossing the high watermark starts an episode: evict to the low
+        watermark now, again whenever commits push usage half-way back up to the high watermark,
+        and once more when the cache has been quiet for `SETTLE` seconds, so that usage ends
+        under the low watermark."""
         assert self.budget is not None
         while True:
-            await self._evict_kick.wait()
-            self._evict_kick = trio.Event()
-            if self.usage > self.budget.high or (self._evict_unmet and self.usage > self.budget.low):
+            await self._next_kick()
+            if self.usage <= self.budget.high:
+                continue
+            self._episode = True
+            # While fetches keep coming, evict in batches (each pass sorts every cached chunk).
+            midpoint = (self.budget.low + self.budget.high) // 2
+            try:
                 await self.evict_to(self.budget.low)
-                self._evict_unmet = self.usage > self.budget.low
+                while True:
+                    if self.usage > midpoint:
+                        await self.evict_to(self.budget.low)
+                    quiet = True
+                    with trio.move_on_after(SETTLE):
+                        await self._next_kick()
+                        quiet = False
+                    if quiet:
+                        n, _ = await self.evict_to(self.budget.low)
+                        if self.usage <= self.budget.low or n == 0:
+                            break
+            finally:
+                self._episode = False
 
     def _candidates(self, only: str | None = None) -> list[Candidate]:
         out = []
