@@ -100,10 +100,11 @@ def parse_user(user: str, passwd: str = "", group: str = "") -> tuple[int, int]:
     name, _, grp = user.partition(":")
 
     def lookup(text: str, key: str, what: str) -> tuple[int, int]:
+        # passwd: name:x:uid:gid:...  group: name:x:gid:members
         for line in text.splitlines():
             f = line.split(":")
-            if len(f) >= 4 and f[0] == key:
-                return int(f[2]), int(f[3])
+            if len(f) >= 4 and f[0] == key and f[2].isdigit():
+                return int(f[2]), int(f[3]) if f[3].isdigit() else 0
         raise BadInput(f"user {user!r}: no {what} {key!r} in the environment")
 
     if name.isdigit():

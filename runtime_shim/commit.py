@@ -57,10 +57,11 @@ def committed_layers(old: Iterable[Any], new_blob: str, new_size: int, layer_cls
     The manifest schema allows at most one workspace, on top. An existing workspace therefore
     becomes an ordinary lower layer (role "toolkit") under the new workspace; the stacking order,
     which is all the kernel sees, is unchanged."""
+    old = list(old)
+    if any(layer.blob == new_blob for layer in old):
+        return tuple(old)  # the upper rebuilt a layer the environment already has: nothing new
     out = []
     for layer in old:
-        if layer.blob == new_blob:
-            continue  # an unchanged upper can rebuild a layer the environment already has
         role = "toolkit" if layer.role == "workspace" else layer.role
         out.append(layer_cls(layer.blob, layer.size, role))
     out.append(layer_cls(new_blob, new_size, "workspace"))

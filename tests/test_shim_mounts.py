@@ -1,0 +1,229 @@
+"""The shim against the real kernel: shared EROFS layer mounts with reference counts, overlay
+composition, private uppers, id/upper uniqueness, and recovery after simulated shim crashes.
+Images come from mkfs.erofs and are served from a directory (`DirBlobs`), so no daemon is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from layerstore import sysmount
+from runtime_shim import mountinfo
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.errors import SandboxExists, ShimError
+from runtime_shim.paths import NodePaths
+from runtime_shim.shim import Shim
+from runtime_shim.state import MOUNTED, UNMOUNTING
+from tests.test_shim_support import add_blob, busybox_rootfs, cleanup_node, mkfs, needs_busybox, needs_root, spec
+
+pytestmark = [needs_root, needs_busybox]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """base: busybox + /data/{a,b} + /olddir/x; toolkit: /opt/tool, a whiteout of /data/b and an
+    opaque /olddir holding only `new`."""
+    root = tmp_path_factory.mktemp("images")
+    base = busybox_rootfs(root / "base")
+    (base / "data").mkdir()
+    (base / "data" / "a").write_text("a from base\n")
+    (base / "data" / "b").write_text("b from base\n")
+    (base / "olddir").mkdir()
+    (base / "olddir" / "x").write_text("x\n")
+    tk = root / "toolkit"
+    (tk / "opt" / "tool").mkdir(parents=True)
+    (tk / "opt" / "tool" / "run.sh").write_text("#!/bin/sh\necho tool\n")
+    (tk / "data").mkdir()
+    os.mknod(tk / "data" / "b", 0o600 | 0o020000, os.makedev(0, 0))
+    (tk / "olddir").mkdir()
+    os.setxattr(tk / "olddir", "trusted.overlay.opaque", b"y")
+    (tk / "olddir" / "new").write_text("new\n")
+    blobs = root / "blobs"
+    b = add_blob(blobs, mkfs(base, root / "base.img"))
+    t = add_blob(blobs, mkfs(tk, root / "tk.img"))
+    return {"blobs": blobs, "base": b, "toolkit": t}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Path]:
+    n = tmp_path / "node"
+    try:
+        yield n
+    finally:
+        cleanup_node(n, tmp_path)
+
+
+def open_shim(node: Path, images: dict[str, object]) -> Shim:
+    return Shim(NodePaths(node), DirBlobs(images["blobs"]))  # type: ignore[arg-type]
+
+
+def env2(images: dict[str, object]):  # type: ignore[no-untyped-def]
+    return spec((images["base"], "base"), (images["toolkit"], "toolkit"))  # type: ignore[arg-type]
+
+
+def erofs_mounts(node: Path) -> list[str]:
+    return sorted(m.mountpoint for m in mountinfo.read().values()
+                  if m.fstype == "erofs" and m.mountpoint.startswith(str(node) + "/"))
+
+
+def test_layers_are_mounted_once_and_reference_counted(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a = shim.mount(env2(images))
+        b = shim.mount(env2(images))
+        assert a.id != b.id and a.upper != b.upper
+        assert len(erofs_mounts(node)) == 2  # one per layer, not per sandbox
+        assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 2}
+        only_base = shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+        assert shim.layer_refs()[images["base"]] == 3
+        shim.unmount(a.target)
+        assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 1}
+        shim.unmount(b.id)
+        assert shim.layer_refs() == {images["base"]: 1}
+        assert len(erofs_mounts(node)) == 1
+        shim.unmount(only_base.id)
+        assert shim.layer_refs() == {} and erofs_mounts(node) == []
+        assert os.listdir(node / "layers") == []
+        assert [d for d in os.listdir(node / "sandboxes") if not d.startswith(".")] == []
+        assert shim.sandboxes() == []
+
+
+def test_whiteouts_and_opaque_directories_across_layers(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        sb = shim.mount(env2(images))
+        root = Path(sb.target)
+        assert (root / "data" / "a").read_text() == "a from base\n"
+        assert not (root / "data" / "b").exists()
+        assert sorted(os.listdir(root / "olddir")) == ["new"]
+        assert (root / "opt" / "tool" / "run.sh").exists()
+        assert (root / "etc" / "motd").read_text() == "base motd\n"
+        shim.unmount(sb.id)
+
+
+def test_writes_land_in_the_private_upper_only(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        ra, rb = Path(a.target), Path(b.target)
+        (ra / "etc" / "motd").write_text("changed in a\n")
+        (ra / "new-file").write_text("only a\n")
+        (ra / "data" / "a").unlink()
+        assert (Path(a.upper) / "etc" / "motd").read_text() == "changed in a\n"
+        assert (Path(a.upper) / "new-file").exists()
+        wh = os.lstat(Path(a.upper) / "data" / "a")
+        assert (os.major(wh.st_rdev), os.minor(wh.st_rdev)) == (0, 0)  # a whiteout
+        # the other sandbox and the shared layer are untouched
+        assert (rb / "etc" / "motd").read_text() == "base motd\n"
+        assert not (rb / "new-file").exists() and (rb / "data" / "a").exists()
+        layer = NodePaths(node).layer_mount(images["base"])  # type: ignore[arg-type]
+        assert (layer / "etc" / "motd").read_text() == "base motd\n"
+        with pytest.raises(OSError):
+            (layer / "etc" / "motd").write_text("x")  # read-only EROFS
+        assert os.listdir(b.upper) == []
+        shim.unmount(a.id)
+        shim.unmount(b.id)
+        assert not os.path.exists(a.upper)  # the shim's own upper goes with the sandbox
+
+
+def test_sandbox_ids_and_uppers_are_unique(node: Path, images: dict[str, object], tmp_path: Path) -> None:
+    with open_shim(node, images) as shim:
+        shim.mount(env2(images), sandbox="task-1")
+        with pytest.raises(SandboxExists):
+            shim.mount(env2(images), sandbox="task-1")
+        mine = tmp_path / "keep" / "upper"
+        shim.mount(env2(images), tmp_path / "t2", sandbox="task-2", upper=mine)
+        with pytest.raises(SandboxExists):
+            shim.mount(env2(images), tmp_path / "t3", sandbox="task-3", upper=mine)  # in use
+        (tmp_path / "t2" / "work.txt").write_text("progress\n")
+        shim.unmount(str(tmp_path / "t2"))
+        assert (mine / "work.txt").read_text() == "progress\n"  # the caller's upper is kept
+        # an id whose directory survived (e.g. a crash) is refused unless its upper is given
+        (NodePaths(node).sandbox_dir("task-4") / "upper").mkdir(parents=True)
+        (NodePaths(node).sandbox_dir("task-4") / "upper" / "f").write_text("old\n")
+        with pytest.raises(SandboxExists):
+            shim.mount(env2(images), sandbox="task-4")
+        sb = shim.mount(env2(images), sandbox="task-4", upper=NodePaths(node).upper("task-4"))
+        assert (Path(sb.target) / "f").read_text() == "old\n"
+        # resume the kept upper under a new sandbox
+        sb5 = shim.mount(env2(images), sandbox="task-5", upper=mine)
+        assert (Path(sb5.target) / "work.txt").read_text() == "progress\n"
+        for s in shim.sandboxes():
+            shim.unmount(s.id)
+        assert (NodePaths(node).upper("task-4") / "f").exists()
+
+
+def test_failed_mount_leaves_nothing(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        keep = shim.mount(env2(images))
+        missing = "b3:" + "e" * 64
+        with pytest.raises(ShimError):
+            shim.mount(spec((images["base"], "base"), (missing, "toolkit")), sandbox="doomed")  # type: ignore[arg-type]
+        assert [s.id for s in shim.sandboxes()] == [keep.id]
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        assert not NodePaths(node).sandbox_dir("doomed").exists()
+        shim.unmount(keep.id)
+
+
+def test_recover_when_state_says_mounted_but_mounts_are_gone(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+        (Path(a.target) / "mine").write_text("a's data\n")
+    for m in sorted(mountinfo.under(mountinfo.read(), str(node)), key=lambda m: -len(m.mountpoint)):
+        sysmount.umount(m.mountpoint, lazy=True)  # the mounts vanish (reboot, crashed namespace)
+    assert erofs_mounts(node) == []
+    with open_shim(node, images) as shim:  # recovery runs when the shim starts
+        assert {s.id: s.status for s in shim.sandboxes()} == {a.id: MOUNTED, b.id: MOUNTED}
+        assert (Path(a.target) / "mine").read_text() == "a's data\n"  # the same upper
+        assert not (Path(b.target) / "mine").exists()
+        assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 1}
+        assert len(erofs_mounts(node)) == 2
+        assert shim.check(a.id).ok, shim.check(a.id).problems
+        assert shim.recover().changed is False  # idempotent
+
+
+def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a = shim.mount(env2(images))
+        gone = shim.mount(env2(images))
+        (Path(a.target) / "mine").write_text("kept\n")
+        (Path(gone.target) / "g").write_text("upper data\n")
+    shutil.rmtree(node / "state")  # the database is lost; mounts and record files remain
+    os.unlink(NodePaths(node).sandbox_dir(gone.id) / "sandbox.json")  # and one record too
+    stray = node / "layers" / ("f" * 64)
+    stray.mkdir()
+    sysmount.mount_erofs(Path(images["blobs"]) / images["base"], stray)  # type: ignore[arg-type, operator]
+    with open_shim(node, images) as shim:
+        assert [s.id for s in shim.sandboxes()] == [a.id]  # rebuilt from its record
+        assert (Path(a.target) / "mine").read_text() == "kept\n"
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        assert not sysmount.is_mountpoint(gone.target) and not sysmount.is_mountpoint(stray)
+        assert (Path(gone.upper) / "g").read_text() == "upper data\n"  # never touched
+        shim.unmount(a.id)
+    assert erofs_mounts(node) == []
+
+
+def test_recover_finishes_an_interrupted_teardown(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        with shim.state.write() as t:  # the shim died right after marking `a` for teardown
+            rec = t.sandbox(a.id)
+            assert rec is not None
+            rec.status = UNMOUNTING
+            t.put_sandbox(rec)
+        rep = shim.recover()
+        assert rep.finished_teardowns == [a.id]
+        assert [s.id for s in shim.sandboxes()] == [b.id]
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        assert not os.path.exists(a.upper) and not sysmount.is_mountpoint(a.target)
+        shim.unmount(b.id)
+
+
+def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        sb = shim.mount(env2(images), sandbox="rec-1")
+        rec = json.loads((NodePaths(node).sandbox_dir("rec-1") / "sandbox.json").read_text())
+        assert rec["id"] == "rec-1" and rec["layers"] == [images["base"], images["toolkit"]]
+        shim.unmount(sb.id)
