@@ -39,7 +39,6 @@ CONF_FILE = "ceph.conf"
 S3_USER = "layerstore"
 FS_NAME = "cephfs"
 
-_PR_SET_PDEATHSIG = 1
 _MNT_DETACH = 2
 
 
@@ -82,11 +81,6 @@ def _umount(path: str, *, lazy: bool = False) -> bool:
     return libc.umount2(os.fsencode(path), _MNT_DETACH if lazy else 0) == 0
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -105,9 +99,11 @@ def _alive(pid: int) -> bool:
 class CephCluster:
     """A single-node Ceph under `workdir`. Use as a context manager or call `start()`/`stop()`.
 
-    `die_with_parent` asks the kernel to SIGTERM every daemon when the starting thread exits, so a
-    test run that is killed outright does not leave daemons behind (off for the shell entry point,
-    whose whole point is to leave the cluster running)."""
+    `die_with_parent` starts a small reaper process that watches this process and runs `stop()`
+    from the state file if it dies without stopping the cluster (a test run killed outright), so
+    no daemon or mount outlives it. The shell entry point turns it off: leaving the cluster running
+    is its whole point. (PR_SET_PDEATHSIG would not do: every daemon would get its signal at once,
+    the mon would die first, and the MDS, OSD and ceph-fuse would then wait for it forever.)"""
 
     def __init__(self, workdir: str | os.PathLike[str], *, memstore_mib: int = 4096,
                  die_with_parent: bool = True, verbose: bool = False) -> None:
@@ -122,6 +118,7 @@ class CephCluster:
         self.access_key = ""
         self.secret_key = ""
         self.daemons: dict[str, Daemon] = {}
+        self.reaper: Daemon | None = None
         self.mounts: dict[str, str] = {}  # ceph-fuse client id -> mount path
         self.timings: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -151,6 +148,7 @@ class CephCluster:
             "mount": self.mounts.get("admin"),
             "mounts": dict(self.mounts),
             "pids": {name: d.pid for name, d in self.daemons.items()},
+            "reaper": self.reaper.pid if self.reaper else None,
             "timings": dict(self.timings),
         }
 
@@ -190,6 +188,8 @@ class CephCluster:
         self.secret_key = secrets.token_urlsafe(30)
         self._write_conf()
         self._save_state()
+        if self.die_with_parent:
+            self._start_reaper()
 
         self._run(["monmaptool", "--create", "--clobber", "--fsid", self.fsid,
                    "--addv", "a", f"[v2:127.0.0.1:{self.mon_port}]", str(self.workdir / "monmap")])
@@ -229,6 +229,9 @@ class CephCluster:
         """Unmount every ceph-fuse mount, then stop every daemon by PID (SIGTERM, SIGKILL after a
         timeout). Idempotent; never raises for a daemon that is already gone."""
         with self._lock:
+            reaper, self.reaper = self.reaper, None
+            if reaper is not None and reaper.pid != os.getpid():
+                self._terminate([reaper], timeout=2.0)
             for cid in list(self.mounts):
                 t = time.monotonic()
                 with contextlib.suppress(Exception):
@@ -239,7 +242,7 @@ class CephCluster:
             # only waits for it, which would cost the whole SIGTERM timeout.
             # The MDS's orderly shutdown spends seconds on a goodbye to the mon that nobody needs
             # here (its state lives in the memstore OSD, which is about to go away anyway).
-            order = (("fuse.", 10.0), ("rgw", 10.0), ("mds.", 1.0), ("mgr.", 10.0), ("osd.", 10.0), ("mon.", 10.0))
+            order = (("fuse.", 5.0), ("rgw", 10.0), ("mds.", 1.0), ("mgr.", 10.0), ("osd.", 5.0), ("mon.", 10.0))
             for group, timeout in order:
                 names = [n for n in self.daemons if n.startswith(group)]
                 t = time.monotonic()
@@ -327,11 +330,16 @@ class CephCluster:
         with self._lock:
             path = self.mounts.pop(client_id, None)
             d = self.daemons.pop(f"fuse.{client_id}", None)
-            if path is not None and path in _mountpoints() and not _umount(path):
-                _umount(path, lazy=True)
-            if d is not None:
-                self._wait_exit(d, timeout)
-                self._terminate([d])
+            alive = d is not None and self._owned(d)
+            clean = False
+            if path is not None and path in _mountpoints():
+                # A dead client's mount (ENOTCONN) or a busy one can only be detached; a detached
+                # mount keeps its client busy while files stay open, so the client is then killed.
+                clean = alive and _umount(path)
+                if not clean:
+                    _umount(path, lazy=True)
+            if d is not None and not self._wait_exit(d, timeout if clean else 0.2):
+                self._terminate([d], timeout=2.0)
             if path is not None and path in _mountpoints():
                 _umount(path, lazy=True)
             self._save_state()
@@ -372,8 +380,7 @@ class CephCluster:
         log = open(self.workdir / "log" / f"{name}.out", "ab")  # noqa: SIM115 - handed to the child
         try:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 cwd=self.workdir, start_new_session=True,
-                                 preexec_fn=_set_pdeathsig if self.die_with_parent else None)
+                                 cwd=self.workdir, start_new_session=True)
         except FileNotFoundError:
             raise CephError(f"{argv[0]} not found: are the Ceph packages installed?") from None
         finally:
@@ -383,6 +390,14 @@ class CephCluster:
             self.daemons[name] = d
             self._save_state()
         return d
+
+    def _start_reaper(self) -> None:
+        argv = [sys.executable, os.path.abspath(__file__), "reap", str(os.getpid()), str(self.workdir)]
+        with open(self.workdir / "log" / "reaper.out", "ab") as log:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=self.workdir, start_new_session=True)
+        self.reaper = Daemon("reaper", p.pid, p)
+        self._save_state()
 
     def _wait_exit(self, d: Daemon, timeout: float) -> bool:
         end = time.monotonic() + timeout
@@ -420,7 +435,8 @@ class CephCluster:
                 cmdline = f.read().split(b"\0")
         except OSError:
             return False
-        return os.fsencode(self.conf) in cmdline and _alive(d.pid)
+        mine = os.fsencode(self.conf) in cmdline or (d.name == "reaper" and os.fsencode(self.workdir) in cmdline)
+        return mine and _alive(d.pid)
 
     def _wait(self, cond: object, deadline: float, what: str) -> None:
         assert callable(cond)
@@ -453,6 +469,8 @@ class CephCluster:
         if state.get("endpoint"):
             c.rgw_port = int(state["endpoint"].rsplit(":", 1)[1])
         c.daemons = {n: Daemon(n, int(pid)) for n, pid in state["pids"].items()}
+        if state.get("reaper"):
+            c.reaper = Daemon("reaper", int(state["reaper"]))
         c.mounts = dict(state["mounts"])
         return c
 
@@ -472,6 +490,7 @@ class CephCluster:
 fsid = {self.fsid}
 mon host = v2:127.0.0.1:{self.mon_port}
 public addr = 127.0.0.1
+cluster addr = 127.0.0.1
 ms bind msgr1 = false
 ms bind ipv6 = false
 # auth none; the mon client mode must then be crc, or radosgw loops on error -13
@@ -543,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = "-v" in args
     args = [a for a in args if a != "-v"]
+    if len(args) == 3 and args[0] == "reap":
+        return _reap(int(args[1]), args[2])
     if len(args) != 2 or args[0] not in ("start", "stop"):
         print("usage: ceph_cluster.py [-v] start|stop DIR", file=sys.stderr)
         return 2
@@ -561,6 +582,19 @@ def main(argv: list[str] | None = None) -> int:
         CephCluster.adopt(workdir, verbose=verbose).stop()
     except CephError as e:
         print(f"ceph_cluster: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _reap(owner: int, workdir: str) -> int:
+    """The reaper: wait for `owner` to die, then stop what it left running."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while _alive(owner):
+        time.sleep(0.5)
+    try:
+        CephCluster.adopt(workdir).stop()
+    except CephError as e:
+        print(f"ceph_cluster reaper: {e}", file=sys.stderr)
         return 1
     return 0
 
