@@ -216,9 +216,9 @@ class CephCluster:
             self._spawn("mds.a", ["ceph-mds", "-f", "-i", "a"])
         self._wait_rgw(deadline)
         self._mark("rgw")
-        self._run(["radosgw-admin", "-c", str(self.conf), "user", "create", f"--uid={S3_USER}",
-                   f"--display-name={S3_USER}", f"--access-key={self.access_key}",
-                   f"--secret-key={self.secret_key}"], timeout=max(deadline - time.monotonic(), 1))
+        self.radosgw_admin("user", "create", f"--uid={S3_USER}", f"--display-name={S3_USER}",
+                           f"--access-key={self.access_key}", f"--secret-key={self.secret_key}",
+                           timeout=max(deadline - time.monotonic(), 1))
         self._save_state()
         self._mark("s3_ready")
         if cephfs:
@@ -349,6 +349,17 @@ class CephCluster:
         """Run the `ceph` CLI against this cluster; returns its stdout."""
         return self._run(["ceph", "-c", str(self.conf), "--connect-timeout", str(int(timeout) or 1), *args],
                          timeout=timeout)
+
+    def radosgw_admin(self, *args: str, timeout: float = 30.0) -> str:
+        """Run `radosgw-admin` against this cluster; returns its stdout."""
+        return self._run(["radosgw-admin", "-c", str(self.conf), *args], timeout=timeout)
+
+    def create_s3_user(self, uid: str) -> tuple[str, str]:
+        """Another S3 user (no access to the main user's buckets); returns (access, secret)."""
+        access, secret = "LS" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30)
+        self.radosgw_admin("user", "create", f"--uid={uid}", f"--display-name={uid}",
+                           f"--access-key={access}", f"--secret-key={secret}")
+        return access, secret
 
     def ceph_batch(self, commands: list[str], *, timeout: float = 30.0) -> str:
         """Run several `ceph` commands in one CLI process (its interactive mode reads stdin)."""
