@@ -93,7 +93,7 @@ class DaemonBlobs:
         return self.paths.fuse / "blobs" / digestmod.parse(blob)
 
     def fetch_all(self, blob: str) -> None:
-        argv = [*layerctl_argv(), "prefetch", "--cache", str(self.paths.cache), blob, "--all"]
+        argv = [*layerctl_argv(), "prefetch", "--cache", str(self.paths.cache), blob, "--all", "--wait", "--json"]
         p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
         if p.returncode != 0:
             msg = (p.stderr.strip().splitlines() or ["no message"])[-1]

@@ -1,0 +1,201 @@
+"""End to end through the CLI with the real node daemon and a local store: run, the mount(8)
+helpers, sandbox ls/rm, commit onto a fresh node, eager mode, and recovery after kill -9 of the
+daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime_shim.daemon import is_alive
+from runtime_shim.state import NodeState
+from tests.cli_helpers import layerctl
+from tests.test_shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc, snapshot
+
+pytestmark = [needs_root, needs_busybox, needs_runc]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A store with bb:1 (busybox base) and big:1 (base + a toolkit holding 6 MiB nobody reads)."""
+    root = tmp_path_factory.mktemp("cli")
+    url = str(root / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    base = busybox_rootfs(root / "base")
+    (base / "data").mkdir()
+    (base / "data" / "keep").write_text("keep\n")
+    (base / "data" / "drop").write_text("drop\n")
+    (base / "olddir").mkdir()
+    (base / "olddir" / "x").write_text("x\n")
+    tk = root / "tk"
+    (tk / "opt").mkdir(parents=True)
+    (tk / "opt" / "big").write_bytes(os.urandom(6 << 20))
+
+    def build(src: Path) -> str:
+        r = layerctl("build", str(src), "--push", "--store", url, "--all-root", "--json")
+        assert r.code == 0, r.err
+        return str(r.json()["blob"])
+
+    b, t = build(base), build(tk)
+    assert layerctl("env", "create", "--store", url, "--base", b, "-t", "bb:1").code == 0
+    assert layerctl("env", "create", "--store", url, "--base", b, "--toolkit", t, "-t", "big:1").code == 0
+    return {"url": url, "base": b, "toolkit": t}
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[Path]]:
+    made = [tmp_path / "node-a", tmp_path / "node-b"]
+    try:
+        yield made
+    finally:
+        for n in made:
+            cleanup_node(n, tmp_path)
+
+
+def daemon_pid(node: Path) -> int:
+    with NodeState(node / "state") as st, st.read() as t:
+        rec = t.daemon()
+    assert rec is not None and is_alive(rec)
+    return rec.pid
+
+
+def test_run_streams_output_and_exits_with_the_commands_code(store: dict[str, str], nodes: list[Path]) -> None:
+    args = ("run", "--store", store["url"], "--node-dir", str(nodes[0]), "bb:1", "--")
+    r = layerctl(*args, "sh", "-c", "echo to-out; echo to-err >&2; exit 3")
+    assert (r.code, r.out, r.err) == (3, "to-out\n", "to-err\n")
+    r = layerctl(*args, "cat", input=b"piped stdin\n")
+    assert (r.code, r.out) == (0, "piped stdin\n")
+    first = daemon_pid(nodes[0])
+    assert layerctl(*args, "true").code == 0
+    assert daemon_pid(nodes[0]) == first  # the running daemon is reused
+    r = layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json")
+    assert r.json() == {"sandboxes": [], "layers": {}}
+    r = layerctl("run", "--store", store["url"], "--node-dir", str(nodes[0]), "nope:1", "--", "true")
+    assert r.code == 3 and "Traceback" not in r.err and "nope:1" in r.err
+
+
+def test_mount_helper_as_mount8_calls_it(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    target = tmp_path / "root"
+    target.mkdir()
+    opts = f"sandbox=h1,node_dir={nodes[0]},store={store['url']}"
+    p = subprocess.run([str(BIN / "mount.layerstore"), "bb:1", str(target), "-n", "-o", opts], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    assert (target / "data" / "keep").read_text() == "keep\n"
+    r = layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json")
+    assert [s["sandbox"] for s in r.json()["sandboxes"]] == ["h1"]
+    p = subprocess.run([str(BIN / "mount.layerstore"), "bb:1", str(tmp_path / "r2"), "-o", opts], capture_output=True,
+                       text=True)
+    assert p.returncode == 32 and "h1" in p.stderr  # the id is taken
+    p = subprocess.run([str(BIN / "umount.layerstore"), str(target)], capture_output=True, text=True,
+                       env={**os.environ, "LAYERSTORE_NODE_DIR": str(nodes[0])})
+    assert p.returncode == 0, p.stderr
+    assert not os.path.ismount(target)
+    # through mount(8) itself, with the helper installed where it looks for it
+    helper = Path("/sbin/mount.layerstore")
+    if helper.exists() or helper.is_symlink():
+        pytest.skip("a mount.layerstore is installed on this machine already")
+    helper.symlink_to(BIN / "mount.layerstore")
+    try:
+        p = subprocess.run(["mount", "-t", "layerstore", "bb:1", str(target), "-o", opts.replace("h1", "h2")],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        assert (target / "data" / "keep").exists()
+    finally:
+        helper.unlink()
+    r = layerctl("umount", "--node-dir", str(nodes[0]), str(target))
+    assert r.code == 0, r.err
+    assert not os.path.ismount(target)
+
+
+def test_commit_then_resume_on_another_node(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[0]), "bb:1", str(a), "--sandbox", "c1")
+    assert r.code == 0, r.err
+    (a / "data" / "new").write_text("new file\n")
+    (a / "etc" / "motd").write_text("changed\n")
+    (a / "data" / "drop").unlink()  # a whiteout
+    shutil.rmtree(a / "olddir")
+    (a / "olddir").mkdir()  # an opaque directory
+    (a / "olddir" / "y").write_text("y\n")
+    os.symlink("/data/new", a / "link")
+    seen = snapshot(a)
+    r = layerctl("commit", "--store", store["url"], "--node-dir", str(nodes[0]), "c1", "-t", "bb:c1", "--json")
+    assert r.code == 0, r.err
+    res = r.json()
+    assert set(res) >= {"manifest", "layer"} and res["manifest"].startswith("b3:")
+    r = layerctl("env", "show", "--store", store["url"], "bb:c1", "--json")
+    layers = r.json()["environment"]["layers"]
+    assert [x["blob"] for x in layers] == [store["base"], res["layer"]]
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[1]), "bb:c1", str(b))
+    assert r.code == 0, r.err
+    assert snapshot(b) == seen
+    assert not (b / "data" / "drop").exists() and os.listdir(b / "olddir") == ["y"]
+    r = layerctl("run", "--store", store["url"], "--node-dir", str(nodes[1]), "bb:c1", "--", "cat", "/data/new")
+    assert (r.code, r.out) == (0, "new file\n")
+    for node, tgt in ((nodes[0], a), (nodes[1], b)):
+        assert layerctl("umount", "--node-dir", str(node), str(tgt)).code == 0
+
+
+def test_recover_after_kill9_of_the_daemon(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    node = nodes[0]
+    targets = [tmp_path / "k1", tmp_path / "k2"]
+    for i, t in enumerate(targets):
+        r = layerctl("mount", "--store", store["url"], "--node-dir", str(node), "big:1", str(t), "--sandbox", f"k{i}")
+        assert r.code == 0, r.err
+    (targets[0] / "mine").write_text("upper data\n")
+    old = daemon_pid(node)
+    os.kill(old, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(old, os.WNOHANG)
+    with pytest.raises(OSError):
+        (targets[1] / "opt" / "big").read_bytes()  # never read before: the dead daemon cannot serve it
+    r = layerctl("recover", "--node-dir", str(node), "--json")
+    assert r.code == 0, r.err
+    rep = r.json()
+    assert sorted(rep["remounted_sandboxes"]) == ["k0", "k1"] and rep["broken"] == {}
+    assert daemon_pid(node) != old
+    assert len((targets[1] / "opt" / "big").read_bytes()) == 6 << 20
+    assert (targets[0] / "mine").read_text() == "upper data\n"
+    assert (targets[0] / "data" / "keep").read_text() == "keep\n"
+    r = layerctl("sandbox", "ls", "--node-dir", str(node), "--json")
+    assert {s["status"] for s in r.json()["sandboxes"]} == {"mounted"}
+    for i in range(2):
+        assert layerctl("sandbox", "rm", "--node-dir", str(node), f"k{i}").code == 0
+
+
+def test_eager_fetches_every_chunk_before_mounting(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    def cached(node: Path) -> dict[str, tuple[int, int]]:
+        r = layerctl("cache", "ls", "--cache", str(node / "cache"), "--json")
+        assert r.code == 0, r.err
+        return {b["blob"]: (b["cached_chunks"], b["chunks"]) for b in r.json()["blobs"]}
+
+    lazy, eager = tmp_path / "lazy", tmp_path / "eager"
+    assert layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[0]), "big:1", str(lazy)).code == 0
+    got, total = cached(nodes[0]).get(store["toolkit"], (0, 1))
+    assert got < total  # lazy: the big file was never read
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[1]), "--eager", "big:1", str(eager))
+    assert r.code == 0, r.err
+    for blob in (store["base"], store["toolkit"]):
+        got, total = cached(nodes[1])[blob]
+        assert got == total
+    for node, t in ((nodes[0], lazy), (nodes[1], eager)):
+        assert layerctl("umount", "--node-dir", str(node), str(t)).code == 0
+
+
+def test_usage_errors_are_one_line(store: dict[str, str], nodes: list[Path]) -> None:
+    r = layerctl("umount", "--node-dir", str(nodes[0]), "/no/such/target")
+    assert r.code == 3 and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+    r = layerctl("mount", "--node-dir", str(nodes[0]) + ",x", "bb:1", "/tmp/x")
+    assert r.code == 2 and "Traceback" not in r.err
+    assert json.loads(layerctl("recover", "--node-dir", str(nodes[0]), "--json").out)["broken"] == {}
