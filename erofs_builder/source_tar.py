@@ -404,11 +404,15 @@ class _Parser:
         raw_path = pax.get("GNU.sparse.name") or pax.get("path") or longname or h.name
         label = f"member {show(raw_path)}"
         try:
-            return self._build(h, pax, sparse_pairs, raw_path, longlink, label)
+            path = self._normalise(raw_path)
+            plain = raw_path[2:] if raw_path.startswith(b"./") else raw_path
+            if path != plain.rstrip(b"/"):
+                label += f" (as {show(path or b'.')})"
+            return self._build(h, pax, sparse_pairs, raw_path, path, longlink, label)
         except ValueError as e:
             raise self.fail(label, str(e)) from None
 
-    def _build(self, h: _Header, pax: dict[str, bytes], sparse_pairs: list[bytes], raw_path: bytes,
+    def _build(self, h: _Header, pax: dict[str, bytes], sparse_pairs: list[bytes], raw_path: bytes, path: bytes,
                longlink: bytes | None, label: str) -> tuple[Entry, _MemberData | None]:
         t = h.typeflag
         size = _pax_int(pax["size"], "size", 0, MAX_FILE_SIZE) if "size" in pax else h.size
@@ -420,8 +424,6 @@ class _Parser:
             if size:
                 raise ValueError("a regular file whose name ends with '/'")
             t = b"5"
-        path = self._normalise(raw_path)
-        label = f"member {show(path or b'.')}"
 
         mode = h.mode & 0o7777
         uid = _pax_int(pax["uid"], "uid", 0, 2**32 - 1) if "uid" in pax else h.uid

@@ -210,15 +210,19 @@ def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def image_config_doc(spec: ImageSpec) -> bytes:
+def image_config_doc(spec: ImageSpec, diff_ids: list[str | None] | None = None) -> bytes:
+    """The image config; `diff_ids` overrides some diff_ids (None keeps the true one)."""
+    ids = [_sha(layer.tar) for layer in spec.layers]
+    for i, override in enumerate(diff_ids or []):
+        ids[i] = override or ids[i]
     return json.dumps({
         "architecture": "amd64", "os": "linux", "config": spec.config,
-        "rootfs": {"type": "layers", "diff_ids": [_sha(layer.tar) for layer in spec.layers]},
+        "rootfs": {"type": "layers", "diff_ids": ids},
     }, sort_keys=True).encode()
 
 
 def write_oci_layout(root: Path, spec: ImageSpec, ref: str | None = "latest",
-                     extra_refs: Iterable[str] = ()) -> dict[str, str]:
+                     extra_refs: Iterable[str] = (), diff_ids: list[str | None] | None = None) -> dict[str, str]:
     """Write an OCI image layout; returns {"manifest": digest, "config": digest, "layers": ...}."""
     blobs = root / "blobs/sha256"
     blobs.mkdir(parents=True, exist_ok=True)
@@ -228,7 +232,7 @@ def write_oci_layout(root: Path, spec: ImageSpec, ref: str | None = "latest",
         (blobs / digest.split(":")[1]).write_bytes(data)
         return digest
 
-    config = image_config_doc(spec)
+    config = image_config_doc(spec, diff_ids)
     layer_descs = []
     for layer in spec.layers:
         blob = layer.blob
