@@ -1,0 +1,210 @@
+"""The layerstore contenders: lazy (cold node cache), lazy with prefetch hints, and --eager.
+
+Set-up (not timed): every layer's tar.gz (the very files the conventional path uses) is built into an
+EROFS image and pushed to the S3 store through the link (`layerctl build --push`), and each environment
+is created and tagged (`layerctl env create`). For the hinted variant, one profiling run per environment
+on a node whose daemon records its trace (`layerctl daemon --record-trace`), then the environments are
+created again with `--prefetch-trace`.
+
+The burst: the node daemon is started before the burst on an empty cache (a node service, like the
+containerd of the conventional path), then every sandbox is one `layerctl run`, all launched at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import spec
+from .inputs import Layer, env_layers, log
+from .sandbox import SandboxResult, parse_output, tail
+
+# What the contenders need from the CLI: (argv for --help, a string the help must contain).
+REQUIRED = {
+    "layerctl build --push": (["build", "--help"], "--push"),
+    "layerctl env create --prefetch-trace": (["env", "create", "--help"], "--prefetch-trace"),
+    "layerctl daemon --record-trace": (["daemon", "--help"], "--record-trace"),
+    "layerctl run --eager --node-dir": (["run", "--help"], "--eager"),
+    "layerctl stats --json": (["stats", "--help"], "--json"),
+}
+
+
+def layerctl() -> str:
+    return str(Path(sys.executable).with_name("layerctl"))
+
+
+def missing_commands() -> list[str]:
+    missing = []
+    for name, (argv, needle) in REQUIRED.items():
+        try:
+            p = subprocess.run([layerctl(), *argv], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            missing.append(name)
+            continue
+        if p.returncode != 0 or needle not in p.stdout:
+            missing.append(name)
+    return missing
+
+
+def _layerctl_json(*args: str) -> Any:
+    p = subprocess.run([layerctl(), *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"layerctl {' '.join(args[:2])} failed: {tail(p.stderr.strip(), 600)}")
+    return json.loads(p.stdout)
+
+
+class LayerstoreSetup:
+    def __init__(self, *, store_url: str, layers: dict[str, Layer], environments: tuple[str, ...],
+                 work: Path) -> None:
+        self.store_url = store_url
+        self.layers = layers
+        self.environments = environments
+        self.work = work
+        self.blobs: dict[str, dict[str, Any]] = {}
+        self.env_refs: dict[str, str] = {}
+        self.hinted_refs: dict[str, str] = {}
+        self.trace_facts: dict[str, Any] = {}
+
+    def push_and_create(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([layerctl(), "store", "init", "--store", self.store_url], capture_output=True, check=False)
+        for name, layer in self.layers.items():
+            t = time.monotonic()
+            out = _layerctl_json("build", str(layer.tar_gz), "--push", "--store", self.store_url, "--role",
+                                 layer.role, "--json")
+            res = out[0] if isinstance(out, list) else out
+            res["build_push_s"] = round(time.monotonic() - t, 2)
+            self.blobs[name] = res
+            log(f"pushed {name}: {res.get('blob')} ({res.get('size', 0) / 1e6:.0f} MB, {res.get('chunks')} chunks)")
+        for env in self.environments:
+            self.env_refs[env] = self._create(env, f"burst-{env}:cold")
+
+    def _create(self, env: str, tag: str, trace: Path | None = None) -> str:
+        names = env_layers(env)
+        args = ["env", "create", "--store", self.store_url, "--base", self.blobs[names[0]]["blob"]]
+        for n in names[1:-1]:
+            args += ["--toolkit", self.blobs[n]["blob"]]
+        args += ["--workspace", self.blobs[names[-1]]["blob"], "-t", tag, "--json"]
+        if trace is not None:
+            args += ["--prefetch-trace", str(trace)]
+        _layerctl_json(*args)
+        return tag
+
+    def record_traces(self, node_dir: Path) -> None:
+        """One profiling run per environment on a node whose daemon records the access trace."""
+        trace = self.work / "trace.json"
+        with contextlib.suppress(FileNotFoundError):
+            trace.unlink()
+        node = LayerstoreNode(node_dir, store_url=self.store_url, env_refs=self.env_refs, eager=False,
+                              layerctl=layerctl(), record_trace=trace)
+        try:
+            for i, env in enumerate(self.environments):
+                r = SandboxResult(i, env, launched=time.time())
+                node.run_sandbox(i, env, spec.task_command(spec.ENVIRONMENTS[env]), r)
+                if not r.ok:
+                    raise RuntimeError(f"profiling run of {env} failed: {r.error or r.rc}")
+        finally:
+            node.teardown()  # stops the daemon, which writes the trace
+        data = json.loads(trace.read_text())
+        self.trace_facts = {"chunks": {b: len(c) for b, c in data.get("blobs", {}).items()}}
+        for env in self.environments:
+            self.hinted_refs[env] = self._create(env, f"burst-{env}:hinted", trace)
+
+    def facts(self) -> dict[str, Any]:
+        return {"blobs": self.blobs, "env_refs": self.env_refs, "hinted_refs": self.hinted_refs,
+                "trace": self.trace_facts}
+
+
+class LayerstoreNode:
+    """One node: a daemon on an empty cache, started before the burst; one `layerctl run` per sandbox."""
+
+    def __init__(self, node_dir: Path, *, store_url: str, env_refs: dict[str, str], eager: bool, layerctl: str,
+                 record_trace: Path | None = None) -> None:
+        self.node_dir = node_dir
+        self.store_url = store_url
+        self.env_refs = env_refs
+        self.eager = eager
+        self.layerctl = layerctl
+        self.record_trace = record_trace
+        self.tag = f"{os.getpid()}"
+        self.daemon_start_s: float | None = None
+        self.stats: dict[str, Any] = {}
+        self._start_daemon()
+
+    def _start_daemon(self) -> None:
+        from runtime_shim.daemon import default_command
+        from runtime_shim.shim import Shim
+
+        trace = self.record_trace
+
+        def command(store: str, cache: Path, mountpoint: Path) -> list[str]:
+            argv = default_command(store, cache, mountpoint)
+            return argv + (["--record-trace", str(trace)] if trace is not None else [])
+
+        t = time.monotonic()
+        with Shim.for_node(self.node_dir, self.store_url, daemon_command=command) as shim, shim.lock:
+            shim.blobs.ensure()
+        self.daemon_start_s = round(time.monotonic() - t, 3)
+
+    def run_sandbox(self, index: int, env: str, command: list[str], result: SandboxResult) -> None:
+        sid = f"lsb-{'e' if self.eager else 'l'}{self.tag}-{index}"
+        argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),
+                "--sandbox", sid, *(["--eager"] if self.eager else []), self.env_refs[env], "--", *command]
+        t0 = time.time()
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+        result.finished = time.time()
+        result.rc = p.returncode
+        parse_output(p.stdout, result)
+        if p.returncode != 0:
+            result.error = tail(p.stderr + p.stdout)
+        if result.started is not None:
+            result.phases = {"to_start_s": result.started - t0, "run_s": result.finished - result.started}
+
+    def teardown(self) -> None:
+        try:
+            from runtime_shim.shim import Shim
+
+            with Shim.for_node(self.node_dir, self.store_url, auto_recover=False) as shim:
+                for sb in shim.sandboxes():
+                    with contextlib.suppress(Exception):
+                        shim.unmount(sb.id)
+                with shim.lock:
+                    shim.blobs.stop()
+        finally:
+            sweep_mounts(self.node_dir)
+
+    def facts(self) -> dict[str, Any]:
+        with contextlib.suppress(Exception):
+            self.stats = _layerctl_json("stats", "--cache", str(self.node_dir / "cache"), "--json")
+        return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats}
+
+    @staticmethod
+    def sandbox_cgroups(tag: str) -> str:
+        """Where runc puts this node's sandboxes (the shim's cgroupsPath is /layerstore/<id>)."""
+        return f"layerstore/lsb-[el]{tag}-*"
+
+
+def sweep_mounts(root: Path) -> None:
+    """Unmount whatever is still mounted under `root`, deepest first (a crashed run's leftovers)."""
+    prefix = str(root.resolve()) + "/"
+    mounts = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            mp = line.split(" ")[4].encode("latin-1", "surrogateescape").decode("unicode_escape", "surrogateescape")
+            if mp.startswith(prefix):
+                mounts.append(mp)
+    for mp in sorted(set(mounts), key=lambda m: m.count("/"), reverse=True):
+        if subprocess.run(["umount", mp], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", mp], capture_output=True)
+
+
+def remove_tree(path: Path) -> None:
+    sweep_mounts(path)
+    shutil.rmtree(path, ignore_errors=True)

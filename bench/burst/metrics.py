@@ -1,0 +1,105 @@
+"""From raw sandbox results and counters to the figures the report shows. Pure logic, no I/O."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+BASELINE = "conventional"
+LAZY = "lazy"
+GOALS = {
+    "all_started_speedup_min": 4.0,  # lazy >= 4x faster than the conventional path to all-started
+    "disk_write_ratio_max": 0.10,  # lazy writes <= 1/10 of the conventional path's bytes
+    "fetched_over_read_max": 1.5,  # lazy fetches <= 1.5x the bytes the tasks read
+}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[k]
+
+
+def summarize(raw: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    t0 = float(raw["t0"])
+    boxes = raw["sandboxes"]
+    started = [b["started"] - t0 for b in boxes if b.get("started") is not None]
+    finished = [b["finished"] - t0 for b in boxes if b.get("finished") is not None]
+    failed = [b for b in boxes if not (b.get("rc") == 0 and b.get("started") is not None and not b.get("error"))]
+    n = len(boxes)
+    out: dict[str, Any] = {
+        "sandboxes": n,
+        "failed": len(failed),
+        "all_started_s": round(max(started), 3) if len(started) == n and n else None,
+        "all_finished_s": round(max(finished), 3) if len(finished) == n and n else None,
+        "p50_started_s": _round(_pct(started, 0.5)),
+        "p50_finished_s": _round(_pct(finished, 0.5)),
+        "first_started_s": _round(min(started)) if started else None,
+        "started_s": sorted(round(s, 3) for s in started),
+        "finished_s": sorted(round(f, 3) for f in finished),
+        "bytes_fetched": measured.get("link_rx_bytes"),
+        **measured,
+    }
+    tasks = [b["task"] for b in boxes if b.get("task")]
+    if tasks:
+        for k in ("imports_s", "read_s", "test_s"):
+            vals = [float(t[k]) for t in tasks if k in t]
+            if vals:
+                out[f"task_{k}_median"] = round(statistics.median(vals), 3)
+    phases: dict[str, list[float]] = {}
+    for b in boxes:
+        for k, v in (b.get("phases") or {}).items():
+            phases.setdefault(k, []).append(float(v))
+    out["phases_median_s"] = {k: round(statistics.median(v), 3) for k, v in phases.items()}
+    out["phases_max_s"] = {k: round(max(v), 3) for k, v in phases.items()}
+    if failed:
+        out["errors"] = [{"index": b["index"], "env": b["env"], "rc": b.get("rc"), "error": b.get("error", "")[-600:]}
+                         for b in failed[:5]]
+    out["facts"] = raw.get("facts", {})
+    return out
+
+
+def _round(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _ratio(a: float | int | None, b: float | int | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def add_ratios(results: dict[str, Any]) -> None:
+    """Ratios against the conventional path, bytes fetched against bytes read, and the goals."""
+    contenders = results.get("contenders", {})
+    base = contenders.get(BASELINE)
+    read_bytes = (results.get("read_set") or {}).get("read_bytes")
+    for c in contenders.values():
+        if c.get("skipped"):
+            continue
+        r: dict[str, float | None] = {}
+        if base and not base.get("skipped"):
+            r["all_started_speedup"] = _ratio(base.get("all_started_s"), c.get("all_started_s"))
+            r["all_finished_speedup"] = _ratio(base.get("all_finished_s"), c.get("all_finished_s"))
+            r["disk_write_ratio"] = _ratio(c.get("disk_write_bytes"), base.get("disk_write_bytes"))
+            r["bytes_fetched_ratio"] = _ratio(c.get("bytes_fetched"), base.get("bytes_fetched"))
+            r["mem_peak_ratio"] = _ratio(c.get("mem_peak_bytes"), base.get("mem_peak_bytes"))
+        r["fetched_over_read"] = _ratio(c.get("bytes_fetched"), read_bytes)
+        c["ratios"] = r
+    lazy = contenders.get(LAZY)
+    goals: dict[str, Any] = {}
+    if lazy and not lazy.get("skipped") and "ratios" in lazy:
+        r = lazy["ratios"]
+        goals = {
+            "all_started_speedup": _goal(r.get("all_started_speedup"), GOALS["all_started_speedup_min"], ">="),
+            "disk_write_ratio": _goal(r.get("disk_write_ratio"), GOALS["disk_write_ratio_max"], "<="),
+            "fetched_over_read": _goal(r.get("fetched_over_read"), GOALS["fetched_over_read_max"], "<="),
+        }
+    results["goals"] = goals
+
+
+def _goal(value: float | None, target: float, op: str) -> dict[str, Any]:
+    met = None if value is None else (value >= target if op == ">=" else value <= target)
+    return {"value": value, "target": f"{op} {target}", "met": met}

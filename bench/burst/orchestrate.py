@@ -1,0 +1,335 @@
+"""The benchmark's conductor: set up the link, the store and the inputs once, then run every contender's
+burst on a fresh node, reading the counters around it, and write the results.
+
+Everything the run creates (namespace, veth, Ceph daemons, loop device, mounts, cgroups, daemons) is
+torn down in `finally` blocks, by an atexit hook and on SIGTERM/SIGINT; a run that was killed outright
+is cleaned up by the next one from the state files under bench/.cache/run/.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import cgroups, inputs, metrics, readset, spec
+from .cephstore import StoreProcess
+from .conventional import s3_client, upload_layers
+from .netlink import Link
+from .nodedisk import NodeDisk
+
+BUCKET = "burst"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Options:
+    size: spec.Size
+    sandboxes: int
+    rate_mbit: float
+    environments: tuple[str, ...]
+    contenders: tuple[str, ...]
+    output: Path
+    readset: bool = True
+    docs: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class Cleanup:
+    """LIFO of cleanup actions that run once: at the end, at exit, or on a signal."""
+
+    def __init__(self) -> None:
+        self._actions: list[tuple[str, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+        atexit.register(self.run)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    def push(self, what: str, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._actions.append((what, fn))
+
+    def pop(self, what: str) -> None:
+        """Run the newest action named `what` now."""
+        with self._lock:
+            for i in range(len(self._actions) - 1, -1, -1):
+                if self._actions[i][0] == what:
+                    _, fn = self._actions.pop(i)
+                    break
+            else:
+                return
+        _safely(what, fn)
+
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._actions:
+                    return
+                what, fn = self._actions.pop()
+            _safely(what, fn)
+
+
+def _safely(what: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - cleanup goes on
+        print(f"burst: cleanup of {what} failed: {e}", file=sys.stderr)
+
+
+class Bench:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.run_dir = inputs.cache_root() / "run"
+        self.cleanup = Cleanup()
+        self.link: Link | None = None
+        self.store: StoreProcess | None = None
+        self.disk: NodeDisk | None = None
+        self.layers: dict[str, inputs.Layer] = {}
+        self.results: dict[str, Any] = {}
+        self.lazy: Any = None  # bench.burst.lazy.LayerstoreSetup when available
+
+    # -- the whole run -------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        o = self.opts
+        try:
+            t = time.monotonic()
+            inputs.ensure_debs(["runc", "iproute2", "e2fsprogs", "mount"])
+            self.layers = inputs.build_all(o.environments)
+            self.results = self._header()
+            self.results["timings"] = {"inputs_s": round(time.monotonic() - t, 1)}
+            self._up()
+            plan = spec.Plan.round_robin(o.environments, o.sandboxes)
+            self._setup_contenders()
+            if o.readset:
+                t = time.monotonic()
+                self.results["read_set"] = self._measure_readset()
+                self.results["timings"]["read_set_s"] = round(time.monotonic() - t, 1)
+            self.results["contenders"] = {}
+            for name in o.contenders:
+                skip = self._skip_reason(name)
+                if skip:
+                    inputs.log(f"{name}: skipped ({skip})")
+                    self.results["contenders"][name] = {"skipped": skip}
+                    continue
+                inputs.log(f"{name}: burst of {len(plan.sandboxes)} sandboxes")
+                self.results["contenders"][name] = self._run_contender(name, plan.sandboxes)
+                self._write()
+            self.results["notes"] = o.notes
+            metrics.add_ratios(self.results)
+            self._write()
+            return self.results
+        finally:
+            self.cleanup.run()
+
+    def _header(self) -> dict[str, Any]:
+        o = self.opts
+        return {
+            "benchmark": "burst",
+            "size": o.size.name,
+            "sandboxes": o.sandboxes,
+            "rate_mbit": o.rate_mbit,
+            "environments": {e: inputs.env_layers(e) for e in o.environments},
+            "layers": {k: v.to_json() for k, v in self.layers.items()},
+            "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+
+    def _write(self) -> None:
+        self.opts.output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.opts.output.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, sort_keys=False) + "\n")
+        os.replace(tmp, self.opts.output)
+
+    # -- link, store, node disk ------------------------------------------------------------
+    def _up(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.link = Link(self.run_dir, rate_mbit=self.opts.rate_mbit)
+        self.link.setup()
+        self.cleanup.push("link", self.link.teardown)
+        self.store = StoreProcess(self.link, self.run_dir / "ceph")
+        t = time.monotonic()
+        self.store.start()
+        self.cleanup.push("store", self.store.stop)
+        self.results["timings"]["store_start_s"] = round(time.monotonic() - t, 1)
+        os.environ.update(self.store.s3_env())
+        self.disk = NodeDisk(self.run_dir / "nodedisk.img", self.run_dir / "node")
+        self.disk.attach()
+        self.cleanup.push("node disk", self.disk.detach)
+
+    def _setup_contenders(self) -> None:
+        assert self.store is not None and self.link is not None
+        client = s3_client(self.store.endpoint)
+        with contextlib.suppress(Exception):
+            client.create_bucket(Bucket=BUCKET)
+        t = time.monotonic()
+        c0 = self.link.counters()
+        upload_layers(client, BUCKET, {k: v.tar_gz for k, v in self.layers.items()})
+        self.results["timings"]["upload_tar_gz_s"] = round(time.monotonic() - t, 1)
+        self.results["upload_link_tx_bytes"] = self.link.counters().minus(c0).tx_bytes
+        if any(c in self.opts.contenders for c in ("lazy", "lazy-prefetch", "eager")):
+            from . import lazy
+
+            missing = lazy.missing_commands()
+            if missing:
+                self.opts.notes.append(f"layerstore contenders not available yet: {', '.join(missing)}")
+                return
+            t = time.monotonic()
+            self.lazy = lazy.LayerstoreSetup(store_url=self.store_url(), layers=self.layers,
+                                              environments=self.opts.environments, work=self.run_dir / "layerstore")
+            self.lazy.push_and_create()
+            self.results["timings"]["layerstore_push_s"] = round(time.monotonic() - t, 1)
+            self.results["layerstore"] = self.lazy.facts()
+            if "lazy-prefetch" in self.opts.contenders:
+                t = time.monotonic()
+                assert self.disk is not None
+                self.disk.fresh()
+                try:
+                    self.lazy.record_traces(self.disk.mountpoint / "profile")
+                except Exception as e:  # noqa: BLE001 - the other contenders still run
+                    self.opts.notes.append(f"prefetch hints could not be recorded: {e}")
+                finally:
+                    self.disk.unmount()
+                self.results["timings"]["profile_s"] = round(time.monotonic() - t, 1)
+
+    def store_url(self) -> str:
+        assert self.store is not None
+        return f"s3://{BUCKET}/layerstore?endpoint={self.store.endpoint}"
+
+    def _skip_reason(self, name: str) -> str:
+        if name == "conventional":
+            return ""
+        if name in ("lazy", "lazy-prefetch", "eager"):
+            from . import lazy
+
+            missing = lazy.missing_commands()
+            if missing:
+                return "not available yet: " + ", ".join(missing)
+            if self.lazy is None:
+                return "layerstore set-up failed"
+            if name == "lazy-prefetch" and not self.lazy.hinted_refs:
+                return "no prefetch hints (profiling run failed or `env create --prefetch-trace` missing)"
+            return ""
+        return f"unknown contender {name}"
+
+    # -- bytes the tasks read ----------------------------------------------------------------
+    def _measure_readset(self) -> dict[str, Any]:
+        assert self.disk is not None
+        self.disk.fresh()
+        try:
+            return readset.measure(self.disk, {k: v.tar_gz for k, v in self.layers.items()}, self.opts.environments)
+        finally:
+            self.disk.unmount()
+
+    # -- one contender -----------------------------------------------------------------------
+    def _run_contender(self, name: str, sandboxes: list[str]) -> dict[str, Any]:
+        assert self.disk is not None and self.link is not None and self.store is not None
+        self.disk.fresh()
+        node = self.disk.mountpoint / name
+        node.mkdir()
+        cg = cgroups.MemoryCgroup(f"lsburst-{os.getpid()}/{name}")
+        cg.create()
+        self.cleanup.push(f"cgroup {name}", cg.remove)
+        runc_root = Path(f"/run/lsburst-{os.getpid()}/{name}")
+        runc_root.mkdir(parents=True, exist_ok=True)
+        plan_file = self.run_dir / f"plan-{name}.json"
+        out_file = self.run_dir / f"result-{name}.json"
+        plan: dict[str, Any] = {
+            "contender": name, "cgroup": f"lsburst-{os.getpid()}/{name}", "node_dir": str(node),
+            "sandboxes": sandboxes, "output": str(out_file), "endpoint": self.store.endpoint, "bucket": BUCKET,
+            "runc_root": str(runc_root), "store_url": self.store_url(),
+            "layerctl": str(Path(sys.executable).parent / "layerctl"),
+        }
+        if self.lazy is not None:
+            plan["env_refs"] = self.lazy.hinted_refs if name == "lazy-prefetch" else self.lazy.env_refs
+        plan_file.write_text(json.dumps(plan))
+        proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.cleanup.push(f"runner {name}", lambda: _stop_runner(proc))
+        cg.sandbox_glob = _sandbox_cgroups(name, proc.pid)
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            if proc.stdout.readline().strip() != "READY":
+                raise RuntimeError(f"{name}: the runner did not start")
+            link0, disk0 = self.link.counters(), self.disk.counters()
+            qdisc0 = self.link.qdisc_stats()
+            cg.start_sampling()
+            proc.stdin.write("GO\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline().strip()
+            if not line.startswith("DONE"):
+                raise RuntimeError(f"{name}: the runner failed")
+            link1, disk1 = self.link.counters(), self.disk.counters()
+            qdisc1 = self.link.qdisc_stats()
+            cg.stop_sampling()
+            used = self.disk.used_bytes()
+            peak = cg.kernel_peak()
+            proc.stdin.write("TEARDOWN\n")
+            proc.stdin.flush()
+            proc.wait(timeout=300)
+        finally:
+            self.cleanup.pop(f"runner {name}")
+            cg.stop_sampling()
+        raw = json.loads(out_file.read_text())
+        measured = {
+            "link_rx_bytes": link1.minus(link0).rx_bytes,
+            "link_tx_bytes": link1.minus(link0).tx_bytes,
+            "qdisc_bytes": _delta(qdisc1.get("bytes"), qdisc0.get("bytes")),
+            "qdisc_drops": _delta(qdisc1.get("drops"), qdisc0.get("drops")),
+            "disk_write_bytes": disk1.minus(disk0).write_bytes,
+            "disk_read_bytes": disk1.minus(disk0).read_bytes,
+            "disk_used_bytes": used,
+            "mem_peak_bytes": cg.peak_usage_sampled,
+            "mem_peak_anon_bytes": cg.peak_anon,
+            "mem_peak_node_side_bytes": peak,
+        }
+        self.cleanup.pop(f"cgroup {name}")
+        shutil.rmtree(runc_root, ignore_errors=True)
+        return metrics.summarize(raw, measured)
+
+
+def _sandbox_cgroups(contender: str, runner_pid: int) -> str:
+    if contender == "conventional":
+        from .conventional import ConventionalNode
+
+        return ConventionalNode.sandbox_cgroups(str(runner_pid))
+    from .lazy import LayerstoreNode
+
+    return LayerstoreNode.sandbox_cgroups(str(runner_pid))
+
+
+def _delta(a: object, b: object) -> int | None:
+    return a - b if isinstance(a, int) and isinstance(b, int) else None
+
+
+def _stop_runner(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(Exception):
+        assert proc.stdin is not None
+        proc.stdin.close()  # EOF: the runner tears down what it started
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

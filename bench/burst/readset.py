@@ -1,0 +1,123 @@
+"""Bytes the tasks actually read: one run of each environment's task on plain extracted layers, with
+readahead off, then the page cache of every layer file is counted with mincore(2).
+
+The node disk is remounted (dropping its page cache) and the loop device's readahead set to zero before
+the tasks run, so a resident page is a page some task asked for: the union, at 4 KiB granularity, of the
+file data the burst's tasks read (every sandbox of one environment runs the same task). This is the
+workload's property, the same for every contender, and the yardstick for "bytes fetched".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from . import oci, spec
+from .conventional import mount_overlay
+from .inputs import env_layers
+from .nodedisk import NodeDisk
+from .sandbox import SandboxResult, parse_output, tail
+
+PAGE = mmap.PAGESIZE
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_bytes(path: str | os.PathLike[str]) -> int:
+    """How much of a file is in the page cache (whole pages; the last one counts fully)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr == _MAP_FAILED or addr is None:
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            pages = (size + PAGE - 1) // PAGE
+            vec = ctypes.create_string_buffer(pages)
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(b & 1 for b in vec.raw) * PAGE
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def tree_residency(root: Path) -> dict[str, int]:
+    files = touched = resident = total = 0
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            files += 1
+            total += st.st_size
+            r = resident_bytes(p)
+            if r:
+                touched += 1
+                resident += min(r, st.st_size)  # the last page holds less than a page of file data
+    return {"files": files, "content_bytes": total, "files_read": touched, "read_bytes": resident}
+
+
+def _set_readahead(dev_name: str, kb: int | None) -> int:
+    p = Path(f"/sys/block/{dev_name}/queue/read_ahead_kb")
+    old = int(p.read_text())
+    if kb is not None:
+        p.write_text(str(kb))
+    return old
+
+
+def measure(disk: NodeDisk, layer_tars: dict[str, Path], environments: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    root = disk.mountpoint / "readset"
+    for name, tar in layer_tars.items():
+        d = root / "layers" / name
+        d.mkdir(parents=True)
+        subprocess.run(["tar", "--numeric-owner", "-xzf", str(tar), "-C", str(d)], check=True)
+    # Remount: the extraction's pages leave with the old mount.
+    disk.unmount()
+    subprocess.run(["mount", "-t", "ext4", str(disk.device), str(disk.mountpoint)], check=True)
+    old_ra = _set_readahead(disk.dev_name, 0)
+    runs: dict[str, Any] = {}
+    mounts: list[Path] = []
+    try:
+        for env in environments:
+            sid = f"lsb-readset-{os.getpid()}-{env}"
+            box = root / "sandboxes" / env
+            lowers = [root / "layers" / n for n in reversed(env_layers(env))]
+            oci.write_bundle(box / "bundle", spec.task_command(spec.ENVIRONMENTS[env]), hostname=sid)
+            mount_overlay(lowers, box / "upper", box / "work", box / "bundle" / "rootfs")
+            mounts.append(box / "bundle" / "rootfs")
+            t = time.time()
+            p = subprocess.run(["runc", "--root", str(root / "runc"), "run", "--bundle", str(box / "bundle"), sid],
+                               stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+            r = SandboxResult(0, env, launched=t, finished=time.time(), rc=p.returncode)
+            parse_output(p.stdout, r)
+            runs[env] = {"rc": p.returncode, "seconds": round(r.finished - t, 2) if r.finished else None,
+                         "task": r.task, **({"error": tail(p.stderr + p.stdout)} if p.returncode else {})}
+        per_layer = {name: tree_residency(root / "layers" / name) for name in layer_tars}
+    finally:
+        for m in mounts:
+            subprocess.run(["umount", str(m)], check=False, capture_output=True)
+        _set_readahead(disk.dev_name, old_ra)
+    total_read = sum(v["read_bytes"] for v in per_layer.values())
+    total = sum(v["content_bytes"] for v in per_layer.values())
+    return {"runs": runs, "layers": per_layer, "read_bytes": total_read, "content_bytes": total,
+            "read_fraction": round(total_read / total, 4) if total else None}
