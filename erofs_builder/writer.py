@@ -537,11 +537,39 @@ def _xattr_body(node: Inode, ids: dict[tuple[bytes, bytes], int]) -> bytes:
     return fmt.xattr_ibody(shared, inline)
 
 
-def _place(cursor: int, total: int) -> int:
-    pos = fmt.align(cursor, fmt.ISLOT)
-    if total > BS or pos % BS + total > BS:
-        pos = fmt.align(pos, BS)  # a record never straddles blocks unless it is bigger than one
-    return pos
+class _Packer:
+    """First-fit placement of inode records into blocks. A record never straddles a block
+    unless it is bigger than one (then it starts on a block); inline data therefore never
+    crosses a block boundary. Only the last few blocks stay open, which keeps it linear."""
+
+    OPEN = 32
+
+    def __init__(self, start: int) -> None:
+        self.end = start  # block aligned: end of the blocks handed out so far
+        self.open: list[list[int]] = []  # [block start, bytes used (32-aligned)]
+
+    def place(self, total: int) -> int:
+        if total > BS:
+            pos = self.end
+            self.end += fmt.align(total, BS)
+            if total % BS:
+                self.open.append([self.end - BS, fmt.align(total % BS, fmt.ISLOT)])
+            return pos
+        for blk in self.open:
+            if blk[1] + total <= BS:
+                pos = blk[0] + blk[1]
+                blk[1] = fmt.align(blk[1] + total, fmt.ISLOT)
+                return pos
+        pos = self.end
+        self.end += BS
+        self.open.append([pos, fmt.align(total, fmt.ISLOT)])
+        if len(self.open) > self.OPEN:
+            self.open.pop(0)
+        return pos
+
+    def close(self) -> int:
+        self.open.clear()
+        return self.end
 
 
 def _pack(rec: _Rec, nid_of: dict[int, int], i_u: int, ino: int) -> bytes:
@@ -605,29 +633,32 @@ def _finish_image(w: ImageWriter) -> ImageLayout:
     meta_start = w._pos
     segments: list[MetaSegment] = []
     nid_of: dict[int, int] = {}
-    cursor = 0
     volatile = [r for r in recs if r.node.has_address]
     stable = [r for r in recs if not r.node.has_address]
+    packer = _Packer(0)
     for rec in volatile:  # the root comes first: its nid must fit 16 bits
-        rec.pos = _place(cursor, rec.total)
-        cursor = rec.pos + rec.total
-    cursor = fmt.align(cursor, BS)
+        rec.pos = packer.place(rec.total)
+    cursor = packer.close()
     segments.append(MetaSegment(meta_start, cursor, False))
-    group_start = cursor
-    for rec in stable:
+    group: list[_Rec] = []
+    glen = 0
+    for i, rec in enumerate(stable):
         rec.raw = _pack(rec, nid_of, rec.node.rdev, 0)
         crc = zlib.crc32(rec.raw)
         rec.raw = _pack(rec, nid_of, rec.node.rdev, crc)
-        rec.pos = _place(cursor, rec.total)
-        cursor = rec.pos + rec.total
-        glen = cursor - group_start
-        if glen >= GROUP_MAX or (glen >= GROUP_MIN and crc < len(rec.raw) / (GROUP_TARGET - GROUP_MIN) * (1 << 32)):
-            cursor = fmt.align(cursor, BS)
-            segments.append(MetaSegment(meta_start + group_start, cursor - group_start, True))
-            group_start = cursor
-    cursor = fmt.align(cursor, BS)
-    if cursor > group_start:
-        segments.append(MetaSegment(meta_start + group_start, cursor - group_start, True))
+        group.append(rec)
+        glen += fmt.align(rec.total, fmt.ISLOT)
+        last = i == len(stable) - 1
+        cut_here = glen >= GROUP_MIN and crc < len(rec.raw) / (GROUP_TARGET - GROUP_MIN) * (1 << 32)
+        if last or glen >= GROUP_MAX or cut_here:
+            # first-fit decreasing inside the group: dense, and still a function of the group alone
+            packer = _Packer(cursor)
+            for r in sorted(group, key=lambda r: -r.total):
+                r.pos = packer.place(r.total)
+            end = packer.close()
+            segments.append(MetaSegment(meta_start + cursor, end - cursor, True))
+            cursor = end
+            group, glen = [], 0
     tail_start = cursor
     for rec in recs:
         nid_of[id(rec.node)] = rec.pos // fmt.ISLOT
