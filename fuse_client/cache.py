@@ -121,6 +121,8 @@ class NodeCache:
         self._journal_kick = trio.Event()
         self._evict_kick = trio.Event()
         self._episode = False
+        self.journal_batches = 0
+        self.journal_chunk_records = 0  # PutChunk records committed since start
         self._journal_failures = 0
 
     # -- start-up (blocking; run in a worker thread before serving) ----------------------
@@ -254,6 +256,8 @@ class NodeCache:
             try:
                 # Not abandonable: a batch half-way through a commit must finish before exit.
                 await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+                self.journal_batches += 1
+                self.journal_chunk_records += sum(isinstance(op, ci.PutChunk) for op in ops)
             except Exception:
                 self._journal_failures += 1
                 log.exception("cache journal: a batch of %d op(s) failed; the chunks stay served from memory "
@@ -429,7 +433,10 @@ class NodeCache:
                           "cached_bytes": e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count})
         return {"used_bytes": self.usage, "disk_bytes": disk,
                 "budget": self.budget.to_json() if self.budget else None,
-                "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes, "blobs": blobs}
+                "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes,
+                "journal": {"batches": self.journal_batches, "chunk_records": self.journal_chunk_records,
+                            "failures": self._journal_failures, "pending": len(self._pending)},
+                "blobs": blobs}
 
 
 def _covered(extents: list[tuple[int, int]], starts: list[int], lo: int, hi: int) -> bool:

@@ -108,7 +108,7 @@ def clear_dead_mount(mountpoint: Path) -> None:
     if not sysmount.is_mountpoint(mountpoint):
         return
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)  # always reaches the filesystem (stat may be answered from cache)
     except OSError as e:
         if e.errno == errno.ENOTCONN:
             log.warning("%s: detaching the dead FUSE mount of a previous daemon", mountpoint)
@@ -248,4 +248,25 @@ def run(config: DaemonConfig, store: ChunkSource) -> None:
                 finally:
                     nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as eg:
+        raise _sole_error(eg) from None
+
+
+def _sole_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one expected error inside nested nursery groups, for the CLI's error edge (which
+    prints one line for a `LayerstoreError`); anything else stays a group."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        elif not isinstance(e, trio.Cancelled):
+            leaves.append(e)
+
+    walk(eg)
+    if len(leaves) == 1 and isinstance(leaves[0], LayerstoreError | KeyboardInterrupt):
+        return leaves[0]
+    return eg

@@ -6,7 +6,6 @@ backend counts requests), and cleanup that works even when a test fails or the d
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import random
 import signal
@@ -306,5 +305,3 @@ def read_errno(path: Path, offset: int = 0, size: int = 4096) -> int | None:
     finally:
         os.close(fd)
 
-
-__all__ = ["errno"]
