@@ -1,0 +1,267 @@
+"""Store throughput per backend: put and get MiB/s of ~1 MiB chunks through `Store`, for 1 and N
+parallel clients, on a local directory (the baseline), CephFS via ceph-fuse and S3 on radosgw.
+
+A client is a separate process with its own `Store` (and so its own thread pool and, for S3, its
+own boto3 client), like separate sandbox nodes sharing one store. Each client stores distinct,
+mostly incompressible chunks with `put_chunks`, then reads every one back with `get_chunk`
+(decompress + blake3 verify included). Throughput is the bytes of payload moved by all clients
+divided by the wall time from the first client's start to the last client's end.
+
+The Ceph cluster is started here through tests/ceph_cluster.py (and stopped at the end), unless
+`--ceph-dir DIR` names one left running by `python tests/ceph_cluster.py start DIR`.
+
+    python bench/store_throughput.py [--size-mib 256] [--clients 1,8] [--backends local,cephfs,s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from layerstore.store import DEFAULT_WORKERS, Store  # noqa: E402
+from tests.ceph_cluster import CephCluster  # noqa: E402
+
+MiB = 1 << 20
+DEFAULT_OUT = ROOT / "bench" / "results" / "store_throughput.json"
+
+
+def make_chunk(seed: int, size: int) -> bytes:
+    """Mostly incompressible: 7/8 random bytes, 1/8 repeated text (zstd gains a little)."""
+    rnd = random.Random(seed).randbytes(size - size // 8)
+    text = (f"chunk {seed} ".encode() * (size // 8 // 8 + 1))[: size // 8]
+    return rnd + text
+
+
+def client(url: str, env: dict[str, str], index: int, nchunks: int, chunk_size: int, barrier: Any,
+           results: Any) -> None:
+    os.environ.update(env)
+    payloads = [make_chunk(index * 1_000_003 + i, chunk_size) for i in range(nchunks)]
+    with Store.open(url) as store:
+        barrier.wait()
+        t0 = time.time()
+        digests, stored = [], 0
+        for digest, stats in store.put_chunks(payloads):
+            digests.append(digest)
+            stored += stats.stored_bytes
+        t1 = time.time()
+        barrier.wait()
+        t2 = time.time()
+        ok = True
+        for payload, data in zip(payloads, store.pool.map(store.get_chunk, digests), strict=True):
+            ok = ok and data == payload
+        t3 = time.time()
+    results.put({"client": index, "put": (t0, t1), "get": (t2, t3), "bytes": nchunks * chunk_size,
+                 "stored_bytes": stored, "ok": ok, "first": digests[0] if digests else None})
+
+
+def run(url: str, env: dict[str, str], nclients: int, total_mib: int, chunk_size: int) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    with Store.open(url) as s:
+        s.init()
+    nchunks = max(1, total_mib * MiB // chunk_size // nclients)
+    barrier = ctx.Barrier(nclients)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=client, args=(url, env, i, nchunks, chunk_size, barrier, results))
+             for i in range(nclients)]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise SystemExit(f"a client failed (exit {p.exitcode})")
+    if not all(r["ok"] for r in out):
+        raise SystemExit(f"{url}: data read back differs from data written")
+    moved = sum(r["bytes"] for r in out)
+    put_s = max(r["put"][1] for r in out) - min(r["put"][0] for r in out)
+    get_s = max(r["get"][1] for r in out) - min(r["get"][0] for r in out)
+    return {
+        "clients": nclients,
+        "chunks": nchunks * nclients,
+        "payload_mib": round(moved / MiB, 1),
+        "stored_mib": round(sum(r["stored_bytes"] for r in out) / MiB, 1),
+        "put_seconds": round(put_s, 3),
+        "get_seconds": round(get_s, 3),
+        "put_mib_s": round(moved / MiB / put_s, 1),
+        "get_mib_s": round(moved / MiB / get_s, 1),
+    }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run with the median figures for put and get (each taken on its own), plus every
+    run's figures: other work on a shared machine shows up as spread."""
+    out = dict(runs[0])
+    for what in ("put", "get"):
+        values = sorted(r[f"{what}_mib_s"] for r in runs)
+        out[f"{what}_mib_s"] = values[len(values) // 2]
+        out[f"{what}_mib_s_runs"] = [r[f"{what}_mib_s"] for r in runs]
+    out.pop("put_seconds", None)
+    out.pop("get_seconds", None)
+    return out
+
+
+def machine_info(ceph: CephCluster | None) -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_kib / (1 << 20), 1),
+        "kernel": platform.release(), "python": platform.python_version(),
+        "loadavg_at_start": os.getloadavg()[0],
+    }
+    try:
+        import boto3
+
+        info["boto3"] = boto3.__version__
+    except ImportError:
+        pass
+    if ceph is not None:
+        info.pop("loadavg_at_start")
+        with_version = subprocess.run(["ceph", "--version"], capture_output=True, text=True, check=False)
+        info["ceph"] = with_version.stdout.strip()
+        info["ceph_osd"] = "one memstore OSD, pool size 1, on the same cores as the clients"
+    return info
+
+
+def git_commit() -> str | None:
+    p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       check=False)
+    return p.stdout.strip() or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mib", type=int, default=256, help="payload per run, split among the clients")
+    ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
+    ap.add_argument("--backends", default="local,cephfs,s3")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per point; the median run is reported")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
+    ap.add_argument("--ceph-dir", type=Path, help="use a cluster left running by `ceph_cluster.py start DIR`")
+    args = ap.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",")]
+    backends = args.backends.split(",")
+    unknown = set(backends) - {"local", "cephfs", "s3"}
+    if unknown:
+        ap.error(f"unknown backend(s) {sorted(unknown)}")
+    chunk_size = args.chunk_kib * 1024
+
+    work = Path(tempfile.mkdtemp(prefix="store-bench-", dir=args.workdir))
+    ceph: CephCluster | None = None
+    owned = False
+    machine = machine_info(None)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        if {"cephfs", "s3"} & set(backends):
+            if args.ceph_dir:
+                ceph = CephCluster.adopt(args.ceph_dir)
+            else:
+                ceph, owned = CephCluster(work / "ceph"), True
+                ceph.start()
+                print(f"ceph: S3 ready in {ceph.timings['s3_ready']:.1f}s, CephFS in "
+                      f"{ceph.timings['cephfs_mounted']:.1f}s", file=sys.stderr)
+            machine.update(machine_info(ceph))
+        for backend in backends:
+            results[backend] = {}
+            for n in clients:
+                runs = []
+                for _ in range(max(args.repeat, 1)):
+                    url, env = location(backend, n, work, ceph)
+                    runs.append(run(url, env, n, args.size_mib, chunk_size))
+                    cleanup(backend, url, work)
+                r = median_run(runs)
+                results[backend][str(n)] = r
+                print(f"{backend:7s} clients={n}: put {r['put_mib_s']:8.1f} MiB/s  get {r['get_mib_s']:8.1f} MiB/s "
+                      f"(runs: put {r['put_mib_s_runs']}, get {r['get_mib_s_runs']})", file=sys.stderr)
+    finally:
+        if ceph is not None and owned:
+            ceph.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    ratios: dict[str, Any] = {}
+    if "local" in results:
+        for backend, per in results.items():
+            if backend == "local":
+                continue
+            ratios[backend] = {
+                n: {"put": round(r["put_mib_s"] / results["local"][n]["put_mib_s"], 3),
+                    "get": round(r["get_mib_s"] / results["local"][n]["get_mib_s"], 3)}
+                for n, r in per.items() if n in results["local"]
+            }
+    doc = {
+        "benchmark": "store_throughput",
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git": git_commit(),
+        "machine": {**machine, "loadavg_at_end": os.getloadavg()[0]},
+        "params": {"size_mib_per_run": args.size_mib, "chunk_kib": args.chunk_kib, "clients": clients,
+                   "repeat": args.repeat,
+                   "store_workers_per_client": DEFAULT_WORKERS,
+                   "data": "7/8 random bytes + 1/8 repeated text per chunk, distinct chunks per client"},
+        "results_mib_s": results,
+        "ratio_to_local": ratios,
+        "notes": [
+            "local: PosixBackend on the machine's disk with fsync; gets are served from the page cache",
+            "cephfs: PosixBackend on one ceph-fuse mount shared by all clients (one node)",
+            "s3: S3Backend (boto3) against radosgw, path-style, If-None-Match create-once",
+            "Ceph daemons, clients, zstd and blake3 all share the same cores",
+        ],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def location(backend: str, n: int, work: Path, ceph: CephCluster | None) -> tuple[str, dict[str, str]]:
+    tag = f"run-{n}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    if backend == "local":
+        return str(work / "local" / tag), {}
+    assert ceph is not None
+    if backend == "cephfs":
+        return str(ceph.mount_path / "bench" / tag), {}
+    env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    os.environ.update(env)  # for the init done in this process
+    return f"s3://bench-{tag}/store?endpoint={ceph.endpoint}", env
+
+
+def cleanup(backend: str, url: str, work: Path) -> None:
+    """Free the space a run used (the memstore OSD keeps everything in RAM)."""
+    if backend in ("local", "cephfs"):
+        shutil.rmtree(url, ignore_errors=True)
+        return
+    with Store.open(url) as s:
+        keys = list(s.backend.list())
+        list(s.pool.map(s.backend.delete, keys))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
