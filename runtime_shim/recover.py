@@ -59,7 +59,7 @@ class RecoverReport:
 def recover(shim: Shim) -> RecoverReport:
     """Caller holds the node lock."""
     paths, rep = shim.paths, RecoverReport()
-    rep.trash_emptied = records.empty_trash(paths)
+    in_trash = records.trashed_ids(paths)
 
     with shim.state.read() as t:
         known = {sb.id: sb for sb in t.sandboxes()}
@@ -74,10 +74,11 @@ def recover(shim: Shim) -> RecoverReport:
                 rep.adopted.append(sb.id)
 
     for sb in list(known.values()):
-        if sb.status == UNMOUNTING:
+        if sb.status == UNMOUNTING or (sb.owned and sb.id in in_trash):
             shim._teardown(sb)
             rep.finished_teardowns.append(sb.id)
             del known[sb.id]
+    rep.trash_emptied = records.empty_trash(paths)
 
     live = list(known.values())
     needed: set[str] = {blob for sb in live for blob in sb.layers}

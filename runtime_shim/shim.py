@@ -25,7 +25,7 @@ from .layers import LayerMounts
 from .lock import NodeLock
 from .overlay import detach, mount_overlay, rmdir_quiet
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
-from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, NodeState, Sandbox
+from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, NodeState, Sandbox  # noqa: F401
 
 Resolver = Callable[[str], EnvSpec]
 
@@ -208,8 +208,10 @@ class Shim:
             Path(work).mkdir(mode=0o700, exist_ok=True)
             owned = False
         Path(tgt).mkdir(mode=0o755, parents=True, exist_ok=True)
+        # The status records what should be: recovery compares it with what is mounted, so the
+        # sandbox and its layer references are committed once, before the overlay is mounted.
         sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
-                     target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
+                     target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTED,
                      created=time.time())
         try:
             records.save(self.paths, sb)
@@ -223,9 +225,6 @@ class Shim:
             for d in created:
                 shutil.rmtree(d, ignore_errors=True)
             raise
-        sb.status = MOUNTED
-        with self.state.write() as t:
-            t.put_sandbox(sb)
         return sb
 
     def _work_for(self, upper: Path, sdir: Path) -> Path:
@@ -245,10 +244,15 @@ class Shim:
             return sb
 
     def _teardown(self, sb: Sandbox, *, mounted: bool = True) -> None:
-        with self.state.write() as t:
-            if t.sandbox(sb.id) is not None:
-                sb.status = UNMOUNTING
-                t.put_sandbox(sb)
+        """Order matters for recovery: detach the root, then mark the sandbox gone on disk (an
+        owned sandbox's directory is renamed into the trash, which recovery reads as "finish this
+        teardown"; a caller's upper cannot move, so that sandbox is marked `unmounting` in the
+        state first), then drop the record and the layer references in one transaction."""
+        if not sb.owned:
+            with self.state.write() as t:
+                if t.sandbox(sb.id) is not None:
+                    sb.status = UNMOUNTING
+                    t.put_sandbox(sb)
         if mounted:
             detach(sb.target)
         sdir = self.paths.sandbox_dir(sb.id)
@@ -263,8 +267,9 @@ class Shim:
                 for blob in sb.layers:
                     self.layers.release(t, blob)
                 t.delete_sandbox(sb.id)
-        if trashed is not None:
-            shutil.rmtree(trashed, ignore_errors=True)
+        if sb.owned:
+            if trashed is not None:
+                shutil.rmtree(trashed, ignore_errors=True)
         else:
             shutil.rmtree(sb.work, ignore_errors=True)
             shutil.rmtree(sdir / "bundle", ignore_errors=True)
