@@ -1,0 +1,191 @@
+"""Pure units of the FUSE client: the priority limiter, eviction policy, traces, prefetch
+ordering, size parsing, the LMDB index and the sparse data files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fuse_client.cache_files import BlobFiles, data_extents, punch_hole
+from fuse_client.cache_index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
+from fuse_client.control import prefetch_order
+from fuse_client.eviction import Budget, Candidate, choose_victims
+from fuse_client.limiter import DEMAND, PREFETCH, PriorityLimiter
+from fuse_client.trace import TraceRecorder, parse_trace, write_trace
+from layerctl.cmd_daemon import parse_size
+from layerstore import digest as digestmod
+from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
+from layerstore.errors import BadInput, ConfigError
+
+BLOB = digestmod.of(b"blob")
+OTHER = digestmod.of(b"other")
+
+
+class Owner:
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+
+
+# -- limiter -----------------------------------------------------------------------------------------
+@pytest.mark.trio
+async def test_limiter_serves_by_priority_then_arrival_and_boosts() -> None:
+    lim = PriorityLimiter(1)
+    order: list[str] = []
+    holder = Owner(DEMAND)
+    await lim.acquire(holder)
+    owners = {"p1": Owner(PREFETCH), "p2": Owner(PREFETCH), "d1": Owner(DEMAND), "p3": Owner(PREFETCH)}
+
+    async def waiter(name: str) -> None:
+        async with lim.hold(owners[name]):
+            order.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for name in owners:
+            nursery.start_soon(waiter, name)
+            await trio.testing.wait_all_tasks_blocked()
+        owners["p3"].priority = DEMAND  # a demand reader joined p3's flight
+        assert lim.waiting == 4 and lim.in_use == 1
+        lim.release()
+    assert order == ["d1", "p3", "p1", "p2"]
+    assert lim.in_use == 0
+
+
+@pytest.mark.trio
+async def test_limiter_cancelled_waiter_gives_its_slot_back() -> None:
+    lim = PriorityLimiter(1)
+    await lim.acquire(Owner(0))
+    with trio.move_on_after(0.01):
+        await lim.acquire(Owner(0))
+    assert lim.waiting == 0
+    lim.release()
+    assert lim.in_use == 0
+    with pytest.raises(ValueError):
+        PriorityLimiter(0)
+
+
+# -- eviction policy ---------------------------------------------------------------------------------
+def test_budget_watermarks() -> None:
+    b = Budget(1000, 0.9, 0.5)
+    assert (b.high, b.low) == (900, 500)
+    for bad in ((0, 0.9, 0.5), (10, 0.5, 0.9), (10, 1.5, 0.5), (10, 0.9, 0.0)):
+        with pytest.raises(ConfigError):
+            Budget(*bad)
+
+
+def test_choose_victims_lru_and_protected_last() -> None:
+    cands = [Candidate(BLOB, 0, 10, 5.0, protected=True), Candidate(BLOB, 1, 10, 1.0),
+             Candidate(BLOB, 2, 10, 3.0), Candidate(OTHER, 0, 10, 2.0)]
+    assert choose_victims(cands, 40, 45) == []
+    assert [(c.blob, c.index) for c in choose_victims(cands, 40, 20)] == [(BLOB, 1), (OTHER, 0)]
+    assert [(c.blob, c.index) for c in choose_victims(cands, 40, 0)][-1] == (BLOB, 0)
+
+
+@given(st.lists(st.tuples(st.integers(1, 100), st.floats(0, 1e6), st.booleans()), max_size=50),
+       st.integers(0, 3000))
+def test_choose_victims_properties(items: list[tuple[int, float, bool]], target: int) -> None:
+    cands = [Candidate(BLOB, i, n, t, p) for i, (n, t, p) in enumerate(items)]
+    usage = sum(c.length for c in cands)
+    victims = choose_victims(cands, usage, target)
+    left = usage - sum(v.length for v in victims)
+    assert left <= target or len(victims) == len(cands)
+    if victims:  # minimal: without the last victim we would still be above target
+        assert left + victims[-1].length > target
+        worst = max((v.protected, v.last_use) for v in victims)
+        kept = [c for c in cands if c not in victims]
+        assert all((c.protected, c.last_use) >= worst for c in kept)
+
+
+# -- traces ------------------------------------------------------------------------------------------
+def test_trace_format_round_trip(tmp_path: Path) -> None:
+    rec = TraceRecorder()
+    rec.record(BLOB, 10, 3, 5)
+    rec.record(BLOB, 10, 4, 6)
+    rec.record(OTHER, 2, 1, 2)
+    rec.record(BLOB, 10, 0, 1)
+    doc = rec.to_json()
+    assert doc == {"version": 1, "blobs": {BLOB: [3, 4, 5, 0], OTHER: [1]}}
+    path = tmp_path / "t.json"
+    write_trace(path, doc)
+    import json
+
+    assert parse_trace(json.loads(path.read_text())) == {BLOB: [3, 4, 5, 0], OTHER: [1]}
+    for bad in ({}, {"version": 2, "blobs": {}}, {"version": 1, "blobs": {BLOB: [-1]}},
+                {"version": 1, "blobs": {BLOB: "x"}}):
+        with pytest.raises(BadInput):
+            parse_trace(bad)
+
+
+def test_prefetch_order() -> None:
+    refs = [ChunkRef(i * 100, 100, digestmod.of(bytes([i])), METADATA if i in (0, 4) else 0) for i in range(6)]
+    cm = ChunkMap.build(BLOB, refs)
+    assert prefetch_order(cm, [0, 4], {"all": True}) == [0, 4, 1, 2, 3, 5]
+    assert prefetch_order(cm, [0, 4], {}) == [0, 4]
+    assert prefetch_order(cm, [0, 4], {"chunks": [3, 1, 3]}) == [3, 1]
+    assert prefetch_order(cm, [0, 4], {"ranges": [[150, 100], [0, 1], [590, 100]]}) == [1, 2, 0, 5]
+    with pytest.raises(BadInput):
+        prefetch_order(cm, [], {"chunks": [6]})
+    with pytest.raises(BadInput):
+        prefetch_order(cm, [], {"ranges": [[1]]})
+
+
+def test_parse_size() -> None:
+    assert parse_size("1048576") == 1 << 20
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("1.5k") == 1536
+    for bad in ("", "lots", "-1", "1X"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
+# -- the index -----------------------------------------------------------------------------------------
+def test_cache_index_ops_in_order(tmp_path: Path) -> None:
+    idx = CacheIndex(tmp_path / "index")
+    try:
+        idx.apply([PutMap(BLOB, b"map"), PutChunk(BLOB, 0, 1.0), PutChunk(BLOB, 7, 2.0), PutChunk(OTHER, 1, 3.0),
+                   DelChunk(BLOB, 0), Touch(BLOB, 7, 9.0), Touch(BLOB, 0, 9.0)])
+        assert idx.committed() == {BLOB: {7: 9.0}, OTHER: {1: 3.0}}
+        assert idx.committed_of(BLOB) == {7: 9.0}
+        assert idx.get_map(BLOB) == b"map" and idx.get_map(OTHER) is None
+        idx.apply([DelBlob(BLOB)])
+        assert idx.committed() == {OTHER: {1: 3.0}}
+        assert list(idx.maps()) == []
+    finally:
+        idx.close()
+    idx = CacheIndex(tmp_path / "index")  # persistent
+    try:
+        assert idx.committed_of(OTHER) == {1: 3.0}
+    finally:
+        idx.close()
+
+
+# -- data files ------------------------------------------------------------------------------------------
+def test_sparse_files_punch_and_extents(tmp_path: Path) -> None:
+    files = BlobFiles(tmp_path)
+    size = 10 << 20
+    fd = files.open(BLOB, size)
+    try:
+        assert os.fstat(fd).st_size == size and list(data_extents(fd, size)) == []
+        os.pwrite(fd, b"a" * (1 << 20), 2 << 20)
+        os.pwrite(fd, b"b" * 5000, 6 << 20)
+        ext = list(data_extents(fd, size))
+        assert ext[0][0] <= 2 << 20 and ext[0][1] >= 3 << 20 and len(ext) == 2
+        # Punching an unaligned range zeroes exactly that range.
+        punch_hole(fd, (2 << 20) + 100, 5000)
+        got = os.pread(fd, 6000, 2 << 20)
+        assert got == b"a" * 100 + b"\0" * 5000 + b"a" * 900
+        punch_hole(fd, 2 << 20, 1 << 20)
+        assert os.pread(fd, 1 << 20, 2 << 20) == b"\0" * (1 << 20)
+        assert os.fstat(fd).st_size == size
+        assert files.allocated_bytes(BLOB) <= 8192
+    finally:
+        os.close(fd)
+    assert list(files.blobs()) == [BLOB]
+    files.remove(BLOB)
+    assert list(files.blobs()) == []
