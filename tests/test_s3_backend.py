@@ -284,6 +284,12 @@ def test_missing_credentials_are_named(make: Any, bucket: str, monkeypatch: pyte
         make(bucket).check()
 
 
+def test_unknown_profile_is_a_config_error(make: Any, bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(ConfigError, match="no-such-profile"):
+        make(bucket).check()
+
+
 # -- listing and concurrency ------------------------------------------------------------
 def test_list_pages_through_small_pages(make: Any, bucket: str, s3_client: Any) -> None:
     b = make(bucket, page_size=7)

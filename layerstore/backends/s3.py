@@ -28,8 +28,8 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
@@ -37,8 +37,6 @@ from ..keys import validate, validate_prefix
 from .base import Backend
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 MiB = 1 << 20
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
@@ -147,12 +145,13 @@ class S3Backend(Backend):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     # -- error translation ---------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        """Run one S3 request; every failure leaves as one of the project's errors."""
+    def _call(self, what: str, operation: str, /, **kwargs: Any) -> Any:
+        """Run one S3 request; every failure (building the client included) leaves as one of
+        the project's errors."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return fn(**kwargs)
+            return getattr(self.client, operation)(**kwargs)
         except ClientError as e:
             raise self._translate(e, what) from None
         except BotoCoreError as e:
@@ -182,16 +181,17 @@ class S3Backend(Backend):
             NoCredentialsError,
             NoRegionError,
             PartialCredentialsError,
+            ProfileNotFound,
             ResponseStreamingError,
         )
 
         if isinstance(e, NoCredentialsError):
             return PermissionDenied(f"{what}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
                                     "or configure a profile)")
-        if isinstance(e, (PartialCredentialsError, NoRegionError)):
+        if isinstance(e, (PartialCredentialsError, NoRegionError, ProfileNotFound)):
             return ConfigError(f"{what}: {e}")
         if isinstance(e, (BotoConnectionError, HTTPClientError, ResponseStreamingError)):
-            return StoreUnavailable(f"{what}: S3 endpoint {self.endpoint or 'of ' + self._where} unreachable: {e}")
+            return StoreUnavailable(f"{what}: S3 endpoint {self.endpoint or 'for ' + self._where} unreachable: {e}")
         return StoreUnavailable(f"{what}: {self._where}: {e}")
 
     # -- location ------------------------------------------------------------------------
@@ -320,12 +320,12 @@ class S3Backend(Backend):
 
         view = memoryview(data)
         what = f"write {key}"
-        upload = self._call(what, self.client.create_multipart_upload, Bucket=self.bucket, Key=name)["UploadId"]
+        upload = self._call(what, "create_multipart_upload", Bucket=self.bucket, Key=name)["UploadId"]
         done = False
         try:
             parts = []
             for number, off in enumerate(range(0, len(view), self.part_size), start=1):
-                resp = self._call(what, self.client.upload_part, Bucket=self.bucket, Key=name, UploadId=upload,
+                resp = self._call(what, "upload_part", Bucket=self.bucket, Key=name, UploadId=upload,
                                   PartNumber=number, Body=bytes(view[off : off + self.part_size]))
                 parts.append({"ETag": resp["ETag"], "PartNumber": number})
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "UploadId": upload,
@@ -346,7 +346,7 @@ class S3Backend(Backend):
                     kwargs.pop("IfNoneMatch")
                     if self.exists(key):
                         return False
-                    self._call(what, self.client.complete_multipart_upload, **kwargs)
+                    self._call(what, "complete_multipart_upload", **kwargs)
                     done = True
                     return True
                 raise self._translate(e, what) from None
@@ -370,7 +370,7 @@ class S3Backend(Backend):
         return True
 
     def size(self, key: str) -> int:
-        resp = self._call(f"object {key}", self.client.head_object, Bucket=self.bucket, Key=self._name(key))
+        resp = self._call(f"object {key}", "head_object", Bucket=self.bucket, Key=self._name(key))
         return int(resp["ContentLength"])
 
     def delete(self, key: str) -> None:
@@ -378,17 +378,16 @@ class S3Backend(Backend):
         # S3 deletes succeed for missing keys; the contract wants NotFound, so look first.
         # Two concurrent deletes of one key may therefore both succeed.
         self.size(key)
-        self._call(f"delete {key}", self.client.delete_object, Bucket=self.bucket, Key=name)
+        self._call(f"delete {key}", "delete_object", Bucket=self.bucket, Key=name)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         validate_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(Bucket=self.bucket, Prefix=base + prefix,
-                                   PaginationConfig={"PageSize": self.page_size})
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base + prefix, PaginationConfig={"PageSize": self.page_size})
             for page in pages:
                 for obj in page.get("Contents", ()):
                     key = obj["Key"][len(base):]
