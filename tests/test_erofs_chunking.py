@@ -111,3 +111,20 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
     with pytest.raises(BadInput):
         build_layer(entries(), tmp_path / "img")
     assert os.listdir(tmp_path) == []
+
+
+def test_small_inline_files_dedup_in_stable_metadata_groups(tmp_path: Path) -> None:
+    """Small files live inline in stable metadata groups; a change elsewhere (a file that grows
+    and shifts all data) leaves the untouched groups identical."""
+    smalls = {f"pkg/m{i:04d}.py": os.urandom(200 + (i * 53) % 3800) for i in range(1500)}
+    make_tree(tmp_path / "a", {**smalls, "data.bin": os.urandom(MiB)})
+    make_tree(tmp_path / "b", {**smalls, "data.bin": os.urandom(2 * MiB), "pkg/m0700.py": b"edited"})
+    for tree in ("a", "b"):
+        for p in (tmp_path / tree).rglob("*"):
+            os.utime(p, (1_700_000_000, 1_700_000_000))
+    la = build_layer(dir_entries(tmp_path / "a"), tmp_path / "a.img")
+    lb = build_layer(dir_entries(tmp_path / "b"), tmp_path / "b.img")
+    seen = {r.digest for r in la.refs}
+    meta_b = [r for r in lb.refs if r.metadata]
+    shared = sum(r.length for r in meta_b if r.digest in seen)
+    assert shared >= 0.8 * sum(r.length for r in meta_b), (shared, [r.length for r in meta_b])
