@@ -4,8 +4,8 @@ Desired state = every sandbox in the state database, plus every sandbox whose re
 (NODE/sandboxes/<id>/sandbox.json) survived a lost database. Actual state = one read of
 /proc/self/mountinfo and the daemon's health. Recovery then, in this order:
 
-1. empties NODE/sandboxes/.trash (directories already marked for deletion by a teardown);
-2. finishes every teardown a crash interrupted (status `unmounting`);
+1. finishes every teardown a crash interrupted (status `unmounting`, or the sandbox's directory
+   already moved to NODE/sandboxes/.trash), then empties the trash;
 3. makes the blob source healthy: a killed daemon leaves a dead FUSE mount (ENOTCONN), which is
    detached before a new daemon starts;
 4. finds the stale layer mounts (missing, or made from a previous daemon's files) and the sandboxes

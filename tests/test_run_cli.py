@@ -199,3 +199,21 @@ def test_usage_errors_are_one_line(store: dict[str, str], nodes: list[Path]) -> 
     r = layerctl("mount", "--node-dir", str(nodes[0]) + ",x", "bb:1", "/tmp/x")
     assert r.code == 2 and "Traceback" not in r.err
     assert json.loads(layerctl("recover", "--node-dir", str(nodes[0]), "--json").out)["broken"] == {}
+
+
+def test_concurrent_invocations_on_one_node(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    env = {**os.environ, "LAYERSTORE_NODE_DIR": str(nodes[0]), "LAYERSTORE_STORE": store["url"]}
+    targets = [tmp_path / f"c{i}" for i in range(6)]
+    procs = [subprocess.Popen([str(BIN / "mount.layerstore"), "big:1", str(t), "-o", f"sandbox=c{i}"], env=env,
+                              stderr=subprocess.PIPE) for i, t in enumerate(targets)]
+    errs = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, errs
+    r = layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json")
+    assert sorted(s["sandbox"] for s in r.json()["sandboxes"]) == [f"c{i}" for i in range(6)]
+    assert r.json()["layers"] == {store["base"]: 6, store["toolkit"]: 6}
+    procs = [subprocess.Popen([str(BIN / "umount.layerstore"), str(t)], env=env, stderr=subprocess.PIPE)
+             for t in targets]
+    errs = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, errs
+    r = layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json")
+    assert r.json() == {"sandboxes": [], "layers": {}}

@@ -227,3 +227,37 @@ def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> 
         rec = json.loads((NodePaths(node).sandbox_dir("rec-1") / "sandbox.json").read_text())
         assert rec["id"] == "rec-1" and rec["layers"] == [images["base"], images["toolkit"]]
         shim.unmount(sb.id)
+
+
+def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
+    from runtime_shim import records
+    from runtime_shim.overlay import detach
+
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        detach(a.target)  # the shim died after moving a's directory to the trash
+        assert records.trash(shim.paths, a.id) is not None
+        rep = shim.recover()
+        assert rep.finished_teardowns == [a.id] and rep.trash_emptied == 1
+        assert [s.id for s in shim.sandboxes()] == [b.id]
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        assert os.listdir(node / "sandboxes" / ".trash") == []
+        shim.unmount(b.id)
+
+
+def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        sbs = [shim.mount(env2(images)) for _ in range(1000)]
+        assert shim.layer_refs() == {images["base"]: 1000, images["toolkit"]: 1000}
+        assert len(erofs_mounts(node)) == 2
+        overlays = [m for m in mountinfo.read().values() if m.fstype == "overlay"
+                    and m.mountpoint.startswith(str(node) + "/")]
+        assert len(overlays) == 1000
+        assert shim.recover().changed is False
+        for sb in sbs:
+            shim.unmount(sb.id)
+        assert shim.layer_refs() == {} and shim.sandboxes() == []
+    assert mountinfo.under(mountinfo.read(), str(node)) == []
+    loops = Path("/sys/block")
+    assert not any((loops / d / "loop" / "backing_file").exists()
+                   and str(node) in (loops / d / "loop" / "backing_file").read_text() for d in os.listdir(loops))
