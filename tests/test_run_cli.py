@@ -217,3 +217,18 @@ def test_concurrent_invocations_on_one_node(store: dict[str, str], nodes: list[P
     assert [p.returncode for p in procs] == [0] * 6, errs
     r = layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json")
     assert r.json() == {"sandboxes": [], "layers": {}}
+
+
+def test_unsigned_environment_refused_before_anything_is_mounted(store: dict[str, str], nodes: list[Path],
+                                                                  tmp_path: Path) -> None:
+    r = layerctl("env", "keygen", "--out", str(tmp_path / "key.pem"), "--json")
+    assert r.code == 0, r.err
+    key = r.json()["public_key"] if "public_key" in r.json() else next(iter(r.json().values()))
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"require_signature": True, "trusted_keys": [key]}))
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[0]), "--policy", str(policy), "bb:1",
+                 str(tmp_path / "t"))
+    assert r.code == 6 and "Traceback" not in r.err, r
+    assert not (tmp_path / "t").exists()
+    assert layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json").json() == {"sandboxes": [], "layers": {}}
+    assert not os.path.exists(nodes[0] / "fuse" / "blobs")  # not even the daemon was started
