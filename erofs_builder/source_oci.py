@@ -245,6 +245,12 @@ def _json(raw: bytes, what: str, digest: str | None = None) -> dict[str, Any]:
     return doc
 
 
+def _obj(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """A sub-object of a descriptor, {} when absent or not an object."""
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _host_platform() -> tuple[str, str]:
     machine = platform.machine().lower()
     arch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}.get(machine, machine)
@@ -330,8 +336,8 @@ class _OciLayout:
         descs = index.get("manifests")
         if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
             raise BadInput(f"{self.spec}: index.json has no manifest list")
-        refs = sorted({str((d.get("annotations") or {}).get(REF_ANNOTATION)) for d in descs
-                       if (d.get("annotations") or {}).get(REF_ANNOTATION)})
+        refs = sorted({str(_obj(d, "annotations").get(REF_ANNOTATION)) for d in descs
+                       if _obj(d, "annotations").get(REF_ANNOTATION)})
         if ref is None:
             if len(descs) == 1:
                 return descs[0]
@@ -340,7 +346,7 @@ class _OciLayout:
         if _DIGEST.fullmatch(ref):
             found = [d for d in descs if d.get("digest") == ref]
         else:
-            found = [d for d in descs if (d.get("annotations") or {}).get(REF_ANNOTATION) == ref]
+            found = [d for d in descs if _obj(d, "annotations").get(REF_ANNOTATION) == ref]
         if not found:
             raise NotFound(f"{self.spec}: no image {ref!r} in index.json (refs: {', '.join(refs) or 'none'})")
         if len({d.get("digest") for d in found}) > 1:
@@ -350,9 +356,9 @@ class _OciLayout:
     def _platform(self, index: dict[str, Any]) -> dict[str, Any]:
         descs = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
         os_name, arch = _host_platform()
-        real = [d for d in descs if (d.get("platform") or {}).get("os") != "unknown"]  # skip attestations
+        real = [d for d in descs if _obj(d, "platform").get("os") != "unknown"]  # skip attestations
         for d in real:
-            p = d.get("platform") or {}
+            p = _obj(d, "platform")
             if p.get("os") == os_name and p.get("architecture") == arch:
                 return d
         if len(real) == 1:

@@ -206,3 +206,24 @@ def test_opaque_marker_without_dir_entry_and_whiteouts() -> None:
 def test_whiteout_conflicts_are_refused(seq: list[tuple[Entry, None]], match: str) -> None:
     with pytest.raises(BadInput, match=match):
         convert(seq)
+
+
+def test_multi_platform_index_resolves_to_this_machine(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    root = tmp_path / "oci"
+    af.write_oci_layout(root, image_spec(), ref=None)
+    desc = json.loads((root / "index.json").read_text())["manifests"][0]
+    missing = "sha256:" + "1" * 64
+    nested = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
+        {**desc, "digest": missing, "platform": {"os": "linux", "architecture": "s390x"}},
+        {**desc, "platform": {"os": "linux", "architecture": "amd64"}},
+        {**desc, "platform": {"os": "linux", "architecture": "arm64"}},
+        {**desc, "digest": missing, "platform": {"os": "unknown", "architecture": "unknown"}},
+    ]}).encode()
+    digest = "sha256:" + hashlib.sha256(nested).hexdigest()
+    (root / "blobs/sha256" / digest.split(":")[1]).write_bytes(nested)
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": digest, "size": len(nested)}]}))
+    assert len(image_layers(f"oci:{root}").layers) == 3
