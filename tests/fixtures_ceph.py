@@ -37,10 +37,13 @@ def ceph(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CephCluster]:
     workdir = tmp_path_factory.mktemp("ceph")
     cluster = CephCluster(workdir)
     atexit.register(cluster.stop)
+    failure = None
     try:
         cluster.start()
     except CephError as e:
-        pytest.fail(f"the Ceph test cluster did not start: {e}", pytrace=False)
+        failure = str(e)
+    if failure is not None:
+        pytest.fail(f"the Ceph test cluster did not start: {failure}", pytrace=False)
     try:
         yield cluster
     finally:
