@@ -96,6 +96,21 @@ def parse_umount_argv(argv: Sequence[str]) -> str:
     return positional[0]
 
 
+def node_dir_of(target: str) -> str | None:
+    """The node directory of a sandbox root, read from its overlay's upperdir when the upper is
+    the shim's own (NODE/sandboxes/<id>/upper); None otherwise (then the default applies)."""
+    import os
+    import re
+
+    from . import mountinfo
+
+    m = mountinfo.read().get(os.path.abspath(target))
+    if m is None or m.fstype != "overlay":
+        return None
+    found = re.search(r"(?:^|,)upperdir=([^,]+)/sandboxes/[^/,]+/upper(?:,|$)", m.options)
+    return found.group(1) if found else None
+
+
 def _fail(e: LayerstoreError, code: int) -> int:
     print(f"layerstore: {e}", file=sys.stderr)
     return code
@@ -130,7 +145,7 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
     except LayerstoreError as e:
         return _fail(e, EXIT_USAGE)
     try:
-        with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR")) as shim:
+        with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR") or node_dir_of(target)) as shim:
             shim.unmount(target)
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
