@@ -432,6 +432,8 @@ class _DockerArchive:
             return m.read()
 
     def image(self, ref: str | None) -> OciImage:
+        if "manifest.json" not in self.members:
+            raise BadInput(f"{self.spec}: no manifest.json in the archive (not a `docker save` archive)")
         try:
             doc = json.loads(self._read_json("manifest.json", "manifest.json"))
         except (ValueError, UnicodeDecodeError):

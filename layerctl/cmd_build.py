@@ -10,6 +10,7 @@ the `--json` list gives their order, base first.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -173,7 +174,9 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
         if config_out is not None:
             _write_atomic(config_out, json.dumps(source.config, indent=2, sort_keys=True).encode() + b"\n")
     except OSError as e:
-        raise PermissionDenied(f"build failed: {e.filename or ''}: {e.strerror}") from None
+        cls = {errno.ENOENT: NotFound, errno.EACCES: PermissionDenied, errno.EPERM: PermissionDenied,
+               errno.EROFS: PermissionDenied}.get(e.errno or 0, LayerstoreError)
+        raise cls(f"build failed: {e.filename or ''}: {e.strerror}") from None
     finally:
         if store is not None:
             store.close()
@@ -212,6 +215,8 @@ class _Staging:
         self.created_dir = False
 
     def __enter__(self) -> _Staging:
+        if self.output is not None and not self.output.absolute().parent.is_dir():
+            raise NotFound(f"--output {self.output}: directory {self.output.absolute().parent} does not exist")
         if self.output is not None and not self.multi:
             if self.output.is_dir():
                 raise ConfigError(f"--output {self.output}: is a directory (a single-layer source writes a file)")
