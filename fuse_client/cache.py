@@ -59,7 +59,7 @@ class BlobEntry:
     """The cache's picture of one blob. Mutated only on the trio thread."""
 
     __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
-                 "use_dirty", "_positions")
+                 "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
         n = len(cmap.chunks)
@@ -72,6 +72,11 @@ class BlobEntry:
         self.open_count = 0
         self.metadata = [i for i, c in enumerate(cmap.chunks) if c.metadata]
         self.use_dirty = False
+        # Sequential readahead state (see fs.BlobFS): where the last read ended, the chunk whose
+        # first access starts the next readahead window, and where the current window ends.
+        self.seq_end = -1
+        self.ra_mark = n
+        self.ra_end = 0
         self._positions: dict[str, list[int]] | None = None
 
     @property

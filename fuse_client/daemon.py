@@ -34,7 +34,7 @@ from .cache_index import CacheIndex
 from .control import ControlAPI, ControlServer, socket_path
 from .eviction import DEFAULT_HIGH, DEFAULT_LOW, Budget
 from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
-from .fs import BlobFS
+from .fs import DEFAULT_READAHEAD, BlobFS
 from .stats import Stats
 from .trace import TraceRecorder, write_trace
 
@@ -62,6 +62,7 @@ class DaemonConfig:
     record_trace: Path | None = None
     fetch_deadline: float = DEFAULT_DEADLINE
     fetch_concurrency: int = DEFAULT_CONCURRENCY
+    readahead: int = DEFAULT_READAHEAD
     allow_other: bool = True
 
     def budget(self) -> Budget | None:
@@ -159,7 +160,7 @@ class Daemon:
                 await service.start(cache.run)
                 fetcher = Fetcher(self.store, cache, stats, nursery=service, concurrency=cfg.fetch_concurrency,
                                   deadline=cfg.fetch_deadline)
-                ops = BlobFS(fetcher, cache, stats, trace=trace)
+                ops = BlobFS(fetcher, cache, stats, trace=trace, readahead=cfg.readahead)
                 control = ControlServer(socket_path(cache_dir), ControlAPI(cache, fetcher, stats, nursery=service))
                 try:
                     await self._serve_mounted(ops, mountpoint, control, task_status)

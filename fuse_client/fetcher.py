@@ -230,6 +230,10 @@ class Fetcher:
             self._suppressed += 1
 
     # -- prefetch ----------------------------------------------------------------------------
+    def readahead(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
+        """Fetch chunks ahead of a sequential reader, in the background, at prefetch priority."""
+        self._nursery.start_soon(self.prefetch, entry, idxs)
+
     async def prefetch(self, entry: BlobEntry, idxs: Sequence[int]) -> tuple[int, int]:
         """Fetch chunks in the given order below demand priority. Returns (done, failed)."""
         done = failed = 0

@@ -44,6 +44,8 @@ FIRST_BLOB_INODE = 3
 BLOBS_DIR = b"blobs"
 ATTR_TIMEOUT = 86400.0  # blobs are immutable: let the kernel cache entries and attributes
 BLKSIZE = 128 * 1024
+DEFAULT_READAHEAD = 8  # chunks fetched ahead of a sequential reader
+SEQ_SLACK = 256 * 1024  # a read starting this close after the previous one continues a stream
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -85,8 +87,9 @@ class BlobFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, fetcher: Fetcher, cache: NodeCache, stats: Stats, *, trace: TraceRecorder | None = None,
-                 uid: int = 0, gid: int = 0) -> None:
+                 readahead: int = DEFAULT_READAHEAD, uid: int = 0, gid: int = 0) -> None:
         super().__init__()
+        self.readahead = readahead
         self.fetcher = fetcher
         self.cache = cache
         self.stats = stats
@@ -272,6 +275,9 @@ class BlobFS(pyfuse3.Operations):
                 log.error("blob %s: reading the cache at %d+%d: %s", e.blob, off, end - off, err)
                 raise pyfuse3.FUSEError(errno.EIO) from None
             e.touch(first, last, self.cache.clock())
+            if last > e.ra_mark:  # a sequential reader entered the readahead window: extend it
+                self._extend_readahead(e)
+            e.seq_end = end
             st = h.stats
             st.hits += 1
             st.served_bytes += len(data)
@@ -286,6 +292,14 @@ class BlobFS(pyfuse3.Operations):
         idxs = range(first, last)
         if self.trace is not None:
             self.trace.record(e.blob, len(e.present), first, last)
+        if self.readahead and e.seq_end >= 0 and 0 <= off - e.seq_end <= SEQ_SLACK:
+            # A sequential stream missed: start a readahead window right after this read, so
+            # that the store fetches of the next chunks overlap with this one.
+            e.ra_end = last
+            self._extend_readahead(e)
+        else:
+            e.ra_mark = len(e.present)
+        e.seq_end = end
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)
@@ -296,6 +310,16 @@ class BlobFS(pyfuse3.Operations):
         h.stats.misses += 1
         h.stats.served_bytes += len(data)
         return data
+
+    def _extend_readahead(self, e: BlobEntry) -> None:
+        n = len(e.present)
+        start = e.ra_end
+        stop = min(start + self.readahead, n)
+        e.ra_mark = start if start < n else n
+        e.ra_end = stop
+        todo = [i for i in range(start, stop) if not e.present[i]]
+        if todo:
+            self.fetcher.readahead(e, todo)
 
     async def flush(self, fh: int) -> None:
         pass

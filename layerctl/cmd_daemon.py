@@ -48,10 +48,13 @@ def parse_size(text: str) -> int:
 @click.option("--fetch-deadline", default=None, type=float, metavar="SECONDS",
               help="How long a read retries an unreachable store before EIO (default 10).")
 @click.option("--fetch-concurrency", default=None, type=int, metavar="N", help="Parallel chunk fetches (default 16).")
+@click.option("--readahead", default=None, type=int, metavar="CHUNKS",
+              help="Chunks fetched ahead of a sequential reader (default 8; 0 disables).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_size: str | None,
                high_watermark: float | None, low_watermark: float | None, record_trace: Path | None,
-               fetch_deadline: float | None, fetch_concurrency: int | None, log_level: str) -> None:
+               fetch_deadline: float | None, fetch_concurrency: int | None, readahead: int | None,
+               log_level: str) -> None:
     """Serve every blob of the store read-only at MOUNTPOINT/blobs/<digest>, lazily, through
     the node cache. Runs in the foreground until SIGTERM or SIGINT; ready once mounted."""
     from fuse_client.daemon import DaemonConfig, run
@@ -74,6 +77,10 @@ def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_s
         if fetch_concurrency < 1:
             raise ConfigError("--fetch-concurrency must be at least 1")
         cfg.fetch_concurrency = fetch_concurrency
+    if readahead is not None:
+        if readahead < 0:
+            raise ConfigError("--readahead must be >= 0")
+        cfg.readahead = readahead
     cfg.budget()  # validate before mounting
     # The store may be unreachable now: the daemon still starts and serves what is cached.
     with Store.open(store_url) as store:
