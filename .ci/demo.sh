@@ -1,33 +1,68 @@
 #!/usr/bin/env bash
-# `make demo`: the main job on the embedded default store (a local directory).
-# Each step prints what it did. Later stages (build, daemon, run) join as they land.
+# `make demo`: the main job on the embedded default store (a local directory):
+# build three layers, name an environment, start sandboxes from it lazily, commit one, resume it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LAYERCTL=.venv/bin/layerctl
+REPO=$PWD
+LAYERCTL=$REPO/.venv/bin/layerctl
 WORK=$(mktemp -d -t layerstore-demo.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
+NODE=$WORK/node
+export LAYERSTORE_NODE_DIR=$NODE
+
+cleanup() {
+    # sandboxes first (they hold the layer mounts), then the node daemon, then the files
+    for sb in $("$LAYERCTL" sandbox ls --json 2>/dev/null | python3 -c \
+        'import json,sys; [print(s["sandbox"]) for s in json.load(sys.stdin)]' 2>/dev/null); do
+        "$LAYERCTL" sandbox rm "$sb" >/dev/null 2>&1 || true
+    done
+    "$LAYERCTL" node stop >/dev/null 2>&1 || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
 
 say() { printf '\n== %s\n' "$*"; }
+field() { python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"; }
 
 say "layerctl $($LAYERCTL --version | awk '{print $NF}'), store: ${LAYERSTORE_STORE:-the embedded default (\$XDG_DATA_HOME/layerstore/store)}"
 $LAYERCTL store init
 
-say "a real blob: this repository's source tree as a tar file"
-tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner \
-    --exclude=.venv --exclude=.git --exclude='__pycache__' --exclude='bench/.cache' -cf "$WORK/src.tar" .
-ls -l "$WORK/src.tar"
+say "base layer: a busybox userland"
+mkdir -p "$WORK/base"/{bin,etc,tmp,root,proc,sys,dev,workspace}
+cp /bin/busybox "$WORK/base/bin/busybox"
+for app in $("$WORK/base/bin/busybox" --list); do [ "$app" = busybox ] || ln -s busybox "$WORK/base/bin/$app"; done
+echo "root:x:0:0:root:/root:/bin/sh" > "$WORK/base/etc/passwd"
+echo "root:x:0:" > "$WORK/base/etc/group"
+BASE=$($LAYERCTL build "$WORK/base" --push --all-root --role base --json | tee /dev/stderr | field blob)
 
-say "store it (chunks are verified, compressed, deduplicated)"
-$LAYERCTL store put-blob "$WORK/src.tar" --json | tee "$WORK/put.json"
-BLOB=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["blob"])' "$WORK/put.json")
+say "toolkit layer: a small tool"
+mkdir -p "$WORK/toolkit/opt/toolkit/bin"
+printf '#!/bin/sh\necho "toolkit says: $(ls /workspace | wc -l) entries in the workspace"\n' \
+    > "$WORK/toolkit/opt/toolkit/bin/summary"
+chmod 755 "$WORK/toolkit/opt/toolkit/bin/summary"
+TOOLKIT=$($LAYERCTL build "$WORK/toolkit" --push --all-root --role toolkit --json | tee /dev/stderr | field blob)
 
-say "store it again: nothing new is uploaded"
-$LAYERCTL store put-blob "$WORK/src.tar" --json
+say "workspace layer: this repository's source tree"
+mkdir -p "$WORK/ws/workspace"
+git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$WORK/ws/workspace")
+WORKSPACE=$($LAYERCTL build "$WORK/ws" --push --all-root --role workspace --json | tee /dev/stderr | field blob)
 
-say "read it back, verified, and compare"
-$LAYERCTL store get-blob "$BLOB" "$WORK/back.tar"
-cmp "$WORK/src.tar" "$WORK/back.tar" && echo "identical: $BLOB"
+say "environment demo:v1 = base + toolkit + workspace"
+printf '{"cmd": ["/bin/sh"], "env": ["PATH=/opt/toolkit/bin:/bin"], "workdir": "/workspace"}' > "$WORK/config.json"
+$LAYERCTL env create --base "$BASE" --toolkit "$TOOLKIT" --workspace "$WORKSPACE" \
+    --config "$WORK/config.json" -t demo:v1 --json
 
-say "what the store holds"
+say "run a sandbox lazily (the node daemon starts on first use)"
+$LAYERCTL run demo:v1 -- sh -c 'summary; head -3 /workspace/README.md; echo "python files: $(find /workspace -name "*.py" | wc -l)"'
+
+say "what lazy loading fetched: only metadata and the files the sandbox read"
+$LAYERCTL stats --cache "$NODE/cache"
+
+say "a sandbox writes, is committed as a new layer (demo:v2), and resumes from it"
+$LAYERCTL run --keep --sandbox demo-1 demo:v1 -- sh -c 'echo "result of task 1" > /workspace/RESULT; rm /workspace/README.md'
+$LAYERCTL commit demo-1 -t demo:v2 --json
+$LAYERCTL sandbox rm demo-1
+$LAYERCTL run demo:v2 -- sh -c 'cat /workspace/RESULT; test ! -e /workspace/README.md && echo "README.md stays deleted"'
+
+say "the store"
 $LAYERCTL store ls
 $LAYERCTL store verify

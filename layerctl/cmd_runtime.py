@@ -167,6 +167,22 @@ def recover_cmd(node_dir: str | None, as_json: bool) -> None:
         click.echo(f"broken: {sid}: {why}")
 
 
+@click.group("node")
+def node_group() -> None:
+    """This node's daemon."""
+
+
+@node_group.command("stop")
+@node_dir_option
+def node_stop_cmd(node_dir: str | None) -> None:
+    """Stop the node daemon (refused while sandboxes are mounted)."""
+    from runtime_shim.shim import Shim
+
+    with Shim.for_node(node_dir, auto_recover=False) as shim:
+        stopped = shim.stop_daemon()
+    click.echo("node daemon stopped" if stopped else "no node daemon running")
+
+
 def register(cli: click.Group) -> None:
-    for cmd in (mount_cmd, umount_cmd, run_cmd, sandbox_group, commit_cmd, recover_cmd):
+    for cmd in (mount_cmd, umount_cmd, run_cmd, sandbox_group, commit_cmd, recover_cmd, node_group):
         cli.add_command(cmd)

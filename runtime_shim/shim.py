@@ -277,6 +277,19 @@ class Shim:
             rmdir_quiet(sdir)
 
     # -- recovery --------------------------------------------------------------------------
+    def stop_daemon(self) -> bool:
+        """Stop the node daemon (before an upgrade, or to free the node). Refused while sandboxes
+        are mounted: their layers read through it. Returns False if this node has no daemon."""
+        with self.lock:
+            if self.sandboxes():
+                raise SandboxExists(f"{len(self.sandboxes())} sandbox(es) still mounted on node {self.paths.root}; "
+                                    f"remove them first (layerctl sandbox ls)")
+            stop = getattr(self.blobs, "stop", None)
+            if stop is None or self.blobs.generation() is None:
+                return False
+            stop()
+            return True
+
     def recover(self) -> RecoverReport:
         with self.lock:
             return self._recover_locked()
