@@ -7,11 +7,17 @@ Workloads (same data for every contender):
 - `tar`: `tar -cf -` of that small-file tree, read from a pipe.
 
 Contenders:
-- `local`: EROFS file-backed on the image file (mount(2), no loop device);
+- `local`: EROFS file-backed on the image file (mount(2), no loop device), the image file in the
+  page cache (the daemon's cache files are too, when warm); `local_disk`: the same with the image
+  dropped from the page cache first (the disk's speed);
 - `fuse_cold`: EROFS on `MOUNTPOINT/blobs/<digest>` of a fresh `layerctl daemon` (empty node
   cache, local-directory store: every chunk is fetched, verified, decompressed, cached);
 - `fuse_warm`: the same after a daemon restart over the filled cache (hits only);
-- `source`: the plain directory the images were built from.
+- `fuse_warm_directio`: as `fuse_warm`, EROFS mounted with `-o directio` (every EROFS page-cache
+  miss is a FUSE request: the daemon's hit path, without the FUSE file's page cache);
+- `source`: the plain directory the images were built from;
+- with `--s3`: `fuse_cold_s3` (sequential read of an image in an S3 store on a local Ceph RGW,
+  empty cache) against the store's own parallel GET bandwidth measured in the same run.
 Page caches are made cold for every run: EROFS mounts are fresh (the daemon's FUSE file is read
 with direct I/O by EROFS, so its page cache plays no part), source files get FADV_DONTNEED.
 `erofsfuse` (erofs-utils) is not packaged in Debian 12 and is reported as unavailable.
@@ -141,18 +147,24 @@ def drop_source_cache(root: Path) -> None:
             p = os.path.join(dirpath, n)
             if os.path.islink(p) or not os.path.isfile(p):
                 continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_file_cache(Path(p))
+
+
+def drop_file_cache(path: Path) -> None:
+    """Write back, then drop a file's pages (DONTNEED skips dirty pages)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 # -- mounts and the daemon ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def erofs_mount(image: Path, work: Path) -> Iterator[Path]:
+def erofs_mount(image: Path, work: Path, options: str = "") -> Iterator[Path]:
     target = Path(tempfile.mkdtemp(prefix="mnt-", dir=work))
-    sysmount.mount_erofs(image, target)
+    sysmount.mount_erofs(image, target, options)
     try:
         yield target
     finally:
@@ -161,11 +173,12 @@ def erofs_mount(image: Path, work: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def daemon(store_dir: Path, cache: Path, mnt: Path, log: Path) -> Iterator[Path]:
+def daemon(store: Path | str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | None = None) -> Iterator[Path]:
     mnt.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as logf:
-        proc = subprocess.Popen([LAYERCTL, "daemon", "--store", str(store_dir), "--cache", str(cache),
-                                 "--mountpoint", str(mnt), "--log-level", "warning"], stdout=logf, stderr=logf)
+        proc = subprocess.Popen([LAYERCTL, "daemon", "--store", str(store), "--cache", str(cache),
+                                 "--mountpoint", str(mnt), "--log-level", "warning"], stdout=logf, stderr=logf,
+                                env={**os.environ, **(env or {})})
     try:
         end = time.monotonic() + 30
         while True:
@@ -198,12 +211,13 @@ def timed(fn: Callable[[Path], int], root: Path) -> tuple[float, int]:
 
 
 def hit_path_cost(blob_file: Path, cache_file: Path, size: int, block: int, limit: int) -> dict[str, float]:
-    """O_DIRECT reads of `block` bytes over the blob through FUSE vs. the cache file directly."""
+    """Reads of `block` bytes over the blob through FUSE (O_DIRECT: every read is a request) vs.
+    the same preads on the cache's data file (in the page cache, as the daemon does them)."""
     buf = mmap.mmap(-1, block)
     n = min(size, limit) // block
 
-    def run(path: Path) -> float:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    def run(path: Path, flags: int) -> float:
+        fd = os.open(path, os.O_RDONLY | flags)
         try:
             t0 = time.perf_counter()
             for k in range(n):
@@ -212,9 +226,10 @@ def hit_path_cost(blob_file: Path, cache_file: Path, size: int, block: int, limi
         finally:
             os.close(fd)
 
-    run(blob_file)  # warm both paths once
-    fuse = min(run(blob_file) for _ in range(3))
-    local = min(run(cache_file) for _ in range(3))
+    run(blob_file, os.O_DIRECT)  # warm both paths once
+    run(cache_file, 0)
+    fuse = min(run(blob_file, os.O_DIRECT) for _ in range(3))
+    local = min(run(cache_file, 0) for _ in range(3))
     buf.close()
     return {"block": block, "requests": n, "fuse_us_per_request": fuse / n * 1e6,
             "cache_file_us_per_request": local / n * 1e6, "fuse_overhead_us": (fuse - local) / n * 1e6,
@@ -228,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory under /var/tmp")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--s3", action="store_true", help="also: cold reads from S3 on a local Ceph RGW")
+    ap.add_argument("--s3-mib", type=int, default=512)
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("needs root (mounts)", file=sys.stderr)
@@ -282,14 +299,19 @@ def run(args: argparse.Namespace, work: Path) -> int:
             drop_source_cache(trees[tree])
             samples.append(timed(fn, trees[tree]))
         record("source", workload, samples)
-        # EROFS on a local file
-        samples = []
+        # EROFS on a local file: the image in the page cache (as the daemon's cache files are when
+        # warm), and dropped from it (the disk's own speed)
+        samples, cold_samples = [], []
         for _ in range(args.reps):
             with erofs_mount(image, work) as m:
                 samples.append(timed(fn, m))
+            drop_file_cache(image)
+            with erofs_mount(image, work) as m:
+                cold_samples.append(timed(fn, m))
         record("local", workload, samples)
-        # EROFS on the FUSE daemon, cold then warm
-        cold, warm = [], []
+        record("local_disk", workload, cold_samples)
+        # EROFS on the FUSE daemon, cold then warm (a restarted daemon: a fresh FUSE page cache)
+        cold, warm, warm_dio = [], [], []
         for rep in range(args.reps):
             cache = work / f"cache-{workload}-{rep}"
             mnt = work / f"mnt-fuse-{workload}"
@@ -298,10 +320,13 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 cold.append(timed(fn, m))
             with daemon(store_dir, cache, mnt, log) as fm, erofs_mount(fm / "blobs" / blob, work) as m:
                 warm.append(timed(fn, m))
-                if rep:
-                    shutil.rmtree(work / f"cache-{workload}-{rep - 1}", ignore_errors=True)
+            with daemon(store_dir, cache, mnt, log) as fm, erofs_mount(fm / "blobs" / blob, work, "directio") as m:
+                warm_dio.append(timed(fn, m))
+            if rep:
+                shutil.rmtree(work / f"cache-{workload}-{rep - 1}", ignore_errors=True)
         record("fuse_cold", workload, cold)
         record("fuse_warm", workload, warm)
+        record("fuse_warm_directio", workload, warm_dio)
 
     # The hit path: cost of one FUSE request, with the big blob fully cached.
     big = images["big"]
@@ -317,8 +342,9 @@ def run(args: argparse.Namespace, work: Path) -> int:
               f"{h['cache_file_us_per_request']:.1f} us on the cache file; overhead {h['fuse_overhead_us']:.1f} us",
               flush=True)
 
-    ratios = {c: {w: round(results[c][w]["MBps"] / results["local"][w]["MBps"], 3) for w in WORKLOADS}
+    ratios = {c: {w: round(results[c][w]["MBps"] / results["local"][w]["MBps"], 3) for w in results[c]}
               for c in results}
+    s3 = run_s3(args, work) if args.s3 else None
     doc = {
         "benchmark": "fuse_read",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -328,6 +354,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         "results": results,
         "ratio_to_local": ratios,
         "hit_path": hit,
+        "s3": s3,
+        "loadavg_at_end": os.getloadavg(),
         "unavailable": {"erofsfuse": "not packaged in Debian 12 (erofs-utils 1.5 ships no erofsfuse)"},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -335,6 +363,48 @@ def run(args: argparse.Namespace, work: Path) -> int:
     print(json.dumps(ratios, indent=2))
     print(f"results written to {args.out}")
     return 0
+
+
+def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Cold sequential read from an S3 store (local Ceph RGW) vs. that store's parallel GET rate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.ceph_cluster import CephCluster
+
+    ceph = CephCluster(work / "ceph")
+    ceph.start(cephfs=False)
+    try:
+        env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        os.environ.update(env)
+        url = f"s3://fuse-bench/store?endpoint={ceph.endpoint}"
+        src = work / "src-s3"
+        make_big_tree(src, args.s3_mib, files=2)
+        with Store.open(url) as store:
+            store.init()
+            layer = build_layer(dir_entries(src, all_root=True), work / "s3.erofs", all_root=True)
+            push_layer(store, layer)
+        digests = sorted({r.digest for r in layer.refs})
+        with Store.open(url) as store, ThreadPoolExecutor(16) as pool:
+            t0 = time.perf_counter()
+            got = sum(len(b) for b in pool.map(store.get_chunk, digests))
+            get_s = time.perf_counter() - t0
+        get_mbps = got / get_s / 1e6
+        samples = []
+        for rep in range(args.reps):
+            cache = work / f"cache-s3-{rep}"
+            with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log", env) as fm, \
+                    erofs_mount(fm / "blobs" / layer.blob, work) as m:
+                samples.append(timed(seq_read, m))
+            shutil.rmtree(cache, ignore_errors=True)
+        med = statistics.median(s for s, _ in samples)
+        cold_mbps = samples[0][1] / med / 1e6
+        print(f"s3: parallel GET (16 threads, get_chunk) {get_mbps:.1f} MB/s; fuse_cold_s3 seq {cold_mbps:.1f} MB/s "
+              f"({cold_mbps / get_mbps:.2f}x)", flush=True)
+        return {"image_bytes": layer.size, "parallel_get_MBps": round(get_mbps, 1),
+                "fuse_cold_s3_seq": {"seconds": [round(s, 4) for s, _ in samples], "MBps": round(cold_mbps, 1)},
+                "ratio_to_parallel_get": round(cold_mbps / get_mbps, 3)}
+    finally:
+        ceph.stop()
 
 
 if __name__ == "__main__":

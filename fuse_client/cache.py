@@ -59,7 +59,7 @@ class BlobEntry:
     """The cache's picture of one blob. Mutated only on the trio thread."""
 
     __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
-                 "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions")
+                 "is_meta", "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
         n = len(cmap.chunks)
@@ -71,6 +71,7 @@ class BlobEntry:
         self.pins: dict[int, int] = {}
         self.open_count = 0
         self.metadata = [i for i, c in enumerate(cmap.chunks) if c.metadata]
+        self.is_meta = bytearray(1 if c.metadata else 0 for c in cmap.chunks)
         self.use_dirty = False
         # Sequential readahead state (see fs.BlobFS): where the last read ended, the chunk whose
         # first access starts the next readahead window, and where the current window ends.

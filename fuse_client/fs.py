@@ -44,7 +44,7 @@ FIRST_BLOB_INODE = 3
 BLOBS_DIR = b"blobs"
 ATTR_TIMEOUT = 86400.0  # blobs are immutable: let the kernel cache entries and attributes
 BLKSIZE = 128 * 1024
-DEFAULT_READAHEAD = 8  # chunks fetched ahead of a sequential reader
+DEFAULT_READAHEAD = 16  # chunks fetched ahead of a sequential reader
 SEQ_SLACK = 256 * 1024  # a read starting this close after the previous one continues a stream
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
@@ -90,6 +90,7 @@ class BlobFS(pyfuse3.Operations):
                  readahead: int = DEFAULT_READAHEAD, uid: int = 0, gid: int = 0) -> None:
         super().__init__()
         self.readahead = readahead
+        self._clock = cache.clock
         self.fetcher = fetcher
         self.cache = cache
         self.stats = stats
@@ -274,10 +275,15 @@ class BlobFS(pyfuse3.Operations):
             except OSError as err:
                 log.error("blob %s: reading the cache at %d+%d: %s", e.blob, off, end - off, err)
                 raise pyfuse3.FUSEError(errno.EIO) from None
-            e.touch(first, last, self.cache.clock())
-            if last > e.ra_mark:  # a sequential reader entered the readahead window: extend it
-                self._extend_readahead(e)
-            e.seq_end = end
+            now = self._clock()
+            lu = e.last_use
+            for i in range(first, last):
+                lu[i] = now
+            e.use_dirty = True
+            if not e.is_meta[first]:  # metadata reads interleave with a stream; they do not end it
+                if last > e.ra_mark:  # a sequential reader entered the readahead window: extend it
+                    self._extend_readahead(e)
+                e.seq_end = end
             st = h.stats
             st.hits += 1
             st.served_bytes += len(data)
@@ -292,14 +298,15 @@ class BlobFS(pyfuse3.Operations):
         idxs = range(first, last)
         if self.trace is not None:
             self.trace.record(e.blob, len(e.present), first, last)
-        if self.readahead and e.seq_end >= 0 and 0 <= off - e.seq_end <= SEQ_SLACK:
-            # A sequential stream missed: start a readahead window right after this read, so
-            # that the store fetches of the next chunks overlap with this one.
-            e.ra_end = last
-            self._extend_readahead(e)
-        else:
-            e.ra_mark = len(e.present)
-        e.seq_end = end
+        if not e.is_meta[first]:
+            if self.readahead and e.seq_end >= 0 and 0 <= off - e.seq_end <= SEQ_SLACK:
+                # A sequential stream missed: start a readahead window right after this read, so
+                # that the store fetches of the next chunks overlap with this one.
+                e.ra_end = last
+                self._extend_readahead(e)
+            else:
+                e.ra_mark = len(e.present)
+            e.seq_end = end
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)

@@ -49,7 +49,7 @@ def parse_size(text: str) -> int:
               help="How long a read retries an unreachable store before EIO (default 10).")
 @click.option("--fetch-concurrency", default=None, type=int, metavar="N", help="Parallel chunk fetches (default 16).")
 @click.option("--readahead", default=None, type=int, metavar="CHUNKS",
-              help="Chunks fetched ahead of a sequential reader (default 8; 0 disables).")
+              help="Chunks fetched ahead of a sequential reader (default 16; 0 disables).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_size: str | None,
                high_watermark: float | None, low_watermark: float | None, record_trace: Path | None,
