@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from erofs_builder.build import build_layer, push_layer  # noqa: E402
+from erofs_builder.chunking import ChunkPolicy  # noqa: E402
 from erofs_builder.source_dir import dir_entries  # noqa: E402
 from layerstore.chunker import fixed_boundaries  # noqa: E402
 from layerstore.store import Store  # noqa: E402
@@ -38,6 +39,7 @@ from layerstore.store import Store  # noqa: E402
 CACHE = ROOT / "bench" / ".cache" / "erofs-build"
 RESULTS = ROOT / "bench" / "results" / "build.json"
 MB = 1e6
+SOURCE_DATE_EPOCH = 1_600_000_000
 
 
 def sh(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -99,8 +101,8 @@ def bench_throughput(rootfs: Path, runs: int, work: Path) -> dict[str, object]:
                          "what": "build + chunk + hash (build_layer)"}
     packed = build_layer(dir_entries(rootfs), work / "packed.img", pack_tails=True)
     out["layerstore_pack_tails"] = {"image_bytes": packed.size, "chunks": len(packed.refs)}
-    version = subprocess.run(["mkfs.erofs", "--help"], capture_output=True, text=True).stdout.splitlines()[0]
-    out["mkfs_version"] = version
+    dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "erofs-utils"], capture_output=True, text=True)
+    out["mkfs_version"] = f"erofs-utils {dpkg.stdout.strip() or 'unknown'}"
     for name, extra in (("mkfs_erofs", []), ("mkfs_erofs_lz4hc", ["-zlz4hc"])):
         img = work / f"{name}.img"
 
@@ -150,7 +152,15 @@ def fetch_releases(package: str, versions: list[str]) -> list[Path]:
 def bench_dedup(package: str, versions: list[str], work: Path) -> dict[str, object]:
     trees = fetch_releases(package, versions)
     out: dict[str, object] = {"package": package, "versions": versions}
-    for variant, kw in (("default", {}), ("pack_tails", {"pack_tails": True})):
+    norm = {"all_root": True, "mtime_clamp": SOURCE_DATE_EPOCH}
+    small = ChunkPolicy(min_group=32 << 10, target_group=128 << 10, max_group=256 << 10, big=64 << 10)
+    variants: tuple[tuple[str, dict[str, object]], ...] = (
+        ("as_extracted", {}),  # owners and mtimes exactly as in each sdist (they differ per release)
+        ("normalized", norm),  # all_root + SOURCE_DATE_EPOCH-style clamp, default chunk policy
+        ("normalized_pack_tails", {**norm, "pack_tails": True}),
+        ("normalized_128KiB_groups", {**norm, "policy": small}),
+    )
+    for variant, kw in variants:
         store_dir = work / f"store-{variant}"
         releases = []
         fixed_seen: set[str] = set()
@@ -158,7 +168,7 @@ def bench_dedup(package: str, versions: list[str], work: Path) -> dict[str, obje
         with Store.open(str(store_dir)) as store:
             store.init()
             for v, tree in zip(versions, trees, strict=True):
-                layer = build_layer(dir_entries(tree), work / f"{package}-{v}.img", **kw)
+                layer = build_layer(dir_entries(tree), work / f"{package}-{v}.img", **kw)  # type: ignore[arg-type]
                 st = push_layer(store, layer)
                 meta_new = sum(r.length for r in layer.refs if r.metadata)
                 fd = os.open(layer.path, os.O_RDONLY)
@@ -170,6 +180,7 @@ def bench_dedup(package: str, versions: list[str], work: Path) -> dict[str, obje
                             fixed_new += length
                 finally:
                     os.close(fd)
+                layer.path.unlink()
                 releases.append({"version": v, "image_bytes": layer.size, "chunks": len(layer.refs),
                                  "new_bytes": st.new_bytes, "new_chunks": st.new_chunks,
                                  "stored_compressed_bytes": st.stored_bytes, "metadata_bytes": meta_new})
