@@ -60,6 +60,7 @@ class DaemonConfig:
     high_watermark: float = DEFAULT_HIGH
     low_watermark: float = DEFAULT_LOW
     record_trace: Path | None = None
+    trace_interval: float = TRACE_INTERVAL
     fetch_deadline: float = DEFAULT_DEADLINE
     fetch_concurrency: int = DEFAULT_CONCURRENCY
     readahead: int = DEFAULT_READAHEAD
@@ -205,7 +206,7 @@ class Daemon:
     async def _trace_loop(self) -> None:
         assert self.trace is not None and self.config.record_trace is not None
         while True:
-            await trio.sleep(TRACE_INTERVAL)
+            await trio.sleep(self.config.trace_interval)
             if self.trace.dirty:
                 self.trace.dirty = False
                 try:

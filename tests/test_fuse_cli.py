@@ -83,6 +83,12 @@ def test_daemon_end_to_end(store_dir: Path, src: Path, layer: BuiltLayer, tmp_pa
 
         # readdir of blobs/ lists the blobs the node has seen
         assert os.listdir(mnt / "blobs") == [layer.blob]
+        # One daemon per cache directory.
+        other = tmp_path / "mnt2"
+        other.mkdir()
+        assert_clean_failure(layerctl("daemon", "--store", str(store_dir), "--cache", str(cache), "--mountpoint",
+                                      str(other)), "in use")
+        assert not sysmount.is_mountpoint(other)
         assert d.stop() == 0
     assert not sysmount.is_mountpoint(mnt)
     assert not (cache / "control.sock").exists()
@@ -139,6 +145,7 @@ def test_cache_commands_online_and_offline(store_dir: Path, layer: BuiltLayer, t
     r = layerctl("cache", "evict", "--cache", str(cache), "--to", "0", "--json")
     assert r.code == 0 and r.json()["evicted_bytes"] == used and r.json()["used_bytes"] == 0
     assert_clean_failure(layerctl("stats", "--cache", str(cache), "--json"), "no daemon")
+    assert_clean_failure(layerctl("prefetch", "--cache", str(cache), layer.blob, "--all"), "no daemon")
     assert_clean_failure(layerctl("cache", "ls", "--cache", str(tmp_path / "nope")), "not a node cache")
     assert_clean_failure(layerctl("daemon", "--store", str(store_dir), "--cache", str(cache), "--mountpoint",
                                   str(mnt), "--cache-size", "lots"), "not a size")

@@ -4,6 +4,7 @@ images mounted file-backed from MOUNTPOINT/blobs/<digest>."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import mmap
 import os
@@ -19,7 +20,7 @@ from layerstore import keys
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
 from tests.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tree
-from tests.fuse_helpers import CountingBackend, DaemonThread, build_and_push, make_tree, read_errno
+from tests.fuse_helpers import CountingBackend, DaemonThread, build_and_push, make_tree, read_errno, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root for mounts")]
 
@@ -156,8 +157,6 @@ def test_budget_exceeded_with_active_readers(store: Store, layer: BuiltLayer, tm
         def settled() -> bool:
             return request_json(d.cache_dir, "GET", "/cache")["used_bytes"] <= low
 
-        from tests.fuse_helpers import wait_until
-
         wait_until(settled, 20, "usage to fall under the low watermark")
         ls = request_json(d.cache_dir, "GET", "/cache")
         assert ls["disk_bytes"] <= budget
@@ -182,3 +181,26 @@ def test_corrupt_chunk_eio_through_the_kernel(store: Store, backend: CountingBac
             assert os.pread(fd, 4096, ref.offset) == layer.path.read_bytes()[ref.offset:ref.offset + 4096]
         finally:
             os.close(fd)
+
+
+def test_trace_written_periodically(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.json"
+    with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt", record_trace=trace, trace_interval=0.05) as d:
+        fd = os.open(d.blob(layer.blob), os.O_RDONLY)
+        try:
+            os.pread(fd, 10, layer.size - 10)
+            os.pread(fd, 10, 0)
+        finally:
+            os.close(fd)
+
+        def written() -> bool:
+            try:
+                return layer.blob in json.loads(trace.read_text())["blobs"]
+            except (OSError, ValueError):
+                return False
+
+        wait_until(written, 20, "the trace to be written while the daemon runs")
+        doc = json.loads(trace.read_text())
+        assert doc["version"] == 1 and list(doc["blobs"]) == [layer.blob]
+        # First-access order (kernel readahead may add the chunks after each read).
+        assert doc["blobs"][layer.blob][:2] == [len(layer.refs) - 1, 0]
