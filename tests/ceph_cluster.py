@@ -561,7 +561,8 @@ mds tick interval = 0.2
 log file = {d}/log/$name.log
 
 [client.rgw.gw]
-rgw frontends = beast endpoint=127.0.0.1:{self.rgw_port}
+# tcp_nodelay: without it a small response waits ~40 ms for the client's delayed ACK (Nagle)
+rgw frontends = beast endpoint=127.0.0.1:{self.rgw_port} tcp_nodelay=1
 rgw dns name = 127.0.0.1
 rgw enable usage log = false
 rgw dynamic resharding = false
