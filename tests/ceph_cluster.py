@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -54,6 +55,22 @@ class Daemon:
 
 
 def _free_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, so that no outgoing connection
+    can take it between this check and the daemon's bind."""
+    low = 20000
+    try:
+        low_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low_ephemeral = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, max(low_ephemeral, low + 1000))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -195,8 +212,14 @@ class CephCluster:
                    "--addv", "a", f"[v2:127.0.0.1:{self.mon_port}]", str(self.workdir / "monmap")])
         self._run(["ceph-mon", "-c", str(self.conf), "--mkfs", "-i", "a",
                    "--monmap", str(self.workdir / "monmap")])
-        self._spawn("mon.a", ["ceph-mon", "-f", "-i", "a"])
-        self._wait(lambda: _port_open(self.mon_port), deadline, "the monitor to listen")
+        mon = self._spawn("mon.a", ["ceph-mon", "-f", "-i", "a"])
+
+        def mon_up() -> bool:
+            if not _alive(mon.pid):
+                raise CephError(f"ceph-mon exited during start-up; see {self.workdir}/log/mon.a.log")
+            return _port_open(self.mon_port)
+
+        self._wait(mon_up, deadline, "the monitor to listen")
         self._mark("mon")
 
         osd_uuid = str(uuid.uuid4())
