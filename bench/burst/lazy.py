@@ -18,6 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -122,20 +124,65 @@ class LayerstoreSetup:
                 "trace": self.trace_facts}
 
 
+class ThreadLocalNodeLock:
+    """The shim's node lock, one per thread. `NodeLock` is reentrant through a depth counter, which
+    threads sharing one object would share too (a second thread would walk in while the first holds
+    the flock); a lock object per thread gives each its own open file, and flock serialises them."""
+
+    def __init__(self, path: Path) -> None:
+        from runtime_shim.lock import NodeLock
+
+        self._make = lambda: NodeLock(path)
+        self._local = threading.local()
+
+    def _lock(self) -> Any:
+        lock = getattr(self._local, "lock", None)
+        if lock is None:
+            lock = self._local.lock = self._make()
+        return lock
+
+    def __enter__(self) -> ThreadLocalNodeLock:
+        self._lock().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock().__exit__(*exc)
+
+
 class LayerstoreNode:
-    """One node: a daemon on an empty cache, started before the burst; one `layerctl run` per sandbox."""
+    """One node: the daemon on an empty cache, started before the burst (a node service, like the
+    conventional path's containerd), and a node agent that starts every sandbox of the burst at once.
+
+    launcher "api" (default): the agent calls the shim in-process (the steps of `runtime_shim.runner.run`:
+    mount the sandbox's root, write the bundle, runc, unmount), one thread per sandbox, as the
+    conventional runner does with its overlay and runc, and keeps one store client for the burst.
+    launcher "cli": one `layerctl run` process per sandbox (what a user types; pays a Python start and
+    a store client per sandbox).
+
+    Prefetch hints: the shim does not act on a manifest's hints yet, so with `apply_hints` the agent
+    sends them to the daemon (`POST /prefetch`, background, below demand reads; what `layerctl prefetch`
+    does) when an environment is first used on the node."""
 
     def __init__(self, node_dir: Path, *, store_url: str, env_refs: dict[str, str], eager: bool, layerctl: str,
-                 record_trace: Path | None = None) -> None:
+                 record_trace: Path | None = None, launcher: str = "api", apply_hints: bool = False,
+                 shared_store: bool = True) -> None:
         self.node_dir = node_dir
         self.store_url = store_url
         self.env_refs = env_refs
         self.eager = eager
         self.layerctl = layerctl
         self.record_trace = record_trace
+        self.launcher = launcher
+        self.apply_hints = apply_hints
+        self.shared_store = shared_store
+        self._store: Any = None
         self.tag = f"{os.getpid()}"
         self.daemon_start_s: float | None = None
         self.stats: dict[str, Any] = {}
+        self.hints_sent: dict[str, Any] = {}
+        self._hint_lock = threading.Lock()
+        self._hinted_envs: set[str] = set()
+        self.shim: Any = None
         self._start_daemon()
 
     def _start_daemon(self) -> None:
@@ -149,41 +196,127 @@ class LayerstoreNode:
             return argv + (["--record-trace", str(trace)] if trace is not None else [])
 
         t = time.monotonic()
-        with Shim.for_node(self.node_dir, self.store_url, daemon_command=command) as shim, shim.lock:
-            shim.blobs.ensure()
+        self.shim = Shim.for_node(self.node_dir, self.store_url, daemon_command=command)
+        self.shim.lock = ThreadLocalNodeLock(self.shim.paths.lock)
+        if self.shared_store:
+            self.shim.resolver = self._shared_resolver()
+        with self.shim.lock:
+            self.shim.blobs.ensure()
         self.daemon_start_s = round(time.monotonic() - t, 3)
+
+    def _shared_resolver(self) -> Any:
+        """The resolver of `Shim.for_node` opens a new store (a new boto3 client, ~70 ms of CPU, far
+        more when threads contend for the GIL) for every sandbox; a node agent keeps one. Same
+        resolution (tag -> manifest -> layers, trust policy), one client for the whole burst."""
+        from layerstore.store import Store
+        from runtime_shim.environment import EnvSpec, load_policy, resolve
+
+        store = Store.open(self.store_url)
+        store.check()
+        self._store = store
+        trust = load_policy(None)
+
+        def resolver(ref: str) -> EnvSpec:
+            return resolve(store, ref, trust)
+
+        return resolver
+
+    def _send_hints(self, env: str) -> None:
+        """Once per environment on this node: its manifest's prefetch hints to the daemon."""
+        with self._hint_lock:
+            if env in self._hinted_envs:
+                return
+            self._hinted_envs.add(env)
+        from fuse_client.control import request_json
+        from layerstore.store import Store
+        from manifest import resolve_environment
+
+        t = time.monotonic()
+        if self._store is not None:
+            hints = dict(resolve_environment(self._store, self.env_refs[env]).prefetch)
+        else:
+            with Store.open(self.store_url) as store:
+                hints = dict(resolve_environment(store, self.env_refs[env]).prefetch)
+        sent = {}
+        for blob, chunks in hints.items():
+            with self._hint_lock:
+                if blob in self.hints_sent:
+                    continue
+                self.hints_sent[blob] = None
+            res = request_json(self.node_dir / "cache", "POST", "/prefetch",
+                               {"blob": blob, "chunks": list(chunks), "wait": False})
+            sent[blob] = self.hints_sent[blob] = res.get("queued", len(chunks))
+        log(f"prefetch hints for {env}: {sum(v or 0 for v in sent.values())} chunks queued in "
+            f"{time.monotonic() - t:.2f}s")
 
     def run_sandbox(self, index: int, env: str, command: list[str], result: SandboxResult) -> None:
         sid = f"lsb-{'e' if self.eager else 'l'}{self.tag}-{index}"
-        argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),
-                "--sandbox", sid, *(["--eager"] if self.eager else []), self.env_refs[env], "--", *command]
+        if self.apply_hints:
+            self._send_hints(env)
         t0 = time.time()
-        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+        if self.launcher == "cli":
+            argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),
+                    "--sandbox", sid, *(["--eager"] if self.eager else []), self.env_refs[env], "--", *command]
+            p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace")
+            out, err, rc = p.stdout, p.stderr, p.returncode
+        else:
+            out, err, rc = self._run_api(sid, env, command, result)
         result.finished = time.time()
-        result.rc = p.returncode
-        parse_output(p.stdout, result)
-        if p.returncode != 0:
-            result.error = tail(p.stderr + p.stdout)
+        result.rc = rc
+        parse_output(out, result)
+        if rc != 0:
+            result.error = tail(err + out)
         if result.started is not None:
-            result.phases = {"to_start_s": result.started - t0, "run_s": result.finished - result.started}
+            result.phases.update({"to_start_s": result.started - t0, "run_s": result.finished - result.started})
+
+    def _run_api(self, sid: str, env: str, command: list[str], result: SandboxResult) -> tuple[str, str, int]:
+        """`runtime_shim.runner.run`, step by step so that each step is timed."""
+        from runtime_shim.bundle import write_bundle
+        from runtime_shim.oci_runtime import open_runtime
+
+        shim = self.shim
+        t0 = time.time()
+        sb = shim.mount(self.env_refs[env], sandbox=sid, eager=self.eager)
+        t1 = time.time()
+        try:
+            rt = open_runtime("runc", shim.paths.root / "oci")
+            bundle = shim.paths.bundle(sb.id)
+            write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, cgroups_path=f"/layerstore/{sb.id}")
+            with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
+                try:
+                    rc = rt.run(bundle, sb.id, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr)
+                finally:
+                    rt.delete(sb.id)
+                fout.seek(0)
+                ferr.seek(0)
+                out, err = fout.read().decode(errors="replace"), ferr.read().decode(errors="replace")
+        finally:
+            t2 = time.time()
+            shim.unmount(sb.id)
+            result.phases = {"mount_s": t1 - t0, "unmount_s": time.time() - t2}
+        return out, err, rc
 
     def teardown(self) -> None:
         try:
-            from runtime_shim.shim import Shim
-
-            with Shim.for_node(self.node_dir, self.store_url, auto_recover=False) as shim:
-                for sb in shim.sandboxes():
+            if self.shim is not None:
+                for sb in self.shim.sandboxes():
                     with contextlib.suppress(Exception):
-                        shim.unmount(sb.id)
-                with shim.lock:
-                    shim.blobs.stop()
+                        self.shim.unmount(sb.id)
+                with self.shim.lock:
+                    self.shim.blobs.stop()
+                self.shim.close()
+                self.shim = None
+            if self._store is not None:
+                self._store.close()
+                self._store = None
         finally:
             sweep_mounts(self.node_dir)
 
     def facts(self) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             self.stats = _layerctl_json("stats", "--cache", str(self.node_dir / "cache"), "--json")
-        return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats}
+        return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats, "launcher": self.launcher,
+                "hints_sent_chunks": self.hints_sent}
 
     @staticmethod
     def sandbox_cgroups(tag: str) -> str:

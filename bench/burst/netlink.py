@@ -23,9 +23,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-NODE_ADDR = "198.18.0.1"
-STORE_ADDR = "198.18.0.2"
 PREFIX = 30
+
+
+def link_addresses(tag: int) -> tuple[str, str]:
+    """(node, store) addresses of the /30 that run `tag` uses inside 198.18.0.0/15, so that two runs
+    on one machine (a developer's and CI's) never share a subnet."""
+    base = (198 << 24) | (18 << 16) | ((tag % (1 << 15)) << 2)
+    def dotted(n: int) -> str:
+        return ".".join(str((n >> s) & 255) for s in (24, 16, 8, 0))
+    return dotted(base + 1), dotted(base + 2)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,8 +66,7 @@ class Link:
         self.netns = f"lsburst{tag}"
         self.node_if = f"lsbn{tag}"
         self.store_if = f"lsbs{tag}"
-        self.node_addr = NODE_ADDR
-        self.store_addr = STORE_ADDR
+        self.node_addr, self.store_addr = link_addresses(int(tag))
         self.up = False
 
     # -- lifecycle -----------------------------------------------------------------------

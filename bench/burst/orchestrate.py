@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -182,7 +181,7 @@ class Bench:
         upload_layers(client, BUCKET, {k: v.tar_gz for k, v in self.layers.items()})
         self.results["timings"]["upload_tar_gz_s"] = round(time.monotonic() - t, 1)
         self.results["upload_link_tx_bytes"] = self.link.counters().minus(c0).tx_bytes
-        if any(c in self.opts.contenders for c in ("lazy", "lazy-prefetch", "eager")):
+        if any(c in self.opts.contenders for c in spec.LAYERSTORE_CONTENDERS):
             from . import lazy
 
             missing = lazy.missing_commands()
@@ -194,7 +193,6 @@ class Bench:
                                               environments=self.opts.environments, work=self.run_dir / "layerstore")
             self.lazy.push_and_create()
             self.results["timings"]["layerstore_push_s"] = round(time.monotonic() - t, 1)
-            self.results["layerstore"] = self.lazy.facts()
             if "lazy-prefetch" in self.opts.contenders:
                 t = time.monotonic()
                 assert self.disk is not None
@@ -206,6 +204,7 @@ class Bench:
                 finally:
                     self.disk.unmount()
                 self.results["timings"]["profile_s"] = round(time.monotonic() - t, 1)
+            self.results["layerstore"] = self.lazy.facts()
 
     def store_url(self) -> str:
         assert self.store is not None
@@ -214,7 +213,7 @@ class Bench:
     def _skip_reason(self, name: str) -> str:
         if name == "conventional":
             return ""
-        if name in ("lazy", "lazy-prefetch", "eager"):
+        if name in spec.LAYERSTORE_CONTENDERS:
             from . import lazy
 
             missing = lazy.missing_commands()
@@ -245,8 +244,7 @@ class Bench:
         cg = cgroups.MemoryCgroup(f"lsburst-{os.getpid()}/{name}")
         cg.create()
         self.cleanup.push(f"cgroup {name}", cg.remove)
-        runc_root = Path(f"/run/lsburst-{os.getpid()}/{name}")
-        runc_root.mkdir(parents=True, exist_ok=True)
+        runc_root = node / "runc"  # on the node disk, where the shim keeps its runc state too
         plan_file = self.run_dir / f"plan-{name}.json"
         out_file = self.run_dir / f"result-{name}.json"
         plan: dict[str, Any] = {
@@ -257,6 +255,8 @@ class Bench:
         }
         if self.lazy is not None:
             plan["env_refs"] = self.lazy.hinted_refs if name == "lazy-prefetch" else self.lazy.env_refs
+            if name == "lazy-prefetch" and not lazy_shim_applies_hints():
+                plan["apply_hints"] = True
         plan_file.write_text(json.dumps(plan))
         proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -269,6 +269,7 @@ class Bench:
                 raise RuntimeError(f"{name}: the runner did not start")
             link0, disk0 = self.link.counters(), self.disk.counters()
             qdisc0 = self.link.qdisc_stats()
+            cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
             cg.start_sampling()
             proc.stdin.write("GO\n")
             proc.stdin.flush()
@@ -277,6 +278,7 @@ class Bench:
                 raise RuntimeError(f"{name}: the runner failed")
             link1, disk1 = self.link.counters(), self.disk.counters()
             qdisc1 = self.link.qdisc_stats()
+            cpu1 = cpu_seconds()
             cg.stop_sampling()
             used = self.disk.used_bytes()
             peak = cg.kernel_peak()
@@ -298,10 +300,31 @@ class Bench:
             "mem_peak_bytes": cg.peak_usage_sampled,
             "mem_peak_anon_bytes": cg.peak_anon,
             "mem_peak_node_side_bytes": peak,
+            # The machine is shared: how busy it was (all processes, ours included) while the burst ran.
+            "machine_cpu_busy_s": round(cpu1[0] - cpu0[0], 2),
+            "machine_cpu_iowait_s": round(cpu1[1] - cpu0[1], 2),
+            "loadavg_before": round(load0, 2),
         }
         self.cleanup.pop(f"cgroup {name}")
-        shutil.rmtree(runc_root, ignore_errors=True)
         return metrics.summarize(raw, measured)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy, iowait) CPU-seconds of the whole machine since boot, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle, iowait = f[3], f[4]
+    return (sum(f[:8]) - idle - iowait) / hz, iowait / hz
+
+
+def lazy_shim_applies_hints() -> bool:
+    """Does the shim send a manifest's prefetch hints to the daemon when it mounts? (Not yet, when this
+    benchmark was written; the benchmark's node agent sends them itself until it does.)"""
+    import inspect
+
+    from runtime_shim import shim
+
+    return "prefetch" in inspect.getsource(shim)
 
 
 def _sandbox_cgroups(contender: str, runner_pid: int) -> str:

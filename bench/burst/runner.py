@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from . import cgroups, spec
 from .sandbox import SandboxResult
+from .spec import LAYERSTORE_CONTENDERS
 
 
 class Contender(Protocol):
@@ -42,11 +43,13 @@ def make_contender(plan: dict[str, Any]) -> Contender:
 
         return ConventionalNode(node_dir, endpoint=plan["endpoint"], bucket=plan["bucket"],
                                 runc_root=Path(plan["runc_root"]))
-    if kind in ("lazy", "lazy-prefetch", "eager"):
+    if kind in LAYERSTORE_CONTENDERS:
         from .lazy import LayerstoreNode
 
         return LayerstoreNode(node_dir, store_url=plan["store_url"], env_refs=plan["env_refs"],
-                              eager=kind == "eager", layerctl=plan["layerctl"])
+                              eager=kind == "eager", layerctl=plan["layerctl"],
+                              launcher="cli" if kind == "lazy-cli" else "api",
+                              apply_hints=bool(plan.get("apply_hints")))
     raise ValueError(f"unknown contender {kind!r}")
 
 

@@ -96,6 +96,9 @@ ENVIRONMENTS: dict[str, Environment] = {
 }
 
 
+LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "eager", "lazy-cli")
+
+
 @dataclass(frozen=True)
 class Size:
     name: str
