@@ -44,6 +44,9 @@ LOCK_NAME = "daemon.lock"
 INDEX_DIR = "index"
 TRACE_INTERVAL = 5.0
 SHUTDOWN_GRACE = 5.0
+# The kernel's readahead on our FUSE files (buffered readers, e.g. EROFS without `directio`):
+# 1 MiB requests instead of 128 KiB cut the requests per byte by 8.
+DEFAULT_KERNEL_READAHEAD_KB = 1024
 
 
 class CacheBusy(LayerstoreError):
@@ -64,6 +67,7 @@ class DaemonConfig:
     fetch_deadline: float = DEFAULT_DEADLINE
     fetch_concurrency: int = DEFAULT_CONCURRENCY
     readahead: int = DEFAULT_READAHEAD
+    kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
     allow_other: bool = True
 
     def budget(self) -> Budget | None:
@@ -118,6 +122,19 @@ def clear_dead_mount(mountpoint: Path) -> None:
             return
         raise
     raise ConfigError(f"{mountpoint} is already a mount point")
+
+
+def set_kernel_readahead(mountpoint: Path, kb: int) -> None:
+    """Set read_ahead_kb of the FUSE mount's backing device info (best effort). The device
+    number comes from mountinfo, so no request is sent to our own, not yet serving, mount."""
+    want = os.fspath(mountpoint)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            devs = [line.split(" ")[2] for line in f if sysmount._unescape(line.split(" ")[4]) == want]
+        if devs:
+            Path(f"/sys/class/bdi/{devs[-1]}/read_ahead_kb").write_text(f"{kb}\n")
+    except OSError as e:
+        log.warning("cannot set the kernel readahead of %s to %d KiB: %s", mountpoint, kb, e)
 
 
 def raise_fd_limit() -> None:
@@ -176,6 +193,8 @@ class Daemon:
     async def _serve_mounted(self, ops: BlobFS, mountpoint: Path, control: ControlServer,
                              task_status: trio.TaskStatus[Daemon]) -> None:
         pyfuse3.init(ops, os.fspath(mountpoint), self.config.fuse_options())
+        if self.config.kernel_readahead_kb:
+            set_kernel_readahead(mountpoint, self.config.kernel_readahead_kb)
         try:
             async with trio.open_nursery() as front:
                 fuse_done = trio.Event()
