@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -27,6 +28,7 @@ from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
 
 from .cache import BlobEntry, Flight, NodeCache
+from .cache_files import CacheIOError
 from .limiter import DEMAND, PREFETCH, PriorityLimiter
 from .stats import Stats
 
@@ -189,18 +191,23 @@ class Fetcher:
                 try:
                     payload = await trio.to_thread.run_sync(self.store.get_chunk, digest, abandon_on_cancel=True,
                                                             limiter=self._threads)
-                except CorruptObject:
+                except LayerstoreError:
                     raise
-                except Exception as e:
+                except Exception as e:  # a backend's unexpected failure: the store is not answering properly
                     raise _as_store_error(e) from None
                 if len(payload) != ref.length:
                     raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {ref.length}")
-                await trio.to_thread.run_sync(NodeCache.write_sync, entry, positions, payload, limiter=self._threads)
+                # Not abandonable: a shutdown waits for the write, so no thread ever writes to a
+                # descriptor that was closed (and maybe reused) behind it.
+                await trio.to_thread.run_sync(_write, entry, positions, payload, limiter=self._threads)
                 self.cache.commit(entry, positions)
                 self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other")).observe(time.perf_counter() - t0)
                 bs = self.stats.blob(blob, entry.size)
                 bs.fetched_bytes += ref.length
                 bs.fetches += 1
+        except CacheIOError as e:  # the cache's own disk failed: report, never serve
+            log.error("blob %s chunk %d: %s", blob, positions[0], e)
+            fl.error = StoreUnavailable(str(e))
         except CorruptObject as e:
             self.stats.corrupt_chunks += 1
             log.error("corrupt chunk: blob %s chunk %d (%s) failed verification, not served: %s",
@@ -257,6 +264,13 @@ class Fetcher:
                 await self._prefetch.acquire_on_behalf_of(token)
                 nursery.start_soon(one, i, token)
         return done, failed
+
+
+def _write(entry: BlobEntry, positions: list[int], payload: bytes) -> None:
+    try:
+        NodeCache.write_sync(entry, positions, payload)
+    except OSError as e:
+        raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}") from None
 
 
 def _as_store_error(e: BaseException) -> LayerstoreError:
