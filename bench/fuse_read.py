@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, work: Path) -> int:
     print(f"workdir {work}", flush=True)
+    load_start = os.getloadavg()
     trees = {"big": work / "src-big", "small": work / "src-small"}
     make_big_tree(trees["big"], args.big_mib)
     make_small_tree(trees["small"])
@@ -282,13 +283,17 @@ def run(args: argparse.Namespace, work: Path) -> int:
     results: dict[str, dict[str, Any]] = {}
 
     def record(contender: str, workload: str, samples: list[tuple[float, int]]) -> None:
+        # Best of N is the figure (the machine is shared: noise only ever slows a run down);
+        # the median is kept alongside.
         secs = [s for s, _ in samples]
         nbytes = samples[0][1]
-        med = statistics.median(secs)
+        best, med = min(secs), statistics.median(secs)
         results.setdefault(contender, {})[workload] = {
-            "bytes": nbytes, "seconds": [round(s, 4) for s in secs], "median_s": round(med, 4),
-            "MBps": round(nbytes / med / 1e6, 1)}
-        print(f"{contender:10s} {workload:10s} {nbytes / med / 1e6:9.1f} MB/s  (median of {len(secs)})", flush=True)
+            "bytes": nbytes, "seconds": [round(s, 4) for s in secs], "best_s": round(best, 4),
+            "median_s": round(med, 4), "MBps": round(nbytes / best / 1e6, 1),
+            "median_MBps": round(nbytes / med / 1e6, 1)}
+        print(f"{contender:18s} {workload:10s} {nbytes / best / 1e6:9.1f} MB/s best, {nbytes / med / 1e6:9.1f} median",
+              flush=True)
 
     for workload, (tree, fn) in WORKLOADS.items():
         image = images[tree]["path"]
@@ -355,7 +360,15 @@ def run(args: argparse.Namespace, work: Path) -> int:
         "ratio_to_local": ratios,
         "hit_path": hit,
         "s3": s3,
+        "loadavg_at_start": load_start,
         "loadavg_at_end": os.getloadavg(),
+        "notes": [
+            "MBps is best of `reps` runs (the machine is shared with other work; see loadavg); median_MBps too",
+            "ratios are to `local`: EROFS file-backed on the image file, image in the page cache",
+            "fuse_warm: EROFS buffered over the FUSE file (kernel readahead 1 MiB); fuse_warm_directio: "
+            "EROFS -o directio, every EROFS page-cache miss is a FUSE request",
+            "hit_path: per-request cost through FUSE (O_DIRECT on the blob file) vs pread of the cache file",
+        ],
         "unavailable": {"erofsfuse": "not packaged in Debian 12 (erofs-utils 1.5 ships no erofsfuse)"},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -396,8 +409,8 @@ def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     erofs_mount(fm / "blobs" / layer.blob, work) as m:
                 samples.append(timed(seq_read, m))
             shutil.rmtree(cache, ignore_errors=True)
-        med = statistics.median(s for s, _ in samples)
-        cold_mbps = samples[0][1] / med / 1e6
+        best = min(s for s, _ in samples)
+        cold_mbps = samples[0][1] / best / 1e6
         print(f"s3: parallel GET (16 threads, get_chunk) {get_mbps:.1f} MB/s; fuse_cold_s3 seq {cold_mbps:.1f} MB/s "
               f"({cold_mbps / get_mbps:.2f}x)", flush=True)
         return {"image_bytes": layer.size, "parallel_get_MBps": round(get_mbps, 1),
