@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
     ap.add_argument("--backends", default="local,cephfs,s3")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per point; the median run is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds over every point; medians are reported")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
     ap.add_argument("--ceph-dir", type=Path, help="use a cluster left running by `ceph_cluster.py start DIR`")
@@ -190,18 +190,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ceph: S3 ready in {ceph.timings['s3_ready']:.1f}s, CephFS in "
                       f"{ceph.timings['cephfs_mounted']:.1f}s", file=sys.stderr)
             machine.update(machine_info(ceph))
-        for backend in backends:
-            results[backend] = {}
-            for n in clients:
-                runs = []
-                for _ in range(max(args.repeat, 1)):
+        # Rounds go over every point before the next round starts, so that load from elsewhere on a
+        # shared machine spreads over all backends instead of hitting one.
+        samples: dict[tuple[str, int], list[dict[str, Any]]] = {(b, n): [] for b in backends for n in clients}
+        for rnd in range(max(args.repeat, 1)):
+            for backend in backends:
+                for n in clients:
                     url, env = location(backend, n, work, ceph)
-                    runs.append(run(url, env, n, args.size_mib, chunk_size))
+                    r = run(url, env, n, args.size_mib, chunk_size)
+                    samples[backend, n].append(r)
                     cleanup(backend, url, work)
-                r = median_run(runs)
-                results[backend][str(n)] = r
-                print(f"{backend:7s} clients={n}: put {r['put_mib_s']:8.1f} MiB/s  get {r['get_mib_s']:8.1f} MiB/s "
-                      f"(runs: put {r['put_mib_s_runs']}, get {r['get_mib_s_runs']})", file=sys.stderr)
+                    print(f"round {rnd + 1} {backend:7s} clients={n}: put {r['put_mib_s']:8.1f} MiB/s  "
+                          f"get {r['get_mib_s']:8.1f} MiB/s  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+        for (backend, n), runs in samples.items():
+            results.setdefault(backend, {})[str(n)] = median_run(runs)
     finally:
         if ceph is not None and owned:
             ceph.stop()
