@@ -429,3 +429,24 @@ def test_prefetch_priority_constant_is_below_demand() -> None:
     from fuse_client.limiter import DEMAND
 
     assert DEMAND < PREFETCH
+
+
+@pytest.mark.trio
+async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, tmp_path: Path) -> None:
+    cmap = put_blob(store, data)
+    barrier = threading.Barrier(4, timeout=10)
+
+    class AllAtOnce:
+        """Each chunk load waits until four loads are in flight: a serial fetcher would time out."""
+
+        def get_chunk(self, digest: str) -> bytes:
+            barrier.wait()
+            return store.get_chunk(digest)
+
+        def get_chunk_map(self, blob: str) -> ChunkMap:
+            return store.get_chunk_map(blob)
+
+    async with rig(AllAtOnce(), tmp_path / "cache", concurrency=4) as r:  # type: ignore[arg-type]
+        fh = await r.open_blob(cmap.blob)
+        assert await r.fs.read(fh, 2 * CHUNK + 5, 4 * CHUNK - 10) == data[2 * CHUNK + 5:6 * CHUNK - 5]
+        assert r.stats.blobs[cmap.blob].misses == 1
