@@ -16,8 +16,11 @@ test: deps
 lint: deps
 	$(VENV)/bin/ruff check .
 
+# Every benchmark in bench/, at SIZE=quick (default; the whole run stays under ~10 minutes) or SIZE=full.
+SIZE ?= quick
 bench: deps
-	$(VPY) bench/store_throughput.py $(BENCH_ARGS)
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
+	@set -e; for b in bench/*.py; do echo "== $$b (SIZE=$(SIZE))"; BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); done
 
 deps: system-deps $(STAMP)
 

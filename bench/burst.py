@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     ap.add_argument("--environments", default=None, help="comma-separated (default: the size's)")
     ap.add_argument("--contenders", default=None,
                     help="comma-separated subset of " + ",".join(spec.SIZES["full"].contenders))
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of every contender (default: the size's)")
     ap.add_argument("--no-readset", action="store_true", help="skip measuring the bytes the tasks read")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes, rate_mbit=a.rate_mbit or size.rate_mbit,
                    environments=envs, contenders=contenders,
                    output=a.output or REPO / "bench" / "results" / f"burst-{size.name}.json",
-                   readset=not a.no_readset, docs=None if a.no_docs else a.docs)
+                   readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs)
     return opts
 
 

@@ -36,15 +36,20 @@ REQUIRED = {
     "layerctl run --eager --node-dir": (["run", "--help"], "--eager"),
     "layerctl stats --json": (["stats", "--help"], "--json"),
 }
+# Only the contenders that need them.
+OPTIONAL = {"lazy-noreadahead": {"layerctl daemon --readahead": (["daemon", "--help"], "--readahead")}}
 
 
 def layerctl() -> str:
     return str(Path(sys.executable).with_name("layerctl"))
 
 
-def missing_commands() -> list[str]:
+def missing_commands(contender: str | None = None) -> list[str]:
     missing = []
-    for name, (argv, needle) in REQUIRED.items():
+    wanted = dict(REQUIRED)
+    if contender is not None:
+        wanted.update(OPTIONAL.get(contender, {}))
+    for name, (argv, needle) in wanted.items():
         try:
             p = subprocess.run([layerctl(), *argv], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
@@ -165,7 +170,7 @@ class LayerstoreNode:
 
     def __init__(self, node_dir: Path, *, store_url: str, env_refs: dict[str, str], eager: bool, layerctl: str,
                  record_trace: Path | None = None, launcher: str = "api", apply_hints: bool = False,
-                 shared_store: bool = True) -> None:
+                 shared_store: bool = True, daemon_args: list[str] | None = None) -> None:
         self.node_dir = node_dir
         self.store_url = store_url
         self.env_refs = env_refs
@@ -175,6 +180,7 @@ class LayerstoreNode:
         self.launcher = launcher
         self.apply_hints = apply_hints
         self.shared_store = shared_store
+        self.daemon_args = list(daemon_args or [])
         self._store: Any = None
         self.tag = f"{os.getpid()}"
         self.daemon_start_s: float | None = None
@@ -190,10 +196,11 @@ class LayerstoreNode:
         from runtime_shim.shim import Shim
 
         trace = self.record_trace
+        extra = self.daemon_args
 
         def command(store: str, cache: Path, mountpoint: Path) -> list[str]:
             argv = default_command(store, cache, mountpoint)
-            return argv + (["--record-trace", str(trace)] if trace is not None else [])
+            return argv + (["--record-trace", str(trace)] if trace is not None else []) + extra
 
         t = time.monotonic()
         self.shim = Shim.for_node(self.node_dir, self.store_url, daemon_command=command)
@@ -316,7 +323,7 @@ class LayerstoreNode:
         with contextlib.suppress(Exception):
             self.stats = _layerctl_json("stats", "--cache", str(self.node_dir / "cache"), "--json")
         return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats, "launcher": self.launcher,
-                "hints_sent_chunks": self.hints_sent}
+                "daemon_args": self.daemon_args, "hints_sent_chunks": self.hints_sent}
 
     @staticmethod
     def sandbox_cgroups(tag: str) -> str:

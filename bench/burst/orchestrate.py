@@ -42,6 +42,7 @@ class Options:
     contenders: tuple[str, ...]
     output: Path
     readset: bool = True
+    rounds: int = 1
     docs: Path | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -119,15 +120,23 @@ class Bench:
                 self.results["read_set"] = self._measure_readset()
                 self.results["timings"]["read_set_s"] = round(time.monotonic() - t, 1)
             self.results["contenders"] = {}
+            runnable = []
             for name in o.contenders:
                 skip = self._skip_reason(name)
                 if skip:
                     inputs.log(f"{name}: skipped ({skip})")
                     self.results["contenders"][name] = {"skipped": skip}
-                    continue
-                inputs.log(f"{name}: burst of {len(plan.sandboxes)} sandboxes")
-                self.results["contenders"][name] = self._run_contender(name, plan.sandboxes)
-                self._write()
+                else:
+                    runnable.append(name)
+            rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in runnable}
+            for r in range(o.rounds):
+                # Each round starts with another contender, so none always runs first or last.
+                k = r % len(runnable) if runnable else 0
+                for name in runnable[k:] + runnable[:k]:
+                    inputs.log(f"round {r + 1}/{o.rounds}: {name}: burst of {len(plan.sandboxes)} sandboxes")
+                    rounds[name].append(self._run_contender(name, plan.sandboxes))
+                    self.results["contenders"][name] = metrics.combine(rounds[name])
+                    self._write()
             self.results["notes"] = o.notes
             metrics.add_ratios(self.results)
             self._write()
@@ -142,6 +151,7 @@ class Bench:
             "size": o.size.name,
             "sandboxes": o.sandboxes,
             "rate_mbit": o.rate_mbit,
+            "rounds": o.rounds,
             "environments": {e: inputs.env_layers(e) for e in o.environments},
             "layers": {k: v.to_json() for k, v in self.layers.items()},
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
@@ -216,7 +226,7 @@ class Bench:
         if name in spec.LAYERSTORE_CONTENDERS:
             from . import lazy
 
-            missing = lazy.missing_commands()
+            missing = lazy.missing_commands(name)
             if missing:
                 return "not available yet: " + ", ".join(missing)
             if self.lazy is None:

@@ -96,7 +96,9 @@ ENVIRONMENTS: dict[str, Environment] = {
 }
 
 
-LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "eager", "lazy-cli")
+LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "eager", "lazy-cli")
+# Extra `layerctl daemon` arguments per contender (what-if variants of the lazy path).
+DAEMON_ARGS = {"lazy-noreadahead": ("--readahead", "0")}
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ class Size:
     name: str
     sandboxes: int
     environments: tuple[str, ...]
+    rounds: int = 2
     rate_mbit: int = 1000
-    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "eager")
+    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "eager")
 
 
 SIZES: dict[str, Size] = {
