@@ -140,6 +140,11 @@ class ThreadLocalNodeLock:
         self._make = lambda: NodeLock(path)
         self._local = threading.local()
 
+    @property
+    def waited(self) -> float:
+        """Seconds the calling thread has spent waiting for the lock."""
+        return float(getattr(self._local, "waited", 0.0))
+
     def _lock(self) -> Any:
         lock = getattr(self._local, "lock", None)
         if lock is None:
@@ -147,7 +152,9 @@ class ThreadLocalNodeLock:
         return lock
 
     def __enter__(self) -> ThreadLocalNodeLock:
+        t = time.monotonic()
         self._lock().__enter__()
+        self._local.waited = self.waited + time.monotonic() - t
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -268,7 +275,8 @@ class LayerstoreNode:
             out, err, rc = p.stdout, p.stderr, p.returncode
         else:
             out, err, rc = self._run_api(sid, env, command, result)
-        result.finished = time.time()
+        if self.launcher == "cli" or result.finished is None:
+            result.finished = time.time()
         result.rc = rc
         parse_output(out, result)
         if rc != 0:
@@ -283,8 +291,11 @@ class LayerstoreNode:
 
         shim = self.shim
         t0 = time.time()
-        sb = shim.mount(self.env_refs[env], sandbox=sid, eager=self.eager)
+        spec_ = shim.resolve(self.env_refs[env])  # timed apart; mount() takes the resolved environment
+        tr = time.time()
+        sb = shim.mount(spec_, sandbox=sid, eager=self.eager)
         t1 = time.time()
+        lock_wait = shim.lock.waited
         try:
             rt = open_runtime("runc", shim.paths.root / "oci")
             bundle = shim.paths.bundle(sb.id)
@@ -300,7 +311,9 @@ class LayerstoreNode:
         finally:
             t2 = time.time()
             shim.unmount(sb.id)
-            result.phases = {"mount_s": t1 - t0, "unmount_s": time.time() - t2}
+            result.phases = {"resolve_s": tr - t0, "mount_s": t1 - tr, "lock_wait_s": lock_wait,
+                             "unmount_s": time.time() - t2}
+            result.finished = t2
         return out, err, rc
 
     def teardown(self) -> None:
