@@ -204,3 +204,21 @@ def test_trace_written_periodically(store: Store, layer: BuiltLayer, tmp_path: P
         assert doc["version"] == 1 and list(doc["blobs"]) == [layer.blob]
         # First-access order (kernel readahead may add the chunks after each read).
         assert doc["blobs"][layer.blob][:2] == [len(layer.refs) - 1, 0]
+
+
+def test_control_socket_errors_and_metrics(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:
+    from fuse_client.control import request
+    from layerstore.errors import ConfigError, LayerstoreError, NotFound
+
+    with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt") as d:
+        with pytest.raises(LayerstoreError, match="no route"):
+            request(d.cache_dir, "GET", "/nope")
+        with pytest.raises(ConfigError):
+            request(d.cache_dir, "POST", "/prefetch", {"blob": "not-a-digest"})
+        with pytest.raises(NotFound):
+            request(d.cache_dir, "POST", "/prefetch", {"blob": "b3:" + "2" * 64})
+        res = request_json(d.cache_dir, "POST", "/prefetch", {"blob": layer.blob, "wait": True})
+        assert res["queued"] == sum(r.metadata for r in layer.refs) and res["failed"] == 0
+        _, text = request(d.cache_dir, "GET", "/metrics")
+        assert b'layerstore_fuse_fetch_seconds_count{priority="prefetch"}' in text
+        assert b"layerstore_fuse_cache_used_bytes" in text
