@@ -25,7 +25,11 @@ with direct I/O by EROFS, so its page cache plays no part), source files get FAD
 Also measured: the cost of one FUSE request on the cache-hit path (O_DIRECT reads of the blob
 file through the daemon versus the same reads of the cache's own data file).
 
-    python bench/fuse_read.py [--big-mib 1024] [--reps 3] [--out bench/results/fuse_read.json]
+    python bench/fuse_read.py [--size quick|full] [--big-mib N] [--reps N] [--s3 | --no-s3]
+                              [--out bench/results/fuse_read.json]
+
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 256 MiB, 3 runs, S3 with
+128 MiB (about a minute and a half); full: 1 GiB, 5 runs, S3 with 512 MiB.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ from layerstore.store import Store  # noqa: E402
 MiB = 1 << 20
 LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
 DEFAULT_OUT = ROOT / "bench" / "results" / "fuse_read.json"
+SIZES: dict[str, dict[str, int]] = {
+    "quick": {"big_mib": 256, "reps": 3, "s3_mib": 128},
+    "full": {"big_mib": 1024, "reps": 5, "s3_mib": 512},
+}
 SMALL_SOURCE = Path(f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}")
 
 
@@ -239,13 +247,19 @@ def hit_path_cost(blob_file: Path, cache_file: Path, size: int, block: int, limi
 # -- the run -------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--big-mib", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE", "quick"))
+    ap.add_argument("--big-mib", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory under /var/tmp")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--s3", action="store_true", help="also: cold reads from S3 on a local Ceph RGW")
-    ap.add_argument("--s3-mib", type=int, default=512)
+    ap.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
+                    help="also: cold reads from S3 on a local Ceph RGW (default on)")
+    ap.add_argument("--s3-mib", type=int, default=None)
     args = ap.parse_args(argv)
+    preset = SIZES[args.size]
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if os.geteuid() != 0:
         print("needs root (mounts)", file=sys.stderr)
         return 2
@@ -354,7 +368,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
         "benchmark": "fuse_read",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-        "params": {"big_mib": args.big_mib, "reps": args.reps, "small_source": str(SMALL_SOURCE)},
+        "params": {"size": args.size, "big_mib": args.big_mib, "reps": args.reps, "s3_mib": args.s3_mib if args.s3
+                   else None, "small_source": str(SMALL_SOURCE)},
         "images": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in images.items()},
         "results": results,
         "ratio_to_local": ratios,
