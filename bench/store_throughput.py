@@ -10,7 +10,11 @@ divided by the wall time from the first client's start to the last client's end.
 The Ceph cluster is started here through tests/ceph_cluster.py (and stopped at the end), unless
 `--ceph-dir DIR` names one left running by `python tests/ceph_cluster.py start DIR`.
 
-    python bench/store_throughput.py [--size-mib 256] [--clients 1,8] [--backends local,cephfs,s3]
+    python bench/store_throughput.py [--size quick|full] [--size-mib N] [--repeat N] [--clients 1,8]
+                                     [--backends local,cephfs,s3]
+
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 128 MiB a run, 2 rounds
+(under a minute); full: 256 MiB a run, 3 rounds (about two minutes). `--size-mib`/`--repeat` win.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tests.ceph_cluster import CephCluster  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_OUT = ROOT / "bench" / "results" / "store_throughput.json"
+SIZES = {"quick": {"size_mib": 128, "repeat": 2}, "full": {"size_mib": 256, "repeat": 3}}
 
 
 def make_chunk(seed: int, size: int) -> bytes:
@@ -159,15 +164,20 @@ def git_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=256, help="payload per run, split among the clients")
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE", "quick"))
+    ap.add_argument("--size-mib", type=int, help="payload per run, split among the clients")
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
     ap.add_argument("--backends", default="local,cephfs,s3")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds over every point; medians are reported")
+    ap.add_argument("--repeat", type=int, help="rounds over every point; medians are reported")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
     ap.add_argument("--ceph-dir", type=Path, help="use a cluster left running by `ceph_cluster.py start DIR`")
     args = ap.parse_args(argv)
+    if args.size_mib is None:
+        args.size_mib = SIZES[args.size]["size_mib"]
+    if args.repeat is None:
+        args.repeat = SIZES[args.size]["repeat"]
     clients = [int(c) for c in args.clients.split(",")]
     backends = args.backends.split(",")
     unknown = set(backends) - {"local", "cephfs", "s3"}
@@ -224,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git": git_commit(),
         "machine": {**machine, "loadavg_at_end": os.getloadavg()[0]},
-        "params": {"size_mib_per_run": args.size_mib, "chunk_kib": args.chunk_kib, "clients": clients,
-                   "repeat": args.repeat,
+        "params": {"size": args.size, "size_mib_per_run": args.size_mib, "chunk_kib": args.chunk_kib,
+                   "clients": clients, "repeat": args.repeat,
                    "store_workers_per_client": DEFAULT_WORKERS,
                    "data": "7/8 random bytes + 1/8 repeated text per chunk, distinct chunks per client"},
         "results_mib_s": results,
