@@ -26,13 +26,29 @@ field() { python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])'
 say "layerctl $($LAYERCTL --version | awk '{print $NF}'), store: ${LAYERSTORE_STORE:-the embedded default (\$XDG_DATA_HOME/layerstore/store)}"
 $LAYERCTL store init
 
-say "base layer: a busybox userland"
-mkdir -p "$WORK/base"/{bin,etc,tmp,root,proc,sys,dev,workspace}
-cp /bin/busybox "$WORK/base/bin/busybox"
-for app in $("$WORK/base/bin/busybox" --list); do [ "$app" = busybox ] || ln -s busybox "$WORK/base/bin/$app"; done
-echo "root:x:0:0:root:/root:/bin/sh" > "$WORK/base/etc/passwd"
-echo "root:x:0:" > "$WORK/base/etc/group"
-BASE=$($LAYERCTL build "$WORK/base" --push --all-root --role base --json | tee /dev/stderr | field blob)
+say "base layer: a Debian bookworm userland (mmdebstrap from this machine's apt sources, cached)"
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/layerstore/demo
+BASE_TAR=$CACHE/debian-bookworm-minbase.tar
+mkdir -p "$CACHE"
+if [ ! -s "$BASE_TAR" ]; then
+    if mmdebstrap --quiet --variant=minbase bookworm "$BASE_TAR.part" 2>"$WORK/mmdebstrap.log"; then
+        mv "$BASE_TAR.part" "$BASE_TAR"
+    else
+        rm -f "$BASE_TAR.part"
+        echo "mmdebstrap failed ($(tail -1 "$WORK/mmdebstrap.log")); using a busybox base instead"
+    fi
+fi
+if [ -s "$BASE_TAR" ]; then
+    ls -l "$BASE_TAR"
+    BASE=$($LAYERCTL build "$BASE_TAR" --push --role base --json | tee /dev/stderr | field blob)
+else
+    mkdir -p "$WORK/base"/{bin,etc,tmp,root,proc,sys,dev,workspace}
+    cp /bin/busybox "$WORK/base/bin/busybox"
+    for app in $("$WORK/base/bin/busybox" --list); do [ "$app" = busybox ] || ln -s busybox "$WORK/base/bin/$app"; done
+    echo "root:x:0:0:root:/root:/bin/sh" > "$WORK/base/etc/passwd"
+    echo "root:x:0:" > "$WORK/base/etc/group"
+    BASE=$($LAYERCTL build "$WORK/base" --push --all-root --role base --json | tee /dev/stderr | field blob)
+fi
 
 say "toolkit layer: a small tool"
 mkdir -p "$WORK/toolkit/opt/toolkit/bin"
@@ -52,10 +68,17 @@ $LAYERCTL env create --base "$BASE" --toolkit "$TOOLKIT" --workspace "$WORKSPACE
     --config "$WORK/config.json" -t demo:v1 --json
 
 say "run a sandbox lazily (the node daemon starts on first use)"
-$LAYERCTL run demo:v1 -- sh -c 'summary; head -3 /workspace/README.md; echo "python files: $(find /workspace -name "*.py" | wc -l)"'
+$LAYERCTL run demo:v1 -- sh -c 'cat /etc/debian_version 2>/dev/null; summary; head -3 /workspace/README.md; echo "python files: $(find /workspace -name "*.py" | wc -l)"'
 
 say "what lazy loading fetched: only metadata and the files the sandbox read"
 $LAYERCTL stats --cache "$NODE/cache"
+$LAYERCTL stats --cache "$NODE/cache" --json | python3 -c '
+import json, sys
+blobs = json.load(sys.stdin)["blobs"]
+size = sum(b["size"] for b in blobs.values())
+fetched = sum(b["fetched_bytes"] for b in blobs.values())
+print(f"fetched {fetched / 2**20:.1f} MiB of the environment'"'"'s {size / 2**20:.1f} MiB ({100 * fetched / size:.1f}%)")'
+
 
 say "a sandbox writes, is committed as a new layer (demo:v2), and resumes from it"
 $LAYERCTL run --keep --sandbox demo-1 demo:v1 -- sh -c 'echo "result of task 1" > /workspace/RESULT; rm /workspace/README.md'
