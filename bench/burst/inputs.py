@@ -34,6 +34,14 @@ def cache_root() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[1] / ".cache"
 
 
+def run_root() -> Path:
+    """Where a run keeps its live state: the node disk's image and mount, the store's daemons, state
+    files for crash clean-up. Outside the work tree on purpose: tools that walk the tree (linters, git,
+    a test's copy of the repo) must not wander into a node's FUSE and EROFS mounts mid-run."""
+    env = os.environ.get("LAYERSTORE_BENCH_RUN_DIR")
+    return Path(env) if env else Path("/var/tmp/layerstore-bench-burst")
+
+
 @dataclass
 class Layer:
     name: str  # e.g. "base", "toolkit-sci", "workspace-jinja2"

@@ -15,6 +15,7 @@ import ctypes.util
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ class NodeDisk:
     def attach(self) -> None:
         self.cleanup_stale()
         self.image.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.image.unlink()  # a lazily detached loop device may still hold the old inode; fine
         with open(self.image, "wb") as f:  # sparse; recreated every run so it never grows stale
             f.truncate(self.size_gib << 30)
         self.device = subprocess.run(["losetup", "--find", "--show", "--direct-io=on", str(self.image)],
@@ -78,12 +81,18 @@ class NodeDisk:
                                                "owner": os.getpid()}))
 
     def fresh(self) -> None:
-        """A new, empty, mounted file system (any previous one is unmounted first)."""
-        self.unmount()
+        """A new, empty, mounted file system (any previous one is unmounted first). If the previous
+        one cannot be let go (something still holds it), a new loop device on a new image takes over."""
+        if not self.unmount():
+            self.detach()
+            self.attach()
         assert self.device is not None
         # Everything initialised now, nothing left for a background thread to write during a run.
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                        "-N", "2000000", self.device], check=True)
+        mkfs = ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-N", "2000000"]
+        if subprocess.run([*mkfs, self.device], capture_output=True).returncode != 0:
+            self.detach()
+            self.attach()
+            subprocess.run([*mkfs, self.device], check=True)
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "ext4", self.device, str(self.mountpoint)], check=True)
 
@@ -95,14 +104,19 @@ class NodeDisk:
         st = os.statvfs(self.mountpoint)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
-    def unmount(self) -> None:
+    def unmount(self) -> bool:
+        """True when the file system is really gone; False when it had to be detached lazily."""
         if not os.path.ismount(self.mountpoint):
-            return
+            return True
         for _ in range(50):
             if subprocess.run(["umount", str(self.mountpoint)], capture_output=True).returncode == 0:
-                return
+                return True
             time.sleep(0.1)
+        holders = subprocess.run(["fuser", "-vm", str(self.mountpoint)], capture_output=True, text=True)
+        print(f"burst: node disk busy, detaching it lazily; holders:\n{holders.stderr}{holders.stdout}",
+              file=sys.stderr)
         subprocess.run(["umount", "-l", str(self.mountpoint)], check=False)
+        return False
 
     def detach(self) -> None:
         self.unmount()

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def _safely(what: str, fn: Callable[[], None]) -> None:
 class Bench:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
-        self.run_dir = inputs.cache_root() / "run"
+        self.run_dir = inputs.run_root() / f"run-{os.getpid()}"
         self.cleanup = Cleanup()
         self.link: Link | None = None
         self.store: StoreProcess | None = None
@@ -167,8 +168,10 @@ class Bench:
 
     # -- link, store, node disk ------------------------------------------------------------
     def _up(self) -> None:
+        cleanup_stale_runs(self.run_dir.parent)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.link = Link(self.run_dir, rate_mbit=self.opts.rate_mbit)
+        self.cleanup.push("run dir", lambda: shutil.rmtree(self.run_dir, ignore_errors=True))
+        self.link = Link(self.run_dir.parent, rate_mbit=self.opts.rate_mbit)
         self.link.setup()
         self.cleanup.push("link", self.link.teardown)
         self.store = StoreProcess(self.link, self.run_dir / "ceph")
@@ -317,6 +320,22 @@ class Bench:
         }
         self.cleanup.pop(f"cgroup {name}")
         return metrics.summarize(raw, measured)
+
+
+def cleanup_stale_runs(root: Path) -> None:
+    """Run directories of runs that were killed outright: their node disk and files."""
+    for d in root.glob("run-*"):
+        try:
+            pid = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or Path(f"/proc/{pid}").exists():
+            continue
+        from .lazy import sweep_mounts
+
+        sweep_mounts(d)
+        NodeDisk(d / "nodedisk.img", d / "node").cleanup_stale()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def cpu_seconds() -> tuple[float, float]:
