@@ -29,6 +29,7 @@ from .tree import Data, Entry, Kind
 from .writer import ImageWriter
 
 HASH_THREADS = max(2, os.cpu_count() or 2)
+IMAGE_MODE = 0o644  # before the umask
 
 
 @dataclass
@@ -59,6 +60,8 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
             f.flush()
             os.fsync(f.fileno())
             blob, refs = hash_image(f.fileno(), layout, policy)
+            # mkstemp made it 0600; the published image gets what a plain create would give
+            os.fchmod(f.fileno(), IMAGE_MODE & ~current_umask())
         os.replace(tmp, out_path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -119,6 +122,20 @@ def push_layer(store: Store, layer: BuiltLayer, progress: Callable[[int], None] 
         os.close(fd)
     store.put_chunk_map(ChunkMap.build(layer.blob, layer.refs))
     return stats
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(path: Path) -> None:

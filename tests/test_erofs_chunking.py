@@ -128,3 +128,21 @@ def test_small_inline_files_dedup_in_stable_metadata_groups(tmp_path: Path) -> N
     meta_b = [r for r in lb.refs if r.metadata]
     shared = sum(r.length for r in meta_b if r.digest in seen)
     assert shared >= 0.8 * sum(r.length for r in meta_b), (shared, [r.length for r in meta_b])
+
+
+def test_image_mode_follows_the_umask(tmp_path: Path) -> None:
+    """mkstemp creates 0600; the published image is 0644 minus the umask, like a plain create."""
+    import stat
+
+    from erofs_builder.build import current_umask
+
+    make_tree(tmp_path / "src", {"f": b"x"})
+    old = os.umask(0o022)
+    try:
+        for mask, want in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o644), (0o027, 0o640)):
+            os.umask(mask)
+            assert current_umask() == mask
+            layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / f"img-{mask:o}")
+            assert stat.S_IMODE(layer.path.stat().st_mode) == want, (oct(mask), oct(layer.path.stat().st_mode))
+    finally:
+        os.umask(old)
