@@ -88,7 +88,7 @@ class DaemonSupervisor:
 
     def health(self, rec: DaemonRecord | None) -> DaemonHealth:
         alive = rec is not None and is_alive(rec)
-        mounted = sysmount.is_mountpoint(self.paths.fuse)
+        mounted = mountinfo.is_mount(self.paths.fuse)
         responsive = mounted and not mountinfo.is_dead(self.paths.fuse)
         return DaemonHealth(alive, mounted, responsive)
 
@@ -120,7 +120,7 @@ class DaemonSupervisor:
                 _reap(pid)
                 raise DaemonError(f"the node daemon exited during start-up; see {self.paths.daemon_log}: "
                                   f"{self.log_tail()}")
-            if sysmount.is_mountpoint(self.paths.fuse) and not mountinfo.is_dead(self.paths.fuse):
+            if mountinfo.is_mount(self.paths.fuse) and not mountinfo.is_dead(self.paths.fuse):
                 return DaemonRecord(pid, start_time, store, str(self.paths.fuse), str(self.paths.cache), argv)
             time.sleep(0.01)
         self.stop(DaemonRecord(pid, start_time or 0, store, str(self.paths.fuse), str(self.paths.cache), argv))
@@ -139,7 +139,7 @@ class DaemonSupervisor:
                     os.kill(rec.pid, signal.SIGKILL)
                 while is_alive(rec):
                     time.sleep(0.01)
-        if sysmount.is_mountpoint(self.paths.fuse):
+        if mountinfo.is_mount(self.paths.fuse):
             with contextlib.suppress(sysmount.MountError):
                 sysmount.umount(self.paths.fuse, lazy=True)
 
@@ -147,7 +147,7 @@ class DaemonSupervisor:
         """Detach whatever is mounted at the FUSE mountpoint when no recorded daemon owns it: a
         dead mount of a killed daemon, or the mount of a daemon whose record was lost (which then
         sees its mount go and exits)."""
-        if sysmount.is_mountpoint(self.paths.fuse):
+        if mountinfo.is_mount(self.paths.fuse):
             sysmount.umount(self.paths.fuse, lazy=True)
             return True
         return False

@@ -5,7 +5,9 @@ runtime config. Reading manifests is the `manifest` package's job; this module o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,48 @@ def resolve(store: Store, ref: str, policy: Any = None) -> EnvSpec:
     env = resolve_environment(store, ref, policy)
     layers = tuple(LayerSpec(layer.blob, layer.size, layer.role) for layer in env.layers)
     return EnvSpec(env.digest, layers, env.config.to_json(), ref)
+
+
+class CachingResolver:
+    """Resolution for a long-lived shim: one store client, and environments cached by manifest
+    digest. A manifest is immutable (its digest is its content), so once parsed and accepted by
+    the trust policy it need not be read again; a tag can move, so a tag costs one small read of
+    the tag every time (a digest reference costs nothing). Refusals are not cached: a signature
+    may be added later. Thread-safe."""
+
+    def __init__(self, store: Store, policy: Any = None, *, capacity: int = 256) -> None:
+        self.store = store
+        self.policy = policy
+        self.capacity = capacity
+        self._cache: OrderedDict[str, EnvSpec] = OrderedDict()
+        self._lock = threading.Lock()
+        self._checked = False
+        self.hits = self.misses = 0
+
+    def __call__(self, ref: str) -> EnvSpec:
+        from manifest.environment import resolve_ref
+
+        if not self._checked:
+            self.store.check()
+            self._checked = True
+        digest = resolve_ref(self.store, ref)
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None:
+                self._cache.move_to_end(digest)
+                self.hits += 1
+        if hit is not None:
+            return replace(hit, ref=ref)
+        spec = resolve(self.store, ref, self.policy)  # the tag is read again: it names what was resolved
+        with self._lock:
+            self.misses += 1
+            self._cache[spec.manifest] = spec
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return spec
+
+    def close(self) -> None:
+        self.store.close()
 
 
 def read_policy(path: str | os.PathLike[str]) -> Any:

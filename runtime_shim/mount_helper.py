@@ -5,13 +5,16 @@
     umount.layerstore TARGET [-flnrv] [-N NS] [-t TYPE]      (or `layerctl umount TARGET`)
 
 The argv grammar is parsed purely (`parse_mount_argv`); exit codes follow mount(8): 0 success,
-1 bad usage, 32 mount failure. A node installs the helpers with
+1 bad usage, 32 mount failure. `mount.layerstore` records the root in /run/mount/utab with
+`helper=layerstore` (see `utab`), so that a plain `umount TARGET` calls `umount.layerstore` and
+the sandbox is torn down, not only detached. A node installs the helpers with
     ln -sf "$(command -v mount.layerstore)" /sbin/mount.layerstore
     ln -sf "$(command -v umount.layerstore)" /sbin/umount.layerstore
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -104,7 +107,7 @@ def node_dir_of(target: str) -> str | None:
 
     from . import mountinfo
 
-    m = mountinfo.read().get(os.path.abspath(target))
+    m = mountinfo.find(os.path.abspath(target))  # parses only the lines naming the target
     if m is None or m.fstype != "overlay":
         return None
     found = re.search(r"(?:^|,)upperdir=([^,]+)/sandboxes/[^/,]+/upper(?:,|$)", m.options)
@@ -127,7 +130,9 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         with Shim.for_node(req.node_dir, req.store, policy=req.policy) as shim:
-            sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager)
+            # the utab entry makes a plain `umount TARGET` come back to umount.layerstore
+            sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
+                            utab_entry=True)
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
     if req.verbose:
@@ -144,9 +149,25 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
         target = parse_umount_argv(sys.argv[1:] if argv is None else argv)
     except LayerstoreError as e:
         return _fail(e, EXIT_USAGE)
+    from . import mountinfo, utab
+    from .errors import SandboxNotFound
+    from .overlay import detach
+
     try:
         with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR") or node_dir_of(target)) as shim:
             shim.unmount(target)
+    except SandboxNotFound as e:
+        # umount(8) sent us a mount the node does not know (its record is gone): still unmount it,
+        # as umount(8) itself would have.
+        if not mountinfo.is_mount(target):
+            return _fail(e, EXIT_FAILURE)
+        try:
+            detach(target)
+        except LayerstoreError as e2:
+            return _fail(e2, EXIT_FAILURE)
+        with contextlib.suppress(OSError):
+            utab.remove(os.path.abspath(target))
+        print(f"layerstore: {e}; unmounted {target} only", file=sys.stderr)
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
     return 0

@@ -9,6 +9,7 @@ unshare(1). The sandbox's root is mounted before the wrap, so the private namesp
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -31,6 +32,10 @@ class OciRuntime(Protocol):
         ...
 
     def delete(self, container_id: str) -> None:
+        ...
+
+    def status(self, container_id: str) -> str | None:
+        """"created", "running", "paused", "stopped"; None if the runtime does not know it."""
         ...
 
 
@@ -76,6 +81,16 @@ class _CliRuntime:
     def delete(self, container_id: str) -> None:
         argv = self.wrap([*self.base(), "delete", "--force", container_id])
         subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status(self, container_id: str) -> str | None:
+        argv = self.wrap([*self.base(), "state", container_id])
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if p.returncode != 0:
+            return None
+        try:
+            return str(json.loads(p.stdout)["status"])
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 class Runc(_CliRuntime):

@@ -1,7 +1,9 @@
 """Per-sandbox record files: NODE/sandboxes/<id>/sandbox.json, written once when the sandbox is
-created. They duplicate the sandbox's state record so that recovery can rebuild the picture even
-when the state database itself is lost; a sandbox being torn down is first renamed into
-NODE/sandboxes/.trash, so a record file present means "this sandbox exists".
+created. They duplicate the sandbox's state record so that recovery can rebuild the picture when
+the state database is lost or not trusted (after a reboot: see `state`); a sandbox being torn
+down is first renamed into NODE/sandboxes/.trash, so a record file present means "this sandbox
+exists". Trash entries are named <id>.<pid>-<random>: the pid of the process that deletes it, so
+that a start-up can tell leftovers of a dead process from a deletion in progress.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def trash(paths: NodePaths, sandbox: str) -> Path | None:
     src = paths.sandbox_dir(sandbox)
     dst_dir = paths.sandboxes / TRASH
     dst_dir.mkdir(mode=0o700, exist_ok=True)
-    dst = dst_dir / f"{sandbox}.{secrets.token_hex(4)}"
+    dst = dst_dir / f"{sandbox}.{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.rename(src, dst)
     except FileNotFoundError:
@@ -87,12 +89,49 @@ def trashed_ids(paths: NodePaths) -> set[str]:
         return set()
 
 
-def empty_trash(paths: NodePaths) -> int:
+def _owner_alive(name: str) -> bool:
+    pid = name.rsplit(".", 1)[-1].split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def empty_trash(paths: NodePaths, *, only_dead: bool = False) -> int:
+    """Delete what is in the trash (with `only_dead`, not what a live process is deleting)."""
     d = paths.sandboxes / TRASH
     try:
         names = os.listdir(d)
     except FileNotFoundError:
         return 0
+    done = 0
     for name in names:
+        if only_dead and _owner_alive(name):
+            continue
         shutil.rmtree(d / name, ignore_errors=True)
-    return len(names)
+        done += 1
+    return done
+
+
+def unrecorded(paths: NodePaths, known: set[str]) -> list[str]:
+    """Sandbox directories with no readable record that no sandbox in `known` owns: left by a
+    crash between creating the directory and recording it, or by a power loss that took the
+    unsynced record file. Reported, never deleted (an upper may hold data)."""
+    try:
+        names = os.listdir(paths.sandboxes)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in sorted(names):
+        if name in known or not SANDBOX_ID.fullmatch(name):
+            continue
+        try:
+            json.loads((paths.sandboxes / name / RECORD).read_bytes())
+        except (OSError, ValueError):
+            out.append(name)
+    return out

@@ -1,11 +1,18 @@
-"""`recover()`: rebuild the node's picture after a crash of the shim or of the node daemon.
+"""`recover()`: rebuild the node's picture after a crash of the shim, of the node daemon, or of the
+machine.
 
 Desired state = every sandbox in the state database, plus every sandbox whose record file
 (NODE/sandboxes/<id>/sandbox.json) survived a lost database. Actual state = one read of
 /proc/self/mountinfo and the daemon's health. Recovery then, in this order:
 
-1. finishes every teardown a crash interrupted (status `unmounting`, or the sandbox's directory
-   already moved to NODE/sandboxes/.trash), then empties the trash;
+0. if the database belongs to an earlier boot (power loss, kernel crash, reboot: every mount is
+   gone and the unsynced database may have lost its last transactions), forgets it and rebuilds
+   from the record files;
+1. settles the operations a crash interrupted (`pending` entries: only dead processes leave them,
+   since every operation holds the node lock from its first write to its last): an unfinished
+   mount is rolled back (the caller never got an answer), an unfinished teardown is finished;
+2. adopts record files the database does not know; finishes every teardown whose directory is
+   already in NODE/sandboxes/.trash, then empties the trash;
 3. makes the blob source healthy: a killed daemon leaves a dead FUSE mount (ENOTCONN), which is
    detached before a new daemon starts;
 4. finds the stale layer mounts (missing, or made from a previous daemon's files) and the sandboxes
@@ -13,7 +20,10 @@ Desired state = every sandbox in the state database, plus every sandbox whose re
    process still inside keeps its detached view), mounts the layers again, then the overlays
    again with the SAME upper and work directories;
 5. recounts every layer's references from the sandboxes, unmounts layers nobody uses, and
-   detaches orphan mounts (layer mounts and overlays under the node directory that no sandbox owns).
+   detaches orphan mounts (layer mounts and overlays under the node directory that no sandbox owns);
+6. deletes the OCI runtimes' leftover containers: those of sandboxes that no longer exist, and
+   stopped ones (a running container of a live sandbox is left alone);
+7. reports sandbox directories that have no readable record (never deletes them).
 
 Upper directories are never written or deleted here.
 """
@@ -21,15 +31,18 @@ Upper directories are never written or deleted here.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from layerstore.errors import LayerstoreError
+import lmdb
+
+from layerstore.errors import CorruptObject, LayerstoreError
 
 from . import mountinfo, records
 from .overlay import detach, mount_overlay, rmdir_quiet
-from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount
+from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, boot_id
 
 if TYPE_CHECKING:
     from .shim import Shim
@@ -38,27 +51,68 @@ if TYPE_CHECKING:
 @dataclass
 class RecoverReport:
     adopted: list[str] = field(default_factory=list)  # sandboxes rebuilt from their record files
+    rolled_back: list[str] = field(default_factory=list)  # mounts a crash interrupted, taken back
     finished_teardowns: list[str] = field(default_factory=list)
     remounted_layers: list[str] = field(default_factory=list)
     remounted_sandboxes: list[str] = field(default_factory=list)
     broken: dict[str, str] = field(default_factory=dict)
     unmounted_layers: list[str] = field(default_factory=list)
     orphan_mounts: list[str] = field(default_factory=list)
+    deleted_containers: list[str] = field(default_factory=list)
+    unrecorded: list[str] = field(default_factory=list)  # sandbox directories without a readable record
     trash_emptied: int = 0
+    rebooted: bool = False  # the database belonged to an earlier boot and was rebuilt from the records
     daemon_generation: str | None = None
+    reason: str = ""  # why a start-up ran the full recovery ("" when asked for explicitly)
 
     @property
     def changed(self) -> bool:
-        return bool(self.adopted or self.finished_teardowns or self.remounted_layers or self.remounted_sandboxes
-                    or self.broken or self.unmounted_layers or self.orphan_mounts or self.trash_emptied)
+        return bool(self.adopted or self.rolled_back or self.finished_teardowns or self.remounted_layers
+                    or self.remounted_sandboxes or self.broken or self.unmounted_layers or self.orphan_mounts
+                    or self.deleted_containers or self.trash_emptied or self.rebooted)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
 
 
+def _forget_earlier_boot(shim: Shim, rep: RecoverReport) -> None:
+    boot = boot_id()
+    try:
+        with shim.state.read() as t:
+            recorded = t.boot()
+    except (lmdb.Error, CorruptObject):
+        recorded = "unreadable"
+    # None = a new database, or one written by a shim that synced every transaction: trusted.
+    if recorded is not None and recorded != boot:
+        shim.state.reset()
+        rep.rebooted = True
+
+
+def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.MountEntry]) -> None:
+    with shim.state.read() as t:
+        pending = t.pending()
+        sbs = {sid: t.sandbox(sid) for sid in pending}
+    for sid, op in sorted(pending.items()):
+        sb = sbs[sid]
+        if sb is None:
+            with shim.state.write() as t:
+                t.clear_pending(sid)
+            continue
+        if op.get("op") == "unmount":
+            shim._teardown(sb)
+            rep.finished_teardowns.append(sid)
+            continue
+        m = mounts.get(sb.target)
+        ours = m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
+        shim._undo_mount(sb, overlay=ours, layers=[], created_dir=True)
+        rep.rolled_back.append(sid)
+
+
 def recover(shim: Shim) -> RecoverReport:
     """Caller holds the node lock."""
     paths, rep = shim.paths, RecoverReport()
+    _forget_earlier_boot(shim, rep)
+    _settle_pending(shim, rep, mountinfo.read())
     in_trash = records.trashed_ids(paths)
 
     with shim.state.read() as t:
@@ -67,7 +121,7 @@ def recover(shim: Shim) -> RecoverReport:
     if lost:
         with shim.state.write() as t:
             for sb in lost:
-                if sb.status == UNMOUNTING:
+                if sb.status == UNMOUNTING or (sb.owned and sb.id in in_trash):
                     continue
                 t.put_sandbox(sb)
                 known[sb.id] = sb
@@ -78,7 +132,7 @@ def recover(shim: Shim) -> RecoverReport:
             shim._teardown(sb)
             rep.finished_teardowns.append(sb.id)
             del known[sb.id]
-    rep.trash_emptied = records.empty_trash(paths)
+    rep.trash_emptied = records.empty_trash(paths, only_dead=True)
 
     live = list(known.values())
     needed: set[str] = {blob for sb in live for blob in sb.layers}
@@ -172,4 +226,40 @@ def recover(shim: Shim) -> RecoverReport:
         if on_node:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
+
+    rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live})
+    rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live})
+    with shim.state.write() as t:
+        t.put_boot(boot_id())
     return rep
+
+
+def _leftover_containers(shim: Shim, live: set[str]) -> list[str]:
+    """Containers whose sandbox is gone, or which have stopped, are deleted (`runtime delete
+    --force`, which also removes their cgroup); a running container of a live sandbox is not
+    recovery's to stop. Looks only at the runtimes' state directories under NODE/oci."""
+    from .errors import RuntimeNotAvailable
+    from .oci_runtime import open_runtime
+
+    out = []
+    for name in ("runc", "crun"):
+        root = shim.paths.root / "oci" / name
+        try:
+            ids = sorted(os.listdir(root))
+        except FileNotFoundError:
+            continue
+        if not ids:
+            continue
+        try:
+            rt = open_runtime(name, shim.paths.root / "oci")
+        except RuntimeNotAvailable:
+            continue
+        for cid in ids:
+            if cid in live and rt.status(cid) != "stopped":
+                continue
+            try:
+                rt.delete(cid)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            out.append(f"{name}:{cid}")
+    return out

@@ -3,7 +3,10 @@ filesystem on this node, with the picture persisted (`state`) and rebuilt by `re
 
 A sandbox = a private upper + work directory + an overlay of the environment's layers, each of
 which is a shared, reference-counted EROFS mount (`layers`). Every state change happens under
-the node lock; see docs/runtime-shim.md for the order of steps and what a crash at each leaves.
+the node lock and is bracketed by a `pending` entry in the state (written first, cleared by the
+transaction that completes the change), so a crash mid-change is found in O(1) and undone or
+finished by recovery; see docs/runtime-shim.md for the order of steps and what a crash at each
+leaves. Nothing on the path of one mount or teardown costs O(sandboxes) or O(mounts).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import mountinfo, records
+from . import mountinfo, records, utab
 from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
 from .environment import EnvSpec
@@ -25,7 +28,7 @@ from .layers import LayerMounts
 from .lock import NodeLock
 from .overlay import detach, mount_overlay, rmdir_quiet
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
-from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, NodeState, Sandbox  # noqa: F401
+from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 
 Resolver = Callable[[str], EnvSpec]
 
@@ -42,7 +45,9 @@ class SandboxHealth:
 
 class Shim:
     """One node's shim. Construct with `Shim.for_node(...)` (daemon-served blobs) or directly
-    with any `BlobSource`. Recovery runs when it starts unless `auto_recover=False`."""
+    with any `BlobSource`. When it starts (unless `auto_recover=False`) it checks in O(layers)
+    whether recovery is needed (a reboot, an operation a crash interrupted, a dead daemon, a
+    missing layer mount) and runs the full `recover()` only then."""
 
     def __init__(self, paths: NodePaths, blobs: BlobSource, *, resolver: Resolver | None = None,
                  store_url: str = "", state: NodeState | None = None, auto_recover: bool = True) -> None:
@@ -54,43 +59,53 @@ class Shim:
         self.layers = LayerMounts(paths, blobs)
         self.resolver = resolver
         self.store_url = store_url
+        self._closers: list[Callable[[], None]] = []
         if auto_recover:
-            self.recover()
+            self.recover_if_needed()
 
     @classmethod
     def for_node(cls, node_dir: str | os.PathLike[str] | None = None, store_url: str | None = None, *,
                  daemon_command: DaemonCommand = default_command, auto_recover: bool = True,
                  policy: str | os.PathLike[str] | None = None) -> Shim:
-        """The production shim: blobs from the node daemon, environments from the store. Without
-        an explicit store the running daemon's store is used, else the default store. The trust
+        """The production shim: blobs from the node daemon, environments from the store (one
+        client for the shim's lifetime; environments cached by manifest digest). Without an
+        explicit store the running daemon's store is used, else the default store. The trust
         policy is `policy`, else $LAYERSTORE_TRUST_POLICY, else NODE/policy.json when the node has one, else none."""
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import load_policy, read_policy, resolve
+        from .environment import CachingResolver, load_policy, read_policy
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
         node_policy = paths.root / "policy.json"
         trust = load_policy(policy) or (read_policy(node_policy) if node_policy.exists() else None)
         state = NodeState(paths.state)
-        if store_url is None:
-            with state.read() as t:
-                rec = t.daemon()
-            store_url = rec.store if rec is not None else resolve_store_url(None)
-        store = Store.open(store_url)
-        url = store.url
-        store.close()
-
-        def resolver(ref: str) -> EnvSpec:
-            with Store.open(url) as s:
-                s.check()
-                return resolve(s, ref, trust)
-
-        blobs = DaemonBlobs(paths, state, url, daemon_command)
-        return cls(paths, blobs, resolver=resolver, store_url=url, state=state, auto_recover=auto_recover)
+        try:
+            if store_url is None:
+                with state.read() as t:
+                    rec = t.daemon()
+                store_url = rec.store if rec is not None else resolve_store_url(None)
+            store = Store.open(store_url)
+        except BaseException:
+            state.close()
+            raise
+        resolver = CachingResolver(store, trust)
+        blobs = DaemonBlobs(paths, state, store.url, daemon_command)
+        try:
+            shim = cls(paths, blobs, resolver=resolver, store_url=store.url, state=state, auto_recover=auto_recover)
+        except BaseException:
+            resolver.close()
+            state.close()
+            raise
+        shim._closers.append(resolver.close)
+        return shim
 
     def close(self) -> None:
+        for close in self._closers:
+            with contextlib.suppress(Exception):
+                close()
+        self._closers = []
         self.state.close()
 
     def __enter__(self) -> Shim:
@@ -120,14 +135,13 @@ class Shim:
             return {lm.blob: lm.refs for lm in t.layers()}
 
     def check(self, sandbox_or_target: str) -> SandboxHealth:
-        """Is the sandbox's root mounted, over live layer mounts of the current generation?"""
+        """Is the sandbox's root mounted, over live layer mounts of the current generation?
+        O(layers): looks at the sandbox's own paths only."""
         sb = self.find(sandbox_or_target)
         health = SandboxHealth(sb.id)
-        mounts = mountinfo.read()
         if sb.status != MOUNTED:
             health.problems.append(f"status {sb.status}{': ' + sb.error if sb.error else ''}")
-        m = mounts.get(sb.target)
-        if m is None or m.fstype != "overlay":
+        if not mountinfo.is_mount(sb.target) or mountinfo.fs_type(sb.target) != mountinfo.OVERLAYFS_MAGIC:
             health.problems.append(f"root {sb.target} is not mounted")
         gen = self.blobs.generation()
         if gen is None:
@@ -135,7 +149,7 @@ class Shim:
         with self.state.read() as t:
             for blob in sb.layers:
                 lm = t.layer(blob)
-                if lm is None or (mounts.get(lm.mountpoint) is None):
+                if lm is None or not mountinfo.is_mount(lm.mountpoint):
                     health.problems.append(f"layer {blob} is not mounted")
                 elif gen is not None and lm.generation != gen:
                     health.problems.append(f"layer {blob} reads from a previous daemon")
@@ -151,12 +165,14 @@ class Shim:
 
     def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
-              eager: bool = False) -> Sandbox:
+              eager: bool = False, utab_entry: bool = False) -> Sandbox:
         """Compose a sandbox's root at `target` (default NODE/sandboxes/<id>/rootfs).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
         exists is refused unless `upper` is passed explicitly (resume). An explicit upper is the
-        caller's: it is never deleted, and it is refused while another sandbox uses it."""
+        caller's: it is never deleted, and it is refused while another sandbox uses it.
+        `utab_entry`: record the root in /run/mount/utab so that `umount TARGET` tears the
+        sandbox down (see `utab`); for mount(8)-style callers."""
         spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
         sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
         if eager:
@@ -167,65 +183,120 @@ class Shim:
         with self.lock:
             gen = self.blobs.ensure()
             with self.state.read() as t:
-                stale = any(lm.generation != gen for lm in t.layers())
+                stale = t.count("pending") > 0 or any(lm.generation != gen for lm in t.layers())
             if stale:
                 self._recover_locked()
-            return self._mount_locked(spec, target, sid, upper, gen)
+            return self._mount_locked(spec, target, sid, upper, gen, utab_entry)
 
     def _mount_locked(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
-                      upper: str | os.PathLike[str] | None, gen: str) -> Sandbox:
+                      upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool = False) -> Sandbox:
         sdir = self.paths.sandbox_dir(sid)
+        tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
+        owned = upper is None
+        up = str(sdir / "upper") if owned else os.path.abspath(upper)  # type: ignore[arg-type]
+        if not owned:
+            check_overlay_safe(up, "upper directory")
         with self.state.read() as t:
             if t.sandbox(sid) is not None:
                 raise SandboxExists(f"sandbox {sid} already exists on node {self.paths.root}")
-            tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
             other = t.sandbox_at(tgt)
             if other is not None:
                 raise SandboxExists(f"{tgt} is already the root of sandbox {other.id}")
-            if upper is not None:
-                up = os.path.abspath(upper)
-                for sb in t.sandboxes():
-                    if sb.upper == up:
-                        raise SandboxExists(f"upper {up} is in use by sandbox {sb.id}")
-        created: list[Path] = []
-        if upper is None:
+            other = t.sandbox_with_upper(up)
+            if other is not None:
+                raise SandboxExists(f"upper {up} is in use by sandbox {other.id}")
+            known: dict[str, LayerMount | None] = {blob: t.layer(blob) for blob in spec.blobs}
+        created_dir = False
+        if owned:
             try:
-                sdir.mkdir(mode=0o700)
+                sdir.mkdir(mode=0o700)  # exclusive: proves the directory (and what goes in it) is ours
             except FileExistsError:
                 raise SandboxExists(f"sandbox {sid} has data on this node ({sdir}); pass its upper "
                                     f"({sdir / 'upper'}) explicitly to resume it, or remove it") from None
-            created.append(sdir)
-            up, work, owned = str(sdir / "upper"), str(sdir / "work"), True
-            os.mkdir(up, 0o755)
-            os.mkdir(work, 0o700)
+            created_dir = True
+            work = str(sdir / "work")
         else:
-            check_overlay_safe(up, "upper directory")
             if not sdir.exists():
                 sdir.mkdir(mode=0o700)
-                created.append(sdir)
+                created_dir = True
             Path(up).mkdir(mode=0o755, parents=True, exist_ok=True)
             work = str(self._work_for(Path(up), sdir))
-            Path(work).mkdir(mode=0o700, exist_ok=True)
-            owned = False
-        Path(tgt).mkdir(mode=0o755, parents=True, exist_ok=True)
-        # The status records what should be: recovery compares it with what is mounted, so the
-        # sandbox and its layer references are committed once, before the overlay is mounted.
         sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
-                     target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTED,
-                     created=time.time())
+                     target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
+                     created=time.time(), utab=utab_entry)
+        # From here on, a crash leaves a `pending` mount that recovery rolls back.
+        with self.state.write() as t:
+            t.put_sandbox(sb, old=None)
+            t.put_pending(sid, "mount")
+        fresh: dict[str, LayerMount] = {}
+        mounted = False
         try:
-            records.save(self.paths, sb)
+            if owned:
+                os.mkdir(up, 0o755)
+                os.mkdir(work, 0o700)
+            else:
+                Path(work).mkdir(mode=0o700, exist_ok=True)
+            Path(tgt).mkdir(mode=0o755, parents=True, exist_ok=True)
+            # The record file says what should be (mounted): it is what recovery rebuilds from
+            # after a reboot, when the database is not trusted.
+            records.save(self.paths, Sandbox(**{**sb.to_json(), "status": MOUNTED}))
+            mps = []
+            for blob in spec.blobs:
+                lm = known[blob] or fresh.get(blob)
+                if lm is None:
+                    lm = fresh[blob] = self.layers.mount(blob, gen)
+                mps.append(lm.mountpoint)
+            mount_overlay(tgt, list(reversed(mps)), up, work)
+            mounted = True
+            if utab_entry:
+                mid = mountinfo.mount_id(tgt)
+                if mid is not None:
+                    utab.add(mid, tgt)
+            sb.status = MOUNTED
             with self.state.write() as t:
-                t.put_sandbox(sb)
-                lms = self.layers.acquire_all(t, sb.layers, gen)
-            mount_overlay(tgt, [lm.mountpoint for lm in reversed(lms)], up, work)
+                for blob in sb.layers:
+                    lm = t.layer(blob) or fresh[blob]
+                    lm.refs += 1
+                    t.put_layer(lm)
+                t.put_sandbox(sb, old=sb)
+                t.clear_pending(sid)
         except BaseException:
+            sb.status = MOUNTING
             with contextlib.suppress(Exception):
-                self._teardown(sb, mounted=False)
-            for d in created:
-                shutil.rmtree(d, ignore_errors=True)
+                self._undo_mount(sb, overlay=mounted, layers=list(fresh.values()), created_dir=created_dir)
             raise
         return sb
+
+    def _undo_mount(self, sb: Sandbox, *, overlay: bool, layers: list[LayerMount], created_dir: bool) -> None:
+        """Take back a mount that did not complete (here on failure, or in recovery after a crash);
+        the caller's upper is never touched."""
+        if sb.utab:
+            with contextlib.suppress(OSError):
+                utab.remove(sb.target)
+        if overlay:
+            detach(sb.target)
+        with self.state.read() as t:
+            for lm in layers:
+                rec = t.layer(lm.blob)
+                if rec is None or rec.refs <= 0:
+                    self.layers.unmount(lm)
+        sdir = self.paths.sandbox_dir(sb.id)
+        if sb.owned and created_dir:
+            trashed = records.trash(self.paths, sb.id)
+            if trashed is not None:
+                shutil.rmtree(trashed, ignore_errors=True)
+        elif not sb.owned:
+            with contextlib.suppress(FileNotFoundError):
+                (sdir / records.RECORD).unlink()
+            shutil.rmtree(sb.work, ignore_errors=True)
+            if created_dir:
+                rmdir_quiet(sdir / "rootfs")
+                rmdir_quiet(sdir)
+        with self.state.write() as t:
+            cur = t.sandbox(sb.id)
+            if cur is not None and cur.status == MOUNTING:
+                t.delete_sandbox(sb.id)
+            t.clear_pending(sb.id)
 
     def _work_for(self, upper: Path, sdir: Path) -> Path:
         # overlayfs wants work on the upper's filesystem: beside the sandbox when that is the same
@@ -236,25 +307,35 @@ class Shim:
 
     # -- unmount ---------------------------------------------------------------------------
     def unmount(self, sandbox_or_target: str) -> Sandbox:
-        """Tear a sandbox down: unmount its root, release its layers (the last user unmounts a
-        layer), delete the upper and work the shim created. An explicit upper is kept."""
+        """Tear a sandbox down: stop its container if one is left, unmount its root, release its
+        layers (the last user unmounts a layer), delete the upper and work the shim created. An
+        explicit upper is kept. The deletion of an owned upper happens after the node lock is
+        released: a sandbox that wrote a million files does not hold up every other mount."""
+        sb = self.find(sandbox_or_target)
+        self.delete_containers(sb.id)  # outside the lock: the runtime may take a while
         with self.lock:
             sb = self.find(sandbox_or_target)
-            self._teardown(sb)
-            return sb
+            trashed = self._teardown(sb)
+        if trashed is not None:
+            shutil.rmtree(trashed, ignore_errors=True)
+        return sb
 
-    def _teardown(self, sb: Sandbox, *, mounted: bool = True) -> None:
-        """Order matters for recovery: detach the root, then mark the sandbox gone on disk (an
-        owned sandbox's directory is renamed into the trash, which recovery reads as "finish this
-        teardown"; a caller's upper cannot move, so that sandbox is marked `unmounting` in the
-        state first), then drop the record and the layer references in one transaction."""
-        if not sb.owned:
-            with self.state.write() as t:
-                if t.sandbox(sb.id) is not None:
-                    sb.status = UNMOUNTING
-                    t.put_sandbox(sb)
-        if mounted:
-            detach(sb.target)
+    def _teardown(self, sb: Sandbox) -> Path | None:
+        """Caller holds the lock. Order matters for recovery: a `pending` unmount first (a crash
+        from here on is finished by recovery), detach the root, move an owned sandbox's directory
+        to the trash (its record goes with it) or delete a caller-upper sandbox's record file, then
+        drop the record and the layer references in one transaction. Returns the trashed
+        directory, for the caller to delete (outside the lock)."""
+        with self.state.write() as t:
+            cur = t.sandbox(sb.id)
+            if cur is not None:
+                cur.status = UNMOUNTING
+                t.put_sandbox(cur, old=cur)
+                t.put_pending(sb.id, "unmount")
+        detach(sb.target)
+        if sb.utab:
+            with contextlib.suppress(OSError):
+                utab.remove(sb.target)
         sdir = self.paths.sandbox_dir(sb.id)
         trashed = None
         if sb.owned:
@@ -267,14 +348,28 @@ class Shim:
                 for blob in sb.layers:
                     self.layers.release(t, blob)
                 t.delete_sandbox(sb.id)
-        if sb.owned:
-            if trashed is not None:
-                shutil.rmtree(trashed, ignore_errors=True)
-        else:
+            t.clear_pending(sb.id)
+        if not sb.owned:
             shutil.rmtree(sb.work, ignore_errors=True)
             shutil.rmtree(sdir / "bundle", ignore_errors=True)
             rmdir_quiet(sdir / "rootfs")
             rmdir_quiet(sdir)
+        return trashed
+
+    def delete_containers(self, sandbox: str) -> list[str]:
+        """Delete (killing it if it runs) the OCI runtimes' container of this sandbox, if any is
+        left: `layerctl run` deletes its own, but not after a crash, nor one a runtime started on
+        a kept sandbox. Returns the runtimes that had one."""
+        from .errors import RuntimeNotAvailable
+        from .oci_runtime import open_runtime
+
+        found = []
+        for name in ("runc", "crun"):
+            if (self.paths.root / "oci" / name / sandbox).exists():
+                with contextlib.suppress(RuntimeNotAvailable):
+                    open_runtime(name, self.paths.root / "oci").delete(sandbox)
+                    found.append(name)
+        return found
 
     # -- recovery --------------------------------------------------------------------------
     def stop_daemon(self) -> bool:
@@ -291,8 +386,50 @@ class Shim:
             return True
 
     def recover(self) -> RecoverReport:
+        """The full comparison of the picture with the node (O(sandboxes + mounts))."""
         with self.lock:
             return self._recover_locked()
+
+    def recover_if_needed(self) -> RecoverReport | None:
+        """What every shim start runs: O(layers) checks, and the full recovery only when one
+        fails. Returns its report, or None when nothing needed recovering."""
+        with self.lock:
+            why = self.recovery_reason()
+            if why:
+                rep = self._recover_locked()
+                rep.reason = why
+                return rep
+        records.empty_trash(self.paths, only_dead=True)
+        return None
+
+    def recovery_reason(self) -> str:
+        """Why the picture cannot be trusted as it is ("" if it can). Caller holds the lock.
+        Catches: a reboot, an operation a crash interrupted, a daemon that died, a layer mount
+        that vanished or reads from a previous daemon. Not caught (only the full `recover()`
+        compares every overlay with mountinfo): a sandbox root unmounted behind the shim's back."""
+        import lmdb
+
+        from layerstore.errors import CorruptObject
+
+        try:
+            with self.state.read() as t:
+                boot, pending, layers = t.boot(), t.count("pending"), t.layers()
+        except (lmdb.Error, CorruptObject) as e:
+            return f"the state database is unreadable ({e})"
+        if boot != boot_id():
+            return "the machine restarted" if boot else "no boot recorded (new or older state)"
+        if pending:
+            return f"{pending} operation(s) interrupted"
+        if layers:
+            gen = self.blobs.generation()
+            if gen is None:
+                return "the blob source (node daemon) is not healthy"
+            for lm in layers:
+                if lm.generation != gen:
+                    return f"layer {lm.blob} reads from a previous daemon"
+                if not mountinfo.is_mount(lm.mountpoint):
+                    return f"layer {lm.blob} is not mounted"
+        return ""
 
     def _recover_locked(self) -> RecoverReport:
         from .recover import recover

@@ -1,17 +1,31 @@
 """The shim's persisted picture of a node: sandboxes, shared layer mounts and the node daemon.
 
 Kept in LMDB (one environment under NODE/state): every change is one write transaction, so a
-crash leaves either the old picture or the new one, never half of each, and a record costs the
-same whether the node has ten sandboxes or ten thousand (a JSON file would be rewritten whole on
-every mount). LMDB serialises writers itself; the shim additionally holds the node lock (see
-`lock`) across each read-decide-mount-write sequence, since mounts are side effects LMDB cannot
-roll back.
+crash of the process leaves either the old picture or the new one, never half of each, and a
+record costs the same whether the node has ten sandboxes or ten thousand (a JSON file would be
+rewritten whole on every mount). LMDB serialises writers itself; the shim additionally holds the
+node lock (see `lock`) across each read-decide-mount-write sequence, since mounts are side effects
+LMDB cannot roll back.
+
+Durability: the database describes mounts, which live in the kernel and die with it. It is
+opened without fsync (`sync=False, metasync=False`): a committed transaction is in the page
+cache, which survives any crash of a process, so within one boot the picture is exact. After a
+power loss or kernel crash every mount is gone anyway and the database may have lost its last
+transactions (or, since LMDB without sync relies on write ordering, be damaged); the boot id
+recorded in `meta/boot` tells recovery that the machine restarted, and recovery then rebuilds
+the picture from the per-sandbox record files (`records`) instead of trusting the database.
+This takes the fsync (2-10 ms on a busy disk) out of every mount and every teardown.
 
 Records are JSON objects:
     sandboxes/<id>     Sandbox
     layers/<blob>      LayerMount (`refs` = sandboxes on the node that stack it)
     targets/<path>     sandbox id mounted at that path (for `umount TARGET`)
+    uppers/<path>      sandbox id using that upper directory (uniqueness without a scan)
+    pending/<id>       an operation in flight on a sandbox ({"op": "mount"|"unmount", "pid": ...}):
+                       written first, deleted in the transaction that completes the operation, so
+                       a crash mid-operation is found without looking at every sandbox
     meta/daemon        DaemonRecord
+    meta/boot          {"boot_id": ...} of the boot the picture belongs to
 """
 
 from __future__ import annotations
@@ -19,9 +33,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +44,27 @@ import lmdb
 
 from layerstore.errors import CorruptObject
 
-MAP_SIZE = 1 << 32  # sparse; ~10 KB per sandbox leaves room for far more than a node can mount
+MAP_SIZE = 1 << 32  # sparse; ~1.5 KB per sandbox leaves room for far more than a node can mount
+DBS = ("sandboxes", "layers", "targets", "uppers", "pending", "meta")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 # Sandbox status: what the record says the shim was doing. Recovery reads it after a crash.
 MOUNTING, MOUNTED, UNMOUNTING, BROKEN = "mounting", "mounted", "unmounting", "broken"
+
+
+def boot_id() -> str:
+    """This boot's id: changes at every reboot, kernel crash included."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _known(cls: type, obj: dict[str, Any]) -> dict[str, Any]:
+    # Records written by a newer shim may carry fields this one does not know: ignore them.
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in obj.items() if k in names}
 
 
 @dataclass
@@ -50,13 +82,18 @@ class Sandbox:
     status: str = MOUNTING
     error: str = ""
     created: float = 0.0
+    utab: bool = False  # an entry in /run/mount/utab sends `umount TARGET` to umount.layerstore
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # by hand: dataclasses.asdict deep-copies every value, a measurable share of a mount
+        return {"id": self.id, "env": self.env, "manifest": self.manifest, "layers": list(self.layers),
+                "config": self.config, "target": self.target, "upper": self.upper, "work": self.work,
+                "owned": self.owned, "store": self.store, "status": self.status, "error": self.error,
+                "created": self.created, "utab": self.utab}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Sandbox:
-        return cls(**obj)
+        return cls(**_known(cls, obj))
 
 
 @dataclass
@@ -68,11 +105,12 @@ class LayerMount:
     generation: str = ""  # what served `source` when it was mounted (see blobs.BlobSource)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"blob": self.blob, "mountpoint": self.mountpoint, "source": self.source, "refs": self.refs,
+                "generation": self.generation}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> LayerMount:
-        return cls(**obj)
+        return cls(**_known(cls, obj))
 
 
 @dataclass
@@ -85,11 +123,12 @@ class DaemonRecord:
     argv: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"pid": self.pid, "start_time": self.start_time, "store": self.store, "mountpoint": self.mountpoint,
+                "cache": self.cache, "argv": list(self.argv)}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> DaemonRecord:
-        return cls(**obj)
+        return cls(**_known(cls, obj))
 
 
 # One LMDB environment per path per process: LMDB forbids opening the same file twice in a process.
@@ -105,7 +144,9 @@ def _open_env(path: Path) -> lmdb.Environment:
             _envs[key] = (env, n + 1)
             return env
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=4, subdir=True, lock=True, sync=True, metasync=True)
+        # No fsync per transaction: see the module docstring (the boot id covers what it would).
+        env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=len(DBS) + 2, subdir=True, lock=True, sync=False,
+                        metasync=False)
         _envs[key] = (env, 1)
         return env
 
@@ -150,6 +191,9 @@ class Txn:
             for k, v in cur:
                 yield bytes(k).decode(), json.loads(bytes(v))
 
+    def count(self, db: str) -> int:
+        return int(self._txn.stat(self._dbs[db])["entries"])
+
     # -- sandboxes -------------------------------------------------------------------
     def sandbox(self, sandbox: str) -> Sandbox | None:
         obj = self._get("sandboxes", sandbox)
@@ -158,25 +202,49 @@ class Txn:
     def sandboxes(self) -> list[Sandbox]:
         return [Sandbox.from_json(v) for _, v in self._items("sandboxes")]
 
-    def put_sandbox(self, sb: Sandbox) -> None:
-        old = self.sandbox(sb.id)
+    def put_sandbox(self, sb: Sandbox, old: Sandbox | None = None) -> None:
+        """`old`: the record as it is now, when the caller has it (saves a read)."""
+        if old is None:
+            old = self.sandbox(sb.id)
         if old is not None and old.target != sb.target:
-            self._delete("targets", old.target)
+            self._delete_ref("targets", old.target, sb.id)
+        if old is not None and old.upper != sb.upper:
+            self._delete_ref("uppers", old.upper, sb.id)
         self._put("sandboxes", sb.id, sb.to_json())
         self._put("targets", sb.target, {"sandbox": sb.id})
+        self._put("uppers", sb.upper, {"sandbox": sb.id})
 
     def delete_sandbox(self, sandbox: str) -> None:
         old = self.sandbox(sandbox)
         if old is None:
             return
         self._delete("sandboxes", sandbox)
-        ref = self._get("targets", old.target)
+        self._delete_ref("targets", old.target, sandbox)
+        self._delete_ref("uppers", old.upper, sandbox)
+
+    def _delete_ref(self, db: str, key: str, sandbox: str) -> None:
+        ref = self._get(db, key)
         if ref is not None and ref.get("sandbox") == sandbox:
-            self._delete("targets", old.target)
+            self._delete(db, key)
 
     def sandbox_at(self, target: str) -> Sandbox | None:
         ref = self._get("targets", target)
         return self.sandbox(ref["sandbox"]) if ref else None
+
+    def sandbox_with_upper(self, upper: str) -> Sandbox | None:
+        ref = self._get("uppers", upper)
+        return self.sandbox(ref["sandbox"]) if ref else None
+
+    # -- operations in flight --------------------------------------------------------------
+    def pending(self) -> dict[str, dict[str, Any]]:
+        return dict(self._items("pending"))
+
+    def put_pending(self, sandbox: str, op: str, **info: Any) -> None:
+        self._put("pending", sandbox, {"op": op, "pid": os.getpid(), **info})
+
+    def clear_pending(self, sandbox: str) -> None:
+        if self._txn.get(sandbox.encode(), db=self._dbs["pending"]) is not None:
+            self._delete("pending", sandbox)
 
     # -- layers ----------------------------------------------------------------------
     def layer(self, blob: str) -> LayerMount | None:
@@ -192,16 +260,29 @@ class Txn:
     def delete_layer(self, blob: str) -> None:
         self._delete("layers", blob)
 
-    # -- daemon ----------------------------------------------------------------------
+    # -- node ------------------------------------------------------------------------
     def daemon(self) -> DaemonRecord | None:
         obj = self._get("meta", "daemon")
         return DaemonRecord.from_json(obj) if obj is not None else None
 
     def put_daemon(self, rec: DaemonRecord | None) -> None:
         if rec is None:
-            self._delete("meta", "daemon")
+            if self._get("meta", "daemon") is not None:
+                self._delete("meta", "daemon")
         else:
             self._put("meta", "daemon", rec.to_json())
+
+    def boot(self) -> str | None:
+        obj = self._get("meta", "boot")
+        return str(obj["boot_id"]) if obj else None
+
+    def put_boot(self, boot: str) -> None:
+        self._put("meta", "boot", {"boot_id": boot})
+
+    def clear(self) -> None:
+        """Forget everything (the machine restarted: the picture is rebuilt from the record files)."""
+        for name in DBS:
+            self._txn.drop(self._dbs[name], delete=False)
 
 
 class NodeState:
@@ -209,8 +290,17 @@ class NodeState:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._env = _open_env(path)
-        self._dbs = {name: self._env.open_db(name.encode()) for name in ("sandboxes", "layers", "targets", "meta")}
+        try:
+            self._env = _open_env(path)
+        except (lmdb.CorruptedError, lmdb.InvalidError):
+            # Unreadable (a power loss without fsync can leave that): the record files rebuild it.
+            os.rename(path, path.with_name(f"{path.name}.damaged-{int(time.time())}"))
+            self._env = _open_env(path)
+        try:
+            self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
+        except BaseException:
+            _close_env(self._env)
+            raise
 
     def close(self) -> None:
         if self._env is not None:
@@ -233,3 +323,32 @@ class NodeState:
         """One atomic change: committed when the block ends normally, aborted if it raises."""
         with self._env.begin(write=True) as txn:
             yield Txn(txn, self._dbs)
+
+    def reset(self) -> None:
+        """Forget the whole picture (it belongs to an earlier boot). When the database cannot even
+        be written (damaged by a power loss: without fsync LMDB relies on write ordering), its
+        files are moved aside to state.damaged-<time> and a new one is started."""
+        try:
+            with self.write() as t:
+                t.clear()
+            return
+        except lmdb.Error:
+            pass
+        _close_env(self._env)
+        if os.path.realpath(self.path) in _envs:  # other users in this process: they keep the old one
+            raise CorruptObject(f"node state {self.path} is damaged and in use; restart the shim")
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        os.rename(self.path, aside)
+        self._env = _open_env(self.path)
+        self._dbs = {name: self._env.open_db(name.encode()) for name in DBS}
+
+    def sync(self) -> None:
+        """Flush committed transactions to disk (not needed for correctness; see the module docstring)."""
+        self._env.sync(True)
+
+    def size(self) -> dict[str, int]:
+        """Bytes: `used` = pages in use, `file` = data.mdb on disk (sparse up to the map size)."""
+        info, st = self._env.info(), self._env.stat()
+        data = self.path / "data.mdb"
+        on_disk = os.stat(data).st_blocks * 512 if data.exists() else 0
+        return {"used": (info["last_pgno"] + 1) * st["psize"], "file": on_disk}
