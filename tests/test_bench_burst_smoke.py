@@ -80,10 +80,12 @@ def test_markdown_and_docs_update(tmp_path: Path) -> None:
     doc = tmp_path / "docs" / "benchmarks.md"
     doc.parent.mkdir()
     doc.write_text("# Benchmarks\n\nhand-written text\n")
-    report.update_docs(doc, md)
-    report.update_docs(doc, md.replace("1.25", "9.99"))  # replaced in place, not appended twice
+    report.update_docs(doc, md, "quick")
+    report.update_docs(doc, md.replace("1.25", "9.99"), "quick")  # replaced in place, not appended twice
+    report.update_docs(doc, md, "full")  # each size has its own block
     text = doc.read_text()
-    assert text.count(report.BEGIN) == 1 and "9.99" in text and "hand-written text" in text
+    assert text.count(report.markers("quick")[0]) == 1 and text.count(report.markers("full")[0]) == 1
+    assert "9.99" in text and "1.25" in text and "hand-written text" in text
 
 
 def test_render_plots(tmp_path: Path) -> None:

@@ -235,6 +235,12 @@ class LayerstoreNode:
 
         return resolver
 
+    def _send_hints_quietly(self, env: str) -> None:
+        try:
+            self._send_hints(env)
+        except Exception as e:  # noqa: BLE001 - hints are an optimisation
+            log(f"prefetch hints for {env} failed: {e}")
+
     def _send_hints(self, env: str) -> None:
         """Once per environment on this node: its manifest's prefetch hints to the daemon."""
         with self._hint_lock:
@@ -266,7 +272,8 @@ class LayerstoreNode:
     def run_sandbox(self, index: int, env: str, command: list[str], result: SandboxResult) -> None:
         sid = f"lsb-{'e' if self.eager else 'l'}{self.tag}-{index}"
         if self.apply_hints:
-            self._send_hints(env)
+            # in the background: the sandbox's own mount must not wait for the hints to be read
+            threading.Thread(target=self._send_hints_quietly, args=(env,), daemon=True).start()
         t0 = time.time()
         if self.launcher == "cli":
             argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),

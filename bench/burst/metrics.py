@@ -79,7 +79,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r.get(k) for r in rounds]
         if isinstance(v, int | float) and not isinstance(v, bool) and all(isinstance(x, int | float) for x in vals):
             med = statistics.median(vals)  # type: ignore[type-var]
-            out[k] = round(med, 3) if isinstance(med, float) else med
+            out[k] = int(round(med)) if all(isinstance(x, int) for x in vals) else round(med, 3)
     out["failed"] = max(int(r.get("failed") or 0) for r in rounds)
     out["rounds"] = [{k: r.get(k) for k in ROUND_KEYS} for r in rounds]
     return out
