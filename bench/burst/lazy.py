@@ -177,7 +177,8 @@ class LayerstoreNode:
 
     def __init__(self, node_dir: Path, *, store_url: str, env_refs: dict[str, str], eager: bool, layerctl: str,
                  record_trace: Path | None = None, launcher: str = "api", apply_hints: bool = False,
-                 shared_store: bool = True, daemon_args: list[str] | None = None) -> None:
+                 shared_store: bool = True, daemon_args: list[str] | None = None,
+                 parallel_metadata: bool = False) -> None:
         self.node_dir = node_dir
         self.store_url = store_url
         self.env_refs = env_refs
@@ -188,6 +189,9 @@ class LayerstoreNode:
         self.apply_hints = apply_hints
         self.shared_store = shared_store
         self.daemon_args = list(daemon_args or [])
+        self.parallel_metadata = parallel_metadata
+        self._meta_lock = threading.Lock()
+        self._meta_ready: dict[str, threading.Event] = {}
         self._store: Any = None
         self.tag = f"{os.getpid()}"
         self.daemon_start_s: float | None = None
@@ -235,6 +239,34 @@ class LayerstoreNode:
 
         return resolver
 
+    def _fetch_metadata(self, env: str) -> None:
+        """What-if: before the first mount of an environment, the metadata chunks of all its layers
+        are fetched at once (`POST /prefetch` without ranges = the blob's metadata, waited for), so that
+        the layer mounts under the node lock find them cached instead of fetching one layer after
+        another while every other sandbox waits for the lock."""
+        with self._meta_lock:
+            ready = self._meta_ready.get(env)
+            owner = ready is None
+            if owner:
+                ready = self._meta_ready[env] = threading.Event()
+        assert ready is not None
+        if not owner:
+            ready.wait()
+            return
+        try:
+            from fuse_client.control import request_json
+
+            blobs = self.shim.resolve(self.env_refs[env]).blobs
+            cache = self.node_dir / "cache"
+            threads = [threading.Thread(target=request_json, kwargs={"timeout": None},
+                                        args=(cache, "POST", "/prefetch", {"blob": b, "wait": True})) for b in blobs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            ready.set()
+
     def _send_hints_quietly(self, env: str) -> None:
         try:
             self._send_hints(env)
@@ -274,6 +306,8 @@ class LayerstoreNode:
         if self.apply_hints:
             # in the background: the sandbox's own mount must not wait for the hints to be read
             threading.Thread(target=self._send_hints_quietly, args=(env,), daemon=True).start()
+        if self.parallel_metadata:
+            self._fetch_metadata(env)
         t0 = time.time()
         if self.launcher == "cli":
             argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),

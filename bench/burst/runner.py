@@ -50,7 +50,8 @@ def make_contender(plan: dict[str, Any]) -> Contender:
                               eager=kind == "eager", layerctl=plan["layerctl"],
                               launcher="cli" if kind == "lazy-cli" else "api",
                               apply_hints=bool(plan.get("apply_hints")),
-                              daemon_args=list(spec.DAEMON_ARGS.get(kind, ())))
+                              daemon_args=list(spec.DAEMON_ARGS.get(kind, ())),
+                              parallel_metadata=kind == "lazy-parallel-meta")
     raise ValueError(f"unknown contender {kind!r}")
 
 
