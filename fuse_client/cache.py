@@ -3,7 +3,11 @@
 State and ownership (see docs/fuse-client.md for the full protocol and the crash table):
 
 - `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served: its bytes
-  are in the blob's data file. A cache hit is this lookup plus one pread; nothing else.
+  are in the blob's data file. A cache hit is this lookup plus a slice of the data file's read-only
+  mapping (`BlobEntry.map`); the kernel copies the bytes from the page cache into its reply, so
+  the daemon copies nothing. The pages mapped that way are unmapped again every
+  `RELEASE_INTERVAL` (they stay in the page cache), so the daemon's resident size does not grow
+  with what it served.
 - `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
   time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
 - The LMDB index (`cache_index`) is the durable commit record, written only by the journal task
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +46,7 @@ log = logging.getLogger("layerstore.fuse.cache")
 
 TOUCH_INTERVAL = 30.0
 SETTLE = 0.5  # seconds without commits that end an eviction episode
+RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
 
 
 class Flight:
@@ -59,7 +65,8 @@ class BlobEntry:
     """The cache's picture of one blob. Mutated only on the trio thread."""
 
     __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
-                 "is_meta", "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions")
+                 "is_meta", "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions", "view", "mapped",
+                 "_map", "_map_failed")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
         n = len(cmap.chunks)
@@ -79,6 +86,11 @@ class BlobEntry:
         self.ra_mark = n
         self.ra_end = 0
         self._positions: dict[str, list[int]] | None = None
+        # The data file mapped read-only (on first read): `view[off:end]` is a cache hit's answer.
+        self.view: memoryview | None = None
+        self.mapped = False  # pages may have been mapped by reads since the last `release_pages`
+        self._map: mmap.mmap | None = None
+        self._map_failed = False
 
     @property
     def size(self) -> int:
@@ -100,6 +112,37 @@ class BlobEntry:
     def cached_bytes(self) -> int:
         chunks = self.cmap.chunks
         return sum(chunks[i].length for i, p in enumerate(self.present) if p)
+
+    def map(self) -> memoryview | None:
+        """The read-only view of the whole data file, mapped on first use; None if it cannot be
+        mapped (e.g. vm.max_map_count reached): then reads fall back to pread."""
+        if self.view is None and not self._map_failed and self.cmap.size:
+            try:
+                self._map = mmap.mmap(self.fd, self.cmap.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as e:
+                log.warning("blob %s: cannot map the cache file (%s); serving it with pread", self.blob, e)
+                self._map_failed = True
+                return None
+            self.view = memoryview(self._map)
+        return self.view
+
+    def release_pages(self) -> None:
+        """Unmap the pages reads touched (they stay in the page cache, reclaimable as usual).
+        Trio thread only: a reply that uses the mapping is sent before any other task runs."""
+        self.mapped = False
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        if self._map is not None:
+            assert self.view is not None
+            try:
+                self.view.release()
+                self._map.close()
+            except BufferError:  # a slice is still referenced somewhere: unmapped when it goes
+                pass
+            self._map = self.view = None
+        os.close(self.fd)
 
     def touch(self, start: int, stop: int, now: float) -> None:
         lu = self.last_use
@@ -186,7 +229,7 @@ class NodeCache:
 
     def close(self) -> None:
         for e in self.entries.values():
-            os.close(e.fd)
+            e.close()
         self.entries.clear()
 
     # -- blobs ---------------------------------------------------------------------------
@@ -284,6 +327,7 @@ class NodeCache:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._journal_loop)
             nursery.start_soon(self._touch_loop)
+            nursery.start_soon(self._release_loop)
             if self.budget is not None:
                 nursery.start_soon(self._evict_loop)
                 if self.usage > self.budget.high:
@@ -307,6 +351,13 @@ class NodeCache:
         while True:
             await trio.sleep(TOUCH_INTERVAL)
             self.queue_touches()
+
+    async def _release_loop(self) -> None:
+        while True:
+            await trio.sleep(RELEASE_INTERVAL)
+            for e in self.entries.values():
+                if e.mapped:
+                    e.release_pages()
 
     async def shutdown_flush(self) -> None:
         """Final batch at a clean shutdown (shielded by the caller)."""

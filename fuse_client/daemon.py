@@ -45,8 +45,10 @@ INDEX_DIR = "index"
 TRACE_INTERVAL = 5.0
 SHUTDOWN_GRACE = 5.0
 # The kernel's readahead on our FUSE files (buffered readers, e.g. EROFS without `directio`):
-# 1 MiB requests instead of 128 KiB cut the requests per byte by 8.
+# 1 MiB requests (libfuse 3.14 negotiates max_pages = 256, so 1 MiB is also the largest request)
+# instead of 128 KiB cut the requests per byte by 8. Set after FUSE_INIT (see _after_fuse_init).
 DEFAULT_KERNEL_READAHEAD_KB = 1024
+INIT_WAIT = 10.0
 
 
 class CacheBusy(LayerstoreError):
@@ -137,6 +139,19 @@ def set_kernel_readahead(mountpoint: Path, kb: int) -> None:
         log.warning("cannot set the kernel readahead of %s to %d KiB: %s", mountpoint, kb, e)
 
 
+async def _after_fuse_init(mountpoint: Path) -> None:
+    """Return once the kernel has processed our answer to FUSE_INIT. That answer sets the
+    mount's readahead to min(read_ahead_kb, max_readahead), and the kernel offers the bdi's
+    value at the time of mounting (128 KiB) as max_readahead: a larger value written before
+    INIT is undone by it. A statfs from a worker thread waits until INIT is done and is then
+    answered by our own loop (the trio thread is free while we wait)."""
+    with trio.move_on_after(INIT_WAIT):
+        try:
+            await trio.to_thread.run_sync(os.statvfs, mountpoint, abandon_on_cancel=True)
+        except OSError as e:
+            log.warning("statfs on %s after mounting: %s", mountpoint, e)
+
+
 def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -193,8 +208,6 @@ class Daemon:
     async def _serve_mounted(self, ops: BlobFS, mountpoint: Path, control: ControlServer,
                              task_status: trio.TaskStatus[Daemon]) -> None:
         pyfuse3.init(ops, os.fspath(mountpoint), self.config.fuse_options())
-        if self.config.kernel_readahead_kb:
-            set_kernel_readahead(mountpoint, self.config.kernel_readahead_kb)
         try:
             async with trio.open_nursery() as front:
                 fuse_done = trio.Event()
@@ -207,6 +220,9 @@ class Daemon:
                         self._stop.set()  # the mount went away (fusermount -u): stop too
 
                 front.start_soon(fuse_main)
+                if self.config.kernel_readahead_kb:
+                    await _after_fuse_init(mountpoint)
+                    set_kernel_readahead(mountpoint, self.config.kernel_readahead_kb)
                 await front.start(control.serve)
                 if self.trace is not None:
                     front.start_soon(self._trace_loop)

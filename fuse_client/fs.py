@@ -10,10 +10,15 @@ Lookup counts (lookup +1, readdirplus entry +1, forget -n) and open file handles
 explicitly; a blob's inode is forgotten when both reach zero.
 
 The read path (`read`): map the range to chunk indexes; if every one is present in the node cache,
-answer with one `os.pread` on the trio thread (no thread hop, no await). Otherwise pin the chunks
-(eviction skips pinned chunks), let the fetcher make them present (fetched in parallel,
-single-flight), and pread. Handlers raise only `pyfuse3.FUSEError`: the project's errors are
-translated here, by their `.errno`.
+answer with a slice of the blob's mapped data file on the trio thread (no thread hop, no await, no
+syscall, no copy: the kernel copies from the page cache straight into its reply). Otherwise pin
+the chunks (eviction skips pinned chunks), let the fetcher make them present (fetched in
+parallel, single-flight), and answer the same way. Handlers raise only `pyfuse3.FUSEError`: the
+project's errors are translated here, by their `.errno`.
+
+The answer is valid until the next await: pyfuse3 sends the reply as soon as `read` returns,
+before any other task runs, and the pages cannot be evicted in between (eviction punches holes
+from the trio thread too). Callers that keep an answer longer must copy it.
 """
 
 from __future__ import annotations
@@ -254,7 +259,7 @@ class BlobFS(pyfuse3.Operations):
         # keep_cache: the blob never changes, so pages cached by an earlier open stay valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         h = self._handles.get(fh)
         if h is None:
             raise pyfuse3.FUSEError(errno.EBADF)
@@ -268,13 +273,16 @@ class BlobFS(pyfuse3.Operations):
         first = cmap.index_at(off)
         last = cmap.index_at(end - 1) + 1
         if e.present.find(0, first, last) < 0:
-            # Fast path: one lookup (above) and one pread, inline. No await between the check
-            # and the pread, so no eviction can slip in between.
-            try:
-                data = os.pread(e.fd, end - off, off)
-            except OSError as err:
-                log.error("blob %s: reading the cache at %d+%d: %s", e.blob, off, end - off, err)
-                raise pyfuse3.FUSEError(errno.EIO) from None
+            # Fast path: one lookup (above) and a slice of the mapped data file, inline. No
+            # await between the check and the reply, so no eviction can slip in between.
+            v = e.view
+            if v is None:
+                v = e.map()
+            if v is not None:
+                data: bytes | memoryview = v[off:end]
+                e.mapped = True
+            else:
+                data = self._pread(e, off, end)
             now = self._clock()
             lu = e.last_use
             for i in range(first, last):
@@ -292,8 +300,16 @@ class BlobFS(pyfuse3.Operations):
             return data
         return await self._read_missing(h, off, end, first, last)
 
+    @staticmethod
+    def _pread(e: BlobEntry, off: int, end: int) -> bytes:
+        try:
+            return os.pread(e.fd, end - off, off)
+        except OSError as err:
+            log.error("blob %s: reading the cache at %d+%d: %s", e.blob, off, end - off, err)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
     @fuse_edge
-    async def _read_missing(self, h: Handle, off: int, end: int, first: int, last: int) -> bytes:
+    async def _read_missing(self, h: Handle, off: int, end: int, first: int, last: int) -> bytes | memoryview:
         e = h.entry
         idxs = range(first, last)
         if self.trace is not None:
@@ -310,7 +326,13 @@ class BlobFS(pyfuse3.Operations):
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)
-            data = os.pread(e.fd, end - off, off)
+            # Present now, and nothing awaits between here and the reply.
+            v = e.map()
+            if v is not None:
+                data: bytes | memoryview = v[off:end]
+                e.mapped = True
+            else:
+                data = self._pread(e, off, end)
         finally:
             self.cache.unpin(e, idxs)
         e.touch(first, last, self.cache.clock())

@@ -75,8 +75,13 @@ class Rig:
         attr = await self.fs.lookup(BLOBS_INODE, blob.encode())
         return (await self.fs.open(attr.st_ino, os.O_RDONLY)).fh
 
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        """A copy of the answer: `BlobFS.read` answers with a view of the mapped cache file, valid
+        until the next await (pyfuse3 sends it at once); a test that keeps it must copy it."""
+        return bytes(await self.fs.read(fh, off, size))
+
     async def read_all(self, fh: int, size: int, step: int = 128 * 1024) -> bytes:
-        return b"".join([await self.fs.read(fh, off, step) for off in range(0, size, step)])
+        return b"".join([await self.read(fh, off, step) for off in range(0, size, step)])
 
 
 @contextlib.asynccontextmanager
@@ -235,7 +240,7 @@ async def test_single_flight_64_readers(store: Store, backend: CountingBackend, 
             rng.shuffle(offs)
             got = {}
             for off in offs:
-                got[off] = await r.fs.read(fh, off, 128 * 1024)
+                got[off] = await r.read(fh, off, 128 * 1024)
             results[k] = b"".join(got[o] for o in sorted(got))
 
         async with trio.open_nursery() as nursery:
@@ -329,7 +334,7 @@ async def test_demand_overtakes_queued_prefetch(store: Store, data: bytes, tmp_p
             got: list[bytes] = []
 
             async def demand() -> None:
-                got.append(await r.fs.read(fh, 1 * CHUNK, 100))
+                got.append(await r.read(fh, 1 * CHUNK, 100))
 
             nursery.start_soon(demand)
             await trio.sleep(0.05)  # let the demand read queue up behind the blocked prefetch
@@ -450,3 +455,44 @@ async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, t
         fh = await r.open_blob(cmap.blob)
         assert await r.fs.read(fh, 2 * CHUNK + 5, 4 * CHUNK - 10) == data[2 * CHUNK + 5:6 * CHUNK - 5]
         assert r.stats.blobs[cmap.blob].misses == 1
+
+
+@pytest.mark.trio
+async def test_hit_is_a_view_of_the_mapped_cache_file_and_pages_are_released(
+        store: Store, data: bytes, tmp_path: Path) -> None:
+    cmap = put_blob(store, data)
+    async with rig(store, tmp_path / "cache") as r:
+        fh = await r.open_blob(cmap.blob)
+        assert await r.read_all(fh, len(data)) == data  # fetched (misses)
+        got = await r.fs.read(fh, CHUNK - 10, 3 * CHUNK)
+        assert isinstance(got, memoryview) and got.readonly  # no copy in the daemon
+        assert got == data[CHUNK - 10:4 * CHUNK - 10]
+        del got
+        entry = r.cache.get(cmap.blob)
+        assert entry is not None and entry.mapped
+        entry.release_pages()  # what the release loop does every RELEASE_INTERVAL
+        assert not entry.mapped
+        assert await r.read(fh, 5 * CHUNK, 100) == data[5 * CHUNK:5 * CHUNK + 100]  # faults back in
+        await r.fs.release(fh)
+
+
+@pytest.mark.trio
+async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
+        store: Store, data: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import fuse_client.cache as cachemod
+
+    def no_map(*args: object, **kw: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(cachemod.mmap, "mmap", no_map)
+    cmap = put_blob(store, data)
+    async with rig(store, tmp_path / "cache") as r:
+        fh = await r.open_blob(cmap.blob)
+        with caplog.at_level(logging.WARNING, logger="layerstore.fuse.cache"):
+            assert await r.read_all(fh, len(data), 100_000) == data
+            got = await r.fs.read(fh, 3, 2 * CHUNK)
+        assert isinstance(got, bytes) and got == data[3:2 * CHUNK + 3]
+        assert r.stats.blobs[cmap.blob].hits > 0
+        assert sum("cannot map" in rec.getMessage() for rec in caplog.records) == 1  # said once
+        await r.fs.release(fh)

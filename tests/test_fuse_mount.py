@@ -67,6 +67,25 @@ def test_erofs_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer,
         assert read_errno(d.blob("b3:" + "1" * 64)) == errno.ENOENT
 
 
+def _fuse_bdi(mountpoint: Path) -> Path:
+    with open("/proc/self/mountinfo") as f:
+        (dev,) = [line.split()[2] for line in f if line.split()[4] == str(mountpoint)]
+    return Path("/sys/class/bdi") / dev
+
+
+def test_kernel_readahead_survives_fuse_init(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:
+    """The FUSE_INIT answer clamps the mount's readahead to what the kernel offered (128 KiB):
+    the daemon sets it after INIT, so buffered sequential reads arrive as 1 MiB requests."""
+    with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt") as d:
+        assert (_fuse_bdi(d.mountpoint) / "read_ahead_kb").read_text().strip() == "1024"
+        want = layer.path.read_bytes()
+        path = d.blob(layer.blob)
+        assert path.read_bytes() == want  # buffered, fresh page cache: readahead makes the requests
+        st = d.stats()["blobs"][layer.blob]
+        requests = st["hits"] + st["misses"]
+        assert requests <= len(want) // (512 * 1024) + 4, (requests, len(want))  # 128 KiB would be 4x more
+
+
 def test_lazy_fetches_metadata_plus_the_file(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:
     meta_bytes = sum(r.length for r in layer.refs if r.metadata)
     max_data_chunk = max(r.length for r in layer.refs if not r.metadata)
