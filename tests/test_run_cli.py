@@ -233,3 +233,101 @@ def test_unsigned_environment_refused_before_anything_is_mounted(store: dict[str
     assert not (tmp_path / "t").exists()
     assert layerctl("sandbox", "ls", "--node-dir", str(nodes[0]), "--json").json() == {"sandboxes": [], "layers": {}}
     assert not os.path.exists(nodes[0] / "fuse" / "blobs")  # not even the daemon was started
+    # the same policy accepts the environment once it is signed with the trusted key (the refusal
+    # above is about the signature, not a policy that refuses everything)
+    r = layerctl("env", "sign", "--store", store["url"], "--key", str(tmp_path / "key.pem"), "bb:1")
+    assert r.code == 0, r.err
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[0]), "--policy", str(policy), "bb:1",
+                 str(tmp_path / "t"))
+    assert r.code == 0, r.err
+    assert (tmp_path / "t" / "data" / "keep").read_text() == "keep\n"
+    assert layerctl("umount", "--node-dir", str(nodes[0]), str(tmp_path / "t")).code == 0
+
+
+def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], nodes: list[Path]) -> None:
+    """With the real node daemon running: its control socket, FUSE mount and cache exist on the host
+    and none of them is reachable from inside a sandbox."""
+    node = nodes[0]
+    args = ("run", "--store", store["url"], "--node-dir", str(node), "bb:1", "--")
+    assert layerctl(*args, "true").code == 0  # starts the daemon
+    sock = node / "cache" / "control.sock"
+    assert sock.exists() and os.path.ismount(node / "fuse")
+    script = (f"test -e {node} && echo REACHABLE node; test -e {sock} && echo REACHABLE socket; "
+              "find / -xdev -type s 2>/dev/null | sed 's/^/SOCKET /'; "
+              "grep -E ' - (fuse|erofs) ' /proc/self/mountinfo | sed 's/^/MOUNT /'; "
+              "ls /proc/1/root/ >/dev/null && echo probed")
+    r = layerctl(*args, "sh", "-c", script)
+    assert r.code == 0, r.err
+    assert "probed" in r.out
+    assert "REACHABLE" not in r.out and "SOCKET" not in r.out and "MOUNT" not in r.out, r.out
+
+
+def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
+    from runtime_shim import mountinfo
+    from runtime_shim.shim import Shim
+
+    node = nodes[0]
+    with Shim.for_node(node, store["url"]) as shim:
+        sbs = [shim.mount("big:1") for _ in range(1000)]
+        assert shim.layer_refs() == {store["base"]: 1000, store["toolkit"]: 1000}
+        assert (Path(sbs[-1].target) / "data" / "keep").read_text() == "keep\n"
+        assert len((Path(sbs[0].target) / "opt" / "big").read_bytes()) == 6 << 20  # through the daemon
+        assert sum(1 for m in mountinfo.read().values() if m.fstype == "overlay"
+                   and m.mountpoint.startswith(str(node) + "/")) == 1000
+        with shim.state.read() as t:
+            rec = t.daemon()
+        assert rec is not None and is_alive(rec)
+        for sb in sbs:
+            shim.unmount(sb.id)
+        assert shim.sandboxes() == [] and shim.layer_refs() == {}
+        assert shim.stop_daemon()
+    assert not is_alive(rec)
+    assert mountinfo.under(mountinfo.read(), str(node)) == []
+    loops = Path("/sys/block")
+    assert not any(str(node) in (d / "loop" / "backing_file").read_text()
+                   for d in loops.iterdir() if (d / "loop" / "backing_file").exists())
+    holders = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if str(node).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                holders.append(pid)
+    assert holders == []
+    assert [d for d in os.listdir(node / "sandboxes") if d != ".trash"] == []
+    assert os.listdir(node / "layers") == []
+
+
+UMOUNT8 = r"""
+set -eu
+sbin=$(readlink -f /sbin)
+mkdir -p "$W/sbin-up" "$W/sbin-work"
+ln -s "$BIN/mount.layerstore" "$W/sbin-up/mount.layerstore"
+ln -s "$BIN/umount.layerstore" "$W/sbin-up/umount.layerstore"
+# This namespace only: the helpers appear in /sbin and utab is private, the machine's are untouched.
+mount -t overlay overlay -o "lowerdir=$sbin,upperdir=$W/sbin-up,workdir=$W/sbin-work" "$sbin"
+mount -t tmpfs tmpfs /run/mount
+mkdir -p "$T"
+mount -t layerstore bb:1 "$T" -o "sandbox=u1,node_dir=$NODE,store=$STORE"
+echo "read: $(cat "$T/data/keep")"
+echo "utab: $(grep -c 'helper=layerstore' /run/mount/utab)"
+echo "listed: $("$BIN/layerctl" sandbox ls --node-dir "$NODE")"
+umount "$T"
+echo "after: $("$BIN/layerctl" sandbox ls --node-dir "$NODE" --json)"
+echo "utab after: $(grep -c 'helper=layerstore' /run/mount/utab || true)"
+mountpoint -q "$T" && echo "still mounted"
+"$BIN/layerctl" node stop --node-dir "$NODE"
+"""
+
+
+def test_plain_umount_tears_the_sandbox_down(store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    """`mount -t layerstore` records the root in utab with helper=layerstore, so util-linux's plain
+    `umount TARGET` calls umount.layerstore: the sandbox is torn down, its layer references released."""
+    env = {**os.environ, "W": str(tmp_path), "BIN": str(BIN), "NODE": str(nodes[0]), "STORE": store["url"],
+           "T": str(tmp_path / "root")}
+    env.pop("LAYERSTORE_NODE_DIR", None)
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-c", UMOUNT8], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "read: keep\n" in p.stdout and "utab: 1\n" in p.stdout and "u1" in p.stdout
+    after = next(ln for ln in p.stdout.splitlines() if ln.startswith("after: "))
+    assert json.loads(after[len("after: "):]) == {"sandboxes": [], "layers": {}}, p.stdout
+    assert "utab after: 0" in p.stdout and "still mounted" not in p.stdout

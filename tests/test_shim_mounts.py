@@ -261,3 +261,172 @@ def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -
     loops = Path("/sys/block")
     assert not any((loops / d / "loop" / "backing_file").exists()
                    and str(node) in (loops / d / "loop" / "backing_file").read_text() for d in os.listdir(loops))
+
+
+def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[str, object],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 10,000 sandboxes /proc/self/mountinfo is several MB: one mount or teardown must not parse it."""
+    from runtime_shim import shim as shim_module
+
+    with open_shim(node, images) as shim:
+        keep = shim.mount(env2(images))
+
+        def scan(*_a: object, **_k: object) -> None:
+            raise AssertionError("the mount table was read on the path of one sandbox")
+
+        monkeypatch.setattr(mountinfo, "read", scan)
+        monkeypatch.setattr(mountinfo, "find", scan)
+        monkeypatch.setattr(sysmount, "is_mountpoint", scan)
+        monkeypatch.setattr(shim_module.Shim, "sandboxes", scan)  # and no walk over every sandbox
+        sb = shim.mount(env2(images))
+        assert shim.check(sb.id).ok and shim.recover_if_needed() is None
+        shim.unmount(sb.id)
+        shim.unmount(keep.id)
+        monkeypatch.undo()
+        assert shim.sandboxes() == [] and erofs_mounts(node) == []
+
+
+CRASH = """
+import json, os, sys
+from pathlib import Path
+from runtime_shim import records, shim as shim_module
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.environment import EnvSpec, LayerSpec
+from runtime_shim.paths import NodePaths
+
+node, blobs, layers, point, op, upper = sys.argv[1:7]
+def die_after(fn):
+    def wrapped(*a, **k):
+        fn(*a, **k)
+        os._exit(9)  # the shim dies here, holding the node lock
+    return wrapped
+spec = EnvSpec("", tuple(LayerSpec(b, 0, "base" if i == 0 else "toolkit") for i, b in enumerate(json.loads(layers))),
+               {"cmd": ["/bin/sh"]}, "test")
+s = shim_module.Shim(NodePaths(Path(node)), DirBlobs(blobs))
+if op == "unmount":
+    s.mount(spec, sandbox="victim", upper=upper or None, target=(node + "/t-victim") if upper else None)
+if point == "record":
+    records.save = die_after(records.save)
+elif point == "layers":
+    s.layers.mount = die_after(s.layers.mount)
+elif point == "overlay":
+    shim_module.mount_overlay = die_after(shim_module.mount_overlay)
+elif point == "detach":
+    shim_module.detach = die_after(shim_module.detach)
+elif point == "trash":
+    records.trash = die_after(records.trash)
+if op == "mount":
+    s.mount(spec, sandbox="victim")
+else:
+    s.unmount("victim")
+sys.exit("the crash point was not reached")
+"""
+
+
+def crash(node: Path, images: dict[str, object], point: str, op: str, upper: str = "") -> None:
+    import subprocess
+    import sys
+
+    layers = json.dumps([images["base"], images["toolkit"]])
+    p = subprocess.run([sys.executable, "-c", CRASH, str(node), str(images["blobs"]), layers, point, op, upper],
+                       capture_output=True, text=True)
+    assert p.returncode == 9, p.stderr
+
+
+@pytest.mark.parametrize("point", ["record", "layers", "overlay"])
+def test_a_mount_a_crash_interrupted_is_rolled_back(node: Path, images: dict[str, object], point: str) -> None:
+    with open_shim(node, images) as shim:
+        keep = shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+    crash(node, images, point, "mount")
+    with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+        rep = shim.recover_if_needed()
+        assert rep is not None and "interrupted" in rep.reason and rep.rolled_back == ["victim"]
+        assert [s.id for s in shim.sandboxes()] == [keep.id]
+        assert shim.layer_refs() == {images["base"]: 1}
+        assert erofs_mounts(node) == [str(shim.paths.layer_mount(images["base"]))]  # type: ignore[arg-type]
+        assert not NodePaths(node).sandbox_dir("victim").exists()
+        assert shim.recover_if_needed() is None
+        again = shim.mount(env2(images), sandbox="victim")  # the caller's retry with the same id works
+        assert (Path(again.target) / "opt" / "tool" / "run.sh").exists()
+        shim.unmount(again.id)
+        shim.unmount(keep.id)
+
+
+@pytest.mark.parametrize("point", ["detach", "trash"])
+def test_a_teardown_a_crash_interrupted_is_finished(node: Path, images: dict[str, object], point: str) -> None:
+    crash(node, images, point, "unmount")
+    with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+        rep = shim.recover_if_needed()
+        assert rep is not None and rep.finished_teardowns == ["victim"]
+        assert shim.sandboxes() == [] and shim.layer_refs() == {} and erofs_mounts(node) == []
+        assert [d for d in os.listdir(node / "sandboxes") if d != ".trash"] == []
+        assert os.listdir(node / "sandboxes" / ".trash") == []
+
+
+def test_a_caller_upper_survives_a_crash_mid_teardown(node: Path, images: dict[str, object], tmp_path: Path) -> None:
+    upper = tmp_path / "mine"
+    upper.mkdir()
+    (upper / "keep.txt").write_text("caller's data\n")
+    crash(node, images, "detach", "unmount", str(upper))
+    with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+        rep = shim.recover_if_needed()
+        assert rep is not None and rep.finished_teardowns == ["victim"] and shim.sandboxes() == []
+    assert (upper / "keep.txt").read_text() == "caller's data\n"
+
+
+def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
+    from runtime_shim import records
+    from runtime_shim.state import Sandbox
+
+    with open_shim(node, images) as shim:
+        a = shim.mount(env2(images), sandbox="a")
+        b = shim.mount(env2(images), sandbox="b")
+        (Path(a.target) / "mine").write_text("a's data\n")
+        (Path(b.target) / "theirs").write_text("b's data\n")
+        with shim.state.write() as t:
+            # what the unsynced database may hold after a power loss: an earlier boot, a sandbox
+            # whose teardown had reached the disk but whose final transaction had not
+            t.put_boot("an-earlier-boot")
+            t.put_sandbox(Sandbox(id="ghost", env="", manifest="", layers=[images["base"]],  # type: ignore[list-item]
+                                  config={}, target=str(node / "ghost"), upper=str(node / "gu"), work=str(node / "gw"),
+                                  owned=True, status=MOUNTED))
+    (NodePaths(node).sandbox_dir("b") / records.RECORD).write_text("")  # b's unsynced record file came back empty
+    for m in sorted(mountinfo.under(mountinfo.read(), str(node)), key=lambda m: -len(m.mountpoint)):
+        sysmount.umount(m.mountpoint, lazy=True)  # every mount is gone after a reboot
+    with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+        rep = shim.recover_if_needed()
+        assert rep is not None and rep.rebooted and "restarted" in rep.reason
+        assert [s.id for s in shim.sandboxes()] == ["a"] and rep.remounted_sandboxes == ["a"]
+        assert (Path(a.target) / "mine").read_text() == "a's data\n"
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        assert rep.unrecorded == ["b"]  # reported, and its upper left alone
+        assert (Path(b.upper) / "theirs").read_text() == "b's data\n"
+        assert shim.recover_if_needed() is None
+        shim.unmount("a")
+
+
+def test_a_damaged_state_database_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a = shim.mount(env2(images), sandbox="a")
+    data = node / "state" / "data.mdb"
+    data.write_bytes(b"\x5a" * data.stat().st_size)
+    with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+        rep = shim.recover_if_needed()
+        assert rep is not None and rep.adopted == ["a"]
+        assert shim.check("a").ok, shim.check("a").problems
+        assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+        shim.unmount(a.id)
+    assert list(node.glob("state.damaged-*"))
+
+
+def test_check_and_full_recover_see_a_root_unmounted_behind_the_shims_back(node: Path,
+                                                                           images: dict[str, object]) -> None:
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        sysmount.umount(a.target)
+        assert not shim.check(a.id).ok and shim.check(b.id).ok
+        assert shim.recover_if_needed() is None  # the start-up check looks at layers only (documented)
+        assert shim.recover().remounted_sandboxes == [a.id]
+        assert shim.check(a.id).ok
+        shim.unmount(a.id)
+        shim.unmount(b.id)

@@ -106,3 +106,45 @@ def test_config_from_the_environment(shim: Shim, image: tuple[Path, str]) -> Non
 @pytest.mark.skipif(shutil.which("crun") is None or shutil.which("unshare") is None, reason="needs crun")
 def test_crun_behind_the_same_driver(shim: Shim, image: tuple[Path, str]) -> None:
     assert run(shim, image[1], "echo from crun; exit 5", runtime="crun") == (5, "from crun\n", "")
+
+
+def start_container(shim: Shim, sb_id: str, target: str) -> None:
+    """A detached container (runc create + start), as a crashed `layerctl run` leaves one running."""
+    from runtime_shim.bundle import write_bundle
+
+    bundle = shim.paths.bundle(sb_id)
+    write_bundle(bundle, target, {"cmd": ["/bin/sh"]}, ["sleep", "1000"], sandbox=sb_id,
+                 cgroups_path=f"/layerstore/{sb_id}")
+    base = ["runc", "--root", str(shim.paths.root / "oci" / "runc")]
+    for verb in (["create", "--bundle", str(bundle)], ["start"]):
+        subprocess.run([*base, *verb, sb_id], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+
+
+def container_status(shim: Shim, sb_id: str) -> str | None:
+    from runtime_shim.oci_runtime import open_runtime
+
+    return open_runtime("runc", shim.paths.root / "oci").status(sb_id)
+
+
+def test_recover_and_teardown_delete_leftover_containers(shim: Shim, image: tuple[Path, str]) -> None:
+    import json
+    import os
+    import signal
+
+    live, gone, dead = (shim.mount(spec((image[1], "base"))) for _ in range(3))
+    for sb in (live, gone, dead):
+        start_container(shim, sb.id, sb.target)
+        assert container_status(shim, sb.id) == "running"
+    state = json.loads((shim.paths.root / "oci" / "runc" / dead.id / "state.json").read_text())
+    os.kill(state["init_process_pid"], signal.SIGKILL)  # its process died (as after a crash or reboot)
+    with shim.lock:
+        shim._teardown(gone)  # its sandbox is gone (torn down as before the shim deleted containers)
+    rep = shim.recover()
+    assert sorted(rep.deleted_containers) == sorted([f"runc:{gone.id}", f"runc:{dead.id}"])
+    assert container_status(shim, gone.id) is None and container_status(shim, dead.id) is None
+    assert container_status(shim, live.id) == "running"  # a live sandbox's running container is its own
+    shim.unmount(live.id)  # `sandbox rm` stops and deletes it
+    assert container_status(shim, live.id) is None
+    assert os.listdir(shim.paths.root / "oci" / "runc") == []
+    shim.unmount(dead.id)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from layerstore.errors import BadInput, ConfigError
@@ -136,3 +138,136 @@ def test_layer_entries_keep_only_opaque() -> None:
                (E({b"trusted.overlay.impure": b"y"}), None)]
     out = [e.xattrs for e, _ in layer_entries(entries)]
     assert out == [{b"user.a": b"1", b"trusted.overlay.opaque": b"y"}, {}]
+
+
+# -- node state, records, utab, resolution (no kernel) -------------------------------------------
+def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
+    from runtime_shim.state import MOUNTED, NodeState, Sandbox, boot_id
+
+    with NodeState(tmp_path / "state") as st:
+        sb = Sandbox(id="s1", env="e:1", manifest="", layers=["b3:" + "1" * 64], config={}, target="/t/1",
+                     upper="/u/1", work="/w/1", owned=True, status=MOUNTED)
+        with st.write() as t:
+            t.put_sandbox(sb)
+            t.put_pending("s1", "mount")
+            t.put_boot(boot_id())
+        with st.read() as t:
+            assert t.sandbox_at("/t/1") == sb and t.sandbox_with_upper("/u/1") == sb
+            assert t.count("pending") == 1 and t.pending()["s1"]["op"] == "mount"
+            assert t.boot() == boot_id() != ""
+        moved = Sandbox(**{**sb.to_json(), "target": "/t/2", "upper": "/u/2"})
+        with st.write() as t:
+            t.put_sandbox(moved)
+            t.clear_pending("s1")
+        with st.read() as t:
+            assert t.sandbox_at("/t/1") is None and t.sandbox_with_upper("/u/1") is None
+            assert t.sandbox_with_upper("/u/2") == moved and t.count("pending") == 0
+        with st.write() as t:
+            t.delete_sandbox("s1")
+        with st.read() as t:
+            assert t.sandbox_at("/t/2") is None and t.sandbox_with_upper("/u/2") is None and t.sandboxes() == []
+        with st.write() as t:
+            t.put_sandbox(sb)
+        st.reset()  # a reboot: forget everything
+        with st.read() as t:
+            assert t.sandboxes() == [] and t.boot() is None and t.count("targets") == 0
+
+
+def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
+    # Durability comes from the boot id + record files (docs/runtime-shim.md); a synced LMDB would cost
+    # a flush per mount and per teardown again.
+    from runtime_shim.state import NodeState
+
+    with NodeState(tmp_path / "state") as st:
+        flags = st._env.flags()
+        assert flags["sync"] is False and flags["metasync"] is False
+
+
+def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path) -> None:
+    import os
+
+    from runtime_shim import records
+    from runtime_shim.paths import NodePaths
+    from runtime_shim.state import Sandbox
+
+    obj = {"id": "s1", "env": "", "manifest": "", "layers": [], "config": {}, "target": "/t", "upper": "/u",
+           "work": "/w", "owned": True, "from_a_newer_shim": 1}
+    assert Sandbox.from_json(obj).id == "s1"
+    paths = NodePaths(tmp_path / "node")
+    paths.create()
+    for sid in ("a", "b", "c"):
+        paths.sandbox_dir(sid).mkdir()
+    records.save(paths, Sandbox.from_json({**obj, "id": "a"}))
+    (paths.sandbox_dir("b") / records.RECORD).write_text("")  # a record a power loss emptied
+    assert [sb.id for sb in records.scan(paths)] == ["a"]
+    assert records.unrecorded(paths, {"a"}) == ["b", "c"]
+    mine = records.trash(paths, "a")
+    assert mine is not None and mine.name.startswith(f"a.{os.getpid()}-")
+    (paths.sandboxes / records.TRASH / "x.1-dead").mkdir()  # pid 1 is alive: not ours to delete
+    (paths.sandboxes / records.TRASH / "y.999999999-dead").mkdir()  # no such pid
+    assert records.trashed_ids(paths) == {"a", "x", "y"}
+    assert records.empty_trash(paths, only_dead=True) == 2
+    assert os.listdir(paths.sandboxes / records.TRASH) == ["x.1-dead"]
+
+
+def test_utab_entries(tmp_path: Path) -> None:
+    from runtime_shim import utab
+
+    (tmp_path / "utab").write_text("ID=7 SRC=/dev/sdb1 TARGET=/media/usb ROOT=/ OPTS=uhelper=udisks2\n")
+    utab.add(41, "/run/sbx/1/rootfs", directory=tmp_path)
+    utab.add(42, "/run/sbx/with space", directory=tmp_path)
+    lines = (tmp_path / "utab").read_text().splitlines()
+    assert lines[1] == "ID=41 SRC=overlay TARGET=/run/sbx/1/rootfs ROOT=/ OPTS=helper=layerstore"
+    assert "TARGET=/run/sbx/with\\040space " in lines[2]
+    assert utab.targets(directory=tmp_path) == {"/run/sbx/1/rootfs", "/run/sbx/with space"}
+    assert utab.remove("/run/sbx/with space", directory=tmp_path)
+    assert not utab.remove("/media/usb", directory=tmp_path)  # not ours
+    assert (tmp_path / "utab").read_text().splitlines() == lines[:2]
+    assert not utab.remove("/nowhere", directory=tmp_path / "absent")
+
+
+def test_mount_table_questions_about_one_path(tmp_path: Path) -> None:
+    assert mountinfo.is_mount("/proc") and mountinfo.is_mount("/")
+    assert not mountinfo.is_mount(tmp_path) and not mountinfo.is_mount(tmp_path / "absent")
+    assert mountinfo.fs_type("/proc") == 0x9FA0  # PROC_SUPER_MAGIC
+    assert mountinfo.fs_type(tmp_path / "absent") is None
+    root = mountinfo.find("/proc")
+    assert root is not None and root.fstype == "proc"
+    assert mountinfo.find(str(tmp_path)) is None
+    table = Path("/proc/self/mountinfo").read_text().splitlines()
+    assert mountinfo.mount_id("/proc") == int(next(ln.split()[0] for ln in table if ln.split()[4] == "/proc"))
+
+
+def test_environments_are_cached_by_manifest_digest(tmp_path: Path) -> None:
+    from layerstore.store import Store
+    from runtime_shim.environment import CachingResolver
+    from tests.cli_helpers import layerctl
+
+    url = str(tmp_path / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    blobs = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(name.encode() * 5000)
+        blobs.append(layerctl("store", "put-blob", "--store", url, "--json", str(tmp_path / name)).json()["blob"])
+    one = layerctl("env", "create", "--store", url, "--base", blobs[0], "-t", "e:1", "--json").json()["manifest"]
+    with Store.open(url) as store:
+        reads: list[str] = []
+        get = store.get_manifest
+
+        def counting(digest: str) -> bytes:
+            reads.append(digest)
+            return get(digest)
+
+        store.get_manifest = counting  # type: ignore[method-assign]
+        res = CachingResolver(store)
+        first = res("e:1")
+        assert first.manifest == one and first.blobs == [blobs[0]] and first.ref == "e:1"
+        n = len(reads)
+        again, by_digest = res("e:1"), res(one)
+        assert len(reads) == n  # the manifest is not read again
+        assert again == first and by_digest.manifest == one and by_digest.ref == one
+        # the tag moves: the next resolution follows it
+        two = layerctl("env", "create", "--store", url, "--base", blobs[1], "-t", "e:1", "--json").json()["manifest"]
+        moved = res("e:1")
+        assert moved.manifest == two != one and moved.blobs == [blobs[1]]
+        assert (res.hits, res.misses) == (2, 2)
