@@ -193,7 +193,7 @@ class Daemon:
                 await service.start(cache.run)
                 fetcher = Fetcher(self.store, cache, stats, nursery=service, concurrency=cfg.fetch_concurrency,
                                   deadline=cfg.fetch_deadline)
-                ops = BlobFS(fetcher, cache, stats, trace=trace, readahead=cfg.readahead)
+                ops = BlobFS(fetcher, cache, stats, trace=trace, readahead=cfg.readahead, push_nursery=service)
                 control = ControlServer(socket_path(cache_dir), ControlAPI(cache, fetcher, stats, nursery=service))
                 try:
                     await self._serve_mounted(ops, mountpoint, control, task_status)

@@ -19,6 +19,13 @@ project's errors are translated here, by their `.errno`.
 The answer is valid until the next await: pyfuse3 sends the reply as soon as `read` returns,
 before any other task runs, and the pages cannot be evicted in between (eviction punches holes
 from the trio thread too). Callers that keep an answer longer must copy it.
+
+Metadata push: EROFS reads its metadata (inodes, directories) from the backing file one page at
+a time (`read_mapping_folio`, no readahead), and each such page is a synchronous FUSE request.
+When a read touches a metadata chunk, the daemon also pushes that whole chunk into the kernel's
+page cache of the blob file (FUSE notify_store, from a worker thread, in the background), so the
+following metadata reads of that chunk are page-cache hits, in buffered and `directio` mounts
+alike.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
 from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError, NotFound
@@ -51,6 +59,7 @@ ATTR_TIMEOUT = 86400.0  # blobs are immutable: let the kernel cache entries and 
 BLKSIZE = 128 * 1024
 DEFAULT_READAHEAD = 16  # chunks fetched ahead of a sequential reader
 SEQ_SLACK = 256 * 1024  # a read starting this close after the previous one continues a stream
+PUSH_THREADS = 2  # concurrent metadata pushes (notify_store) to the kernel
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -92,8 +101,13 @@ class BlobFS(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, fetcher: Fetcher, cache: NodeCache, stats: Stats, *, trace: TraceRecorder | None = None,
-                 readahead: int = DEFAULT_READAHEAD, uid: int = 0, gid: int = 0) -> None:
+                 readahead: int = DEFAULT_READAHEAD, uid: int = 0, gid: int = 0,
+                 push_nursery: trio.Nursery | None = None) -> None:
+        """`push_nursery`: where metadata pushes run (None: no pushes, e.g. without a kernel)."""
         super().__init__()
+        self._push_nursery = push_nursery
+        self._pushing: set[tuple[str, int]] = set()
+        self._push_threads = trio.CapacityLimiter(PUSH_THREADS)
         self.readahead = readahead
         self._clock = cache.clock
         self.fetcher = fetcher
@@ -292,6 +306,8 @@ class BlobFS(pyfuse3.Operations):
                 if last > e.ra_mark:  # a sequential reader entered the readahead window: extend it
                     self._extend_readahead(e)
                 e.seq_end = end
+            elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
+                self._push_metadata(e, first)
             st = h.stats
             st.hits += 1
             st.served_bytes += len(data)
@@ -339,6 +355,43 @@ class BlobFS(pyfuse3.Operations):
         h.stats.misses += 1
         h.stats.served_bytes += len(data)
         return data
+
+    def _push_metadata(self, e: BlobEntry, i: int) -> None:
+        """Start pushing metadata chunk `i` into the kernel's page cache (see the module doc),
+        unless a push of it is under way. A read of it reaching us means the kernel lacks it."""
+        key = (e.blob, i)
+        if key in self._pushing or not e.present[i] or self._push_nursery is None:
+            return
+        ino = self._ino_of.get(e.blob)
+        if ino is None:
+            return
+        self._pushing.add(key)
+        self.cache.pin(e, (i,))  # no eviction while the kernel copies from the mapping
+        self._push_nursery.start_soon(self._push, e, ino, i)
+
+    async def _push(self, e: BlobEntry, ino: int, i: int) -> None:
+        ref = e.cmap.chunks[i]
+        try:
+            v = e.map()
+            if v is not None:
+                data: bytes | memoryview = v[ref.offset:ref.end]
+                e.mapped = True
+            else:
+                data = await trio.to_thread.run_sync(os.pread, e.fd, ref.length, ref.offset)
+            # A worker thread: the kernel may wait for a page that an in-flight read of ours has
+            # locked, and that read is answered by this (trio) thread.
+            await trio.to_thread.run_sync(pyfuse3.notify_store, ino, ref.offset, data, limiter=self._push_threads)
+            self.stats.metadata_pushes += 1
+            self.stats.metadata_pushed_bytes += ref.length
+        except OSError as err:
+            if err.errno == errno.ENOSYS:
+                log.warning("the kernel does not take FUSE notify_store: no metadata push")
+                self._push_nursery = None
+            elif err.errno != errno.ENOENT:  # ENOENT: the kernel forgot the inode meanwhile
+                log.warning("blob %s: pushing metadata chunk %d to the kernel: %s", e.blob, i, err)
+        finally:
+            self.cache.unpin(e, (i,))
+            self._pushing.discard((e.blob, i))
 
     def _extend_readahead(self, e: BlobEntry) -> None:
         n = len(e.present)

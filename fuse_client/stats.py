@@ -36,6 +36,8 @@ class Stats:
         self.blobs: dict[str, BlobStats] = {}
         self.corrupt_chunks = 0
         self.store_errors = 0
+        self.metadata_pushes = 0  # metadata chunks pushed into the kernel's page cache
+        self.metadata_pushed_bytes = 0
         self._gauges = gauges
         self.registry = CollectorRegistry(auto_describe=False)
         self.fetch_seconds = Histogram(
@@ -81,5 +83,9 @@ class _Collector:
         yield CounterMetricFamily("layerstore_fuse_corrupt_chunks", "Chunks that failed verification",
                                   value=st.corrupt_chunks)
         yield CounterMetricFamily("layerstore_fuse_store_errors", "Failed store requests", value=st.store_errors)
+        yield CounterMetricFamily("layerstore_fuse_metadata_pushes", "Metadata chunks pushed into the kernel's page "
+                                  "cache (FUSE notify_store)", value=st.metadata_pushes)
+        yield CounterMetricFamily("layerstore_fuse_metadata_pushed_bytes", "Bytes of metadata pushed into the "
+                                  "kernel's page cache", value=st.metadata_pushed_bytes)
         for name, value in st.gauges().items():
             yield GaugeMetricFamily(f"layerstore_fuse_{name}", name.replace("_", " "), value=value)

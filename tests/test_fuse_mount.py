@@ -86,6 +86,31 @@ def test_kernel_readahead_survives_fuse_init(store: Store, layer: BuiltLayer, tm
         assert requests <= len(want) // (512 * 1024) + 4, (requests, len(want))  # 128 KiB would be 4x more
 
 
+def test_a_metadata_read_pushes_its_chunk_into_the_page_cache(store: Store, layer: BuiltLayer,
+                                                             tmp_path: Path) -> None:
+    """EROFS reads metadata a page at a time: the first page read of a metadata chunk makes the
+    daemon push the whole chunk to the kernel, so the chunk's other pages need no request."""
+    ref = max((r for r in layer.refs if r.metadata), key=lambda r: r.length)
+    assert ref.length >= 3 * 4096
+    want = layer.path.read_bytes()
+    with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt") as d:
+        fd = os.open(d.blob(layer.blob), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel readahead: one page, one request
+            assert os.pread(fd, 4096, ref.offset) == want[ref.offset:ref.offset + 4096]
+            wait_until(lambda: d.call(lambda: d.daemon.stats.metadata_pushes) >= 1, 10, "the metadata push")
+            st = d.stats()["blobs"][layer.blob]
+            before = st["hits"] + st["misses"]
+            last = ref.offset + (ref.length - 1) // 4096 * 4096
+            assert os.pread(fd, 4096, last) == want[last:last + 4096]
+            st = d.stats()["blobs"][layer.blob]
+            assert st["hits"] + st["misses"] == before  # from the page cache
+        finally:
+            os.close(fd)
+        # The pushed bytes are the blob's bytes, as a reader with a fresh page cache sees them.
+        assert d.blob(layer.blob).read_bytes() == want
+
+
 def test_lazy_fetches_metadata_plus_the_file(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:
     meta_bytes = sum(r.length for r in layer.refs if r.metadata)
     max_data_chunk = max(r.length for r in layer.refs if not r.metadata)
