@@ -12,7 +12,7 @@ import contextlib
 import mmap
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ from layerstore.errors import CorruptObject
 from layerstore.store import PutStats, Store
 
 from .chunking import ChunkPolicy, Cut, ImageLayout, cut
+from .parent import read_parent
 from .tree import Data, Entry, Kind
 from .writer import ImageWriter
 
@@ -40,18 +41,36 @@ class BuiltLayer:
     files: int  # paths in the image, the root included
     refs: list[ChunkRef]
     layout: ImageLayout | None = None
+    parent_used: bool = False  # built on a parent image (False also when the parent was set aside)
+
+
+# A parent: a layer built earlier, or an image file and its chunk map.
+Parent = BuiltLayer | tuple[Path, Sequence[ChunkRef]]
+MAX_DEAD = 0.25
 
 
 def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None = None,
                 all_root: bool = False, progress: Callable[[int], None] | None = None,
-                pack_tails: bool = False, policy: ChunkPolicy | None = None) -> BuiltLayer:
+                pack_tails: bool = False, policy: ChunkPolicy | None = None, parent: Parent | None = None,
+                max_dead: float = MAX_DEAD) -> BuiltLayer:
     """Write the image for `entries` to `out_path` and cut it into chunks. `progress` is called
-    with the number of content bytes each added entry carried."""
+    with the number of content bytes each added entry carried.
+
+    With `parent` (an earlier build of the same tree), data and inode records the parent already
+    holds keep their addresses, and new or changed ones are appended, so that the image shares
+    all but the changed parts' chunks with it. A parent in which more than `max_dead` of the
+    bytes are no longer referenced is set aside, and the image is laid out afresh."""
     out_path = Path(out_path)
+    par = None
+    if parent is not None:
+        path, refs = (parent.path, parent.refs) if isinstance(parent, BuiltLayer) else parent
+        par = read_parent(path, refs)
+        if par.dead_bytes > max_dead * par.size:
+            par = None
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     try:
         with os.fdopen(fd, "w+b") as f:
-            writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails)
+            writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails, parent=par)
             for entry, data in entries:
                 writer.add(entry, data)
                 if progress is not None:
@@ -68,7 +87,8 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
             os.unlink(tmp)
         raise
     _fsync_dir(out_path.parent)
-    return BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout)
+    return BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout,
+                      parent_used=par is not None)
 
 
 def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None) -> tuple[str, list[ChunkRef]]:

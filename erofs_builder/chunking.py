@@ -38,6 +38,13 @@ class MetaSegment:
     stable: bool  # a content-defined group of position-independent inode records
 
 
+@dataclass(frozen=True, slots=True)
+class Cut:
+    offset: int
+    length: int
+    flags: int = 0
+
+
 @dataclass(frozen=True)
 class ImageLayout:
     size: int
@@ -47,6 +54,10 @@ class ImageLayout:
     meta: tuple[MetaSegment, ...] = ()
     files: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    # cuts taken over from a parent image: its data area (from `data_start`) and its metadata
+    # area (right after `data_end`), which this image holds byte for byte or nearly so
+    inherited_data: tuple[Cut, ...] = ()
+    inherited_meta: tuple[Cut, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,13 +67,7 @@ class ChunkPolicy:
     min_group: int = 128 << 10
     target_group: int = 512 << 10
     max_group: int = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    offset: int
-    length: int
-    flags: int = 0
+    meta_chunk: int = 1 << 20  # volatile metadata is cut at fixed offsets this far apart
 
 
 def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
@@ -91,6 +96,8 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
 
     if layout.data_start:
         emit(Cut(0, layout.data_start, METADATA))
+    for c in layout.inherited_data:
+        emit(c)
 
     group_start, group_len = pos, 0
 
@@ -118,13 +125,16 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
         group_len = layout.data_end - group_start
     flush()
 
+    for c in layout.inherited_meta:
+        emit(c)
     for seg in layout.meta:
         if seg.offset > pos:  # defensive: bytes between segments become their own chunk
             emit(Cut(pos, seg.offset - pos, METADATA))
         if seg.stable and seg.length <= policy.max_chunk:
             emit(Cut(seg.offset, seg.length, METADATA))
         else:
-            for c in _fixed(seg.offset, seg.length, policy.max_chunk, METADATA):
+            step = policy.max_chunk if seg.stable else policy.meta_chunk
+            for c in _fixed(seg.offset, seg.length, step, METADATA):
                 emit(c)
     if layout.size > pos:
         for c in _fixed(pos, layout.size - pos, policy.max_chunk, METADATA):

@@ -1,18 +1,28 @@
 """The metadata area of an EROFS image (pure): inodes, directories, xattrs, superblock.
 
-`lay_out` takes the tree of `Inode`s that `ImageWriter` built while it streamed file data into
-the data area, and returns the bytes of the metadata area plus the superblock:
+`ImageWriter` builds a tree of `Inode`s while it streams file data into the data area; at the
+end, `plan` places every inode record in the metadata area and `pack` produces its bytes and
+the superblock. In between, the writer stores the blocks of large directories and the shared
+xattr area in the data area (they hold nids and xattr ids, which `plan` decides), so that the
+metadata area holds no absolute address of its own and can move as a whole.
 
-    volatile records   the root directory first (nid 0), then every inode that holds an
-                       absolute address (directories, files with data blocks, chunk-based
-                       files, symlinks stored in a block)
+A fresh metadata area:
+
+    root block         the root directory alone in the first block (its nid must fit 16 bits,
+                       and the whole block is its room to grow in later builds)
+    directories        every other directory (they hold nids), in walk order
+    addressed records  the other inodes that hold an absolute address (files with data
+                       blocks, chunk-based files, symlinks stored in a block), in walk order
     stable groups      inodes that depend only on their entry (small files with all their data
                        inline, empty files, inline symlinks, devices, fifos, sockets), in
                        content-defined groups that each start on a block
-    directory blocks   of directories too big to be inline
-    shared xattrs      (name, value) pairs carried by more than one inode
 
-See docs/erofs-builder.md for why the records are split that way.
+With a parent image (`ParentMeta`), its metadata area comes first, byte for byte. A directory
+whose path the parent has keeps its nid when it still fits in its old room; any other record
+keeps its nid only when it is unchanged. Everything else goes after the parent's area, laid out
+as above: a changed file's record moves, so the only old bytes it disturbs are its directory's
+entry (in the small directory records) instead of whatever shares its old block. See
+docs/erofs-builder.md.
 """
 
 from __future__ import annotations
@@ -20,15 +30,22 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import blake3
 
+from layerstore.chunkmap import METADATA
+
 from . import format as fmt
-from .chunking import MetaSegment
+from .chunking import Cut, MetaSegment
 from .tree import Kind
 
 BS = fmt.BLOCK_SIZE
+_FTYPE = {Kind.REG: fmt.FT_REG, Kind.DIR: fmt.FT_DIR, Kind.CHR: fmt.FT_CHR, Kind.BLK: fmt.FT_BLK,
+          Kind.FIFO: fmt.FT_FIFO, Kind.SOCK: fmt.FT_SOCK, Kind.SYMLINK: fmt.FT_SYMLINK}
+# stable groups: content-defined, between MIN and MAX bytes, about TARGET on average
+GROUP_MIN, GROUP_TARGET, GROUP_MAX = 16 << 10, 64 << 10, 256 << 10
+UUID_TAG = b"layerstore-erofs-v2\0"
 
 
 class Inode:
@@ -63,21 +80,30 @@ class Inode:
                 or (self.kind in (Kind.REG, Kind.SYMLINK) and self.size > len(self.inline)))
 
 
-def walk(root: Inode) -> Iterator[tuple[Inode, Inode]]:
-    """(inode, parent directory) in depth-first order, names sorted; each inode once."""
-    seen: set[int] = set()
-    yield root, root
-    seen.add(id(root))
-    stack = [(root, iter(sorted(root.children.items())))]  # type: ignore[union-attr]
+def walk(root: Inode) -> Iterator[tuple[Inode, Inode, bytes]]:
+    """(inode, parent directory, path) with each directory followed by its non-directory
+    entries, then its subdirectories in turn; names sorted bytewise; each inode once (a hard
+    link is reached under its first path in this order)."""
+    seen = {id(root)}
+    yield root, root, b""
+
+    def entries(d: Inode) -> Iterator[tuple[Inode, Inode, bytes]]:
+        for name, child in sorted(d.children.items()):  # type: ignore[union-attr]
+            if child.children is None and id(child) not in seen:
+                seen.add(id(child))
+                yield child, d, d.path + b"/" + name if d.path else name
+
+    def subdirs(d: Inode) -> Iterator[Inode]:
+        return (c for _n, c in sorted(d.children.items()) if c.children is not None)  # type: ignore[union-attr]
+
+    yield from entries(root)
+    stack = [(root, subdirs(root))]
     while stack:
         parent, it = stack[-1]
-        for _name, child in it:
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            yield child, parent
-            if child.children is not None:
-                stack.append((child, iter(sorted(child.children.items()))))
+        for child in it:
+            yield child, parent, child.path
+            yield from entries(child)
+            stack.append((child, subdirs(child)))
             break
         else:
             stack.pop()
@@ -90,28 +116,47 @@ def build_time_of(nodes: list[Inode]) -> tuple[int, int]:
     return min(k for k, v in counts.items() if v == best)
 
 
-_FTYPE = {Kind.REG: fmt.FT_REG, Kind.DIR: fmt.FT_DIR, Kind.CHR: fmt.FT_CHR, Kind.BLK: fmt.FT_BLK,
-          Kind.FIFO: fmt.FT_FIFO, Kind.SOCK: fmt.FT_SOCK, Kind.SYMLINK: fmt.FT_SYMLINK}
-# stable groups: content-defined, between MIN and MAX bytes, about TARGET on average
-GROUP_MIN, GROUP_TARGET, GROUP_MAX = 16 << 10, 64 << 10, 256 << 10
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a parent image holds a live record: its position in the metadata area, the bytes
+    it may use there (up to the next live record, never across a block unless it is bigger
+    than one), and its bytes."""
+
+    pos: int
+    room: int
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class ParentMeta:
+    """What a build keeps from its parent's metadata (parent.py reads it from the image)."""
+
+    area: bytes  # the parent's metadata area, byte for byte (a whole number of blocks)
+    slots: dict[bytes, Slot]  # live records by path; b"" is the root
+    build_time: tuple[int, int]
+    xattr_area: bytes  # the parent's shared xattr area: its ids stay valid here
+    xattr_ids: dict[tuple[bytes, bytes], int]
+    cuts: tuple[tuple[int, int], ...]  # the parent's metadata chunks, offsets relative to the area
+    uuid: bytes
 
 
 class _Rec:
-    __slots__ = ("node", "parent", "extended", "xbody", "extra", "total", "pos", "names", "raw")
+    __slots__ = ("node", "parent", "path", "extended", "xbody", "extra", "total", "pos", "names", "raw")
 
-    def __init__(self, node: Inode, parent: Inode) -> None:
-        self.node, self.parent = node, parent
+    def __init__(self, node: Inode, parent: Inode, path: bytes) -> None:
+        self.node, self.parent, self.path = node, parent, path
         self.pos = 0
         self.names: list[bytes] = []
         self.raw = b""
 
 
-def _shared_xattrs(nodes: list[Inode]) -> tuple[bytes, dict[tuple[bytes, bytes], int]]:
-    """(name, value) pairs that more than one inode carries go to the shared area once."""
+def _shared_xattrs(nodes: list[Inode], parent: ParentMeta | None) -> tuple[bytes, dict[tuple[bytes, bytes], int]]:
+    """(name, value) pairs that more than one inode carries go to the shared area once. A
+    parent's area is kept as it is (its ids stay valid) and new pairs are appended."""
     counts = Counter((k, v) for n in nodes for k, v in n.xattrs.items())
-    area = bytearray()
-    ids: dict[tuple[bytes, bytes], int] = {}
-    for (k, v) in sorted(kv for kv, c in counts.items() if c > 1):
+    area = bytearray(parent.xattr_area if parent else b"")
+    ids = dict(parent.xattr_ids) if parent else {}
+    for (k, v) in sorted(kv for kv, c in counts.items() if c > 1 and kv not in ids):
         ids[(k, v)] = len(area) // 4
         area += fmt.xattr_entry(*fmt.split_xattr_name(k), v)
     return bytes(area), ids
@@ -161,23 +206,31 @@ class _Packer:
         return self.end
 
 
-def _pack(rec: _Rec, nid_of: dict[int, int], i_u: int, ino: int) -> bytes:
+def _pack(rec: _Rec, nid_of: dict[int, int], i_u: int) -> bytes:
+    """The record's bytes. `i_ino` is a CRC of the record itself, not a position: the kernel
+    derives inode numbers from nids, and a position would change the bytes whenever anything
+    before the record moves."""
     n = rec.node
-    head = fmt.pack_inode(extended=rec.extended, layout=n.layout, xattr_icount=fmt.xattr_icount(len(rec.xbody)),
-                          mode=n.kind.value | n.mode, nlink=n.nlink, size=n.size, i_u=i_u, ino=ino,
-                          uid=n.uid, gid=n.gid, mtime=n.mtime, mtime_nsec=n.nsec)
     if n.layout == fmt.LAYOUT_CHUNK_BASED:
         extra = b"".join(x.to_bytes(4, "little") for x in n.blockmap)
     elif n.kind is Kind.DIR:
         extra = b""
         if n.layout == fmt.LAYOUT_FLAT_INLINE:
-            extra = _dir_bytes(rec, nid_of)
+            extra = dir_bytes(rec, nid_of)
     else:
         extra = n.inline
-    return head + rec.xbody + extra
+
+    def with_ino(ino: int) -> bytes:
+        head = fmt.pack_inode(extended=rec.extended, layout=n.layout,
+                              xattr_icount=fmt.xattr_icount(len(rec.xbody)), mode=n.kind.value | n.mode,
+                              nlink=n.nlink, size=n.size, i_u=i_u, ino=ino, uid=n.uid, gid=n.gid, mtime=n.mtime,
+                              mtime_nsec=n.nsec)
+        return head + rec.xbody + extra
+
+    return with_ino(zlib.crc32(with_ino(0)))
 
 
-def _dir_bytes(rec: _Rec, nid_of: dict[int, int]) -> bytes:
+def dir_bytes(rec: _Rec, nid_of: dict[int, int]) -> bytes:
     n = rec.node
     ents = []
     for name in rec.names:
@@ -191,63 +244,115 @@ def _dir_bytes(rec: _Rec, nid_of: dict[int, int]) -> bytes:
     return fmt.pack_dir(ents)
 
 
-@dataclass(frozen=True)
-class Metadata:
-    """What `lay_out` produces: the metadata area (written at `meta_start`), the superblock's
-    block (block 0) and the metadata segments the chunker needs."""
+def _i_u(rec: _Rec) -> int:
+    n = rec.node
+    if n.layout == fmt.LAYOUT_CHUNK_BASED:
+        return n.chunkbits
+    if n.kind in (Kind.CHR, Kind.BLK):
+        return n.rdev
+    return n.blkaddr
 
-    meta: bytes
-    block0: bytes
-    segments: tuple[MetaSegment, ...]
+
+@dataclass
+class Plan:
+    """Every record placed (`pos` relative to the metadata area), the non-directory records
+    packed. `dir_blocks` are the directories whose entries need blocks of their own; the writer
+    stores those, and the shared xattr area, in the data area and then calls `pack`."""
+
+    recs: list[_Rec]
+    nid_of: dict[int, int]
+    build_time: tuple[int, int]
+    xattr_area: bytes
+    length: int  # of the metadata area, block aligned
+    segments: list[MetaSegment]  # offsets relative to the area
+    parent: ParentMeta | None
+    dir_blocks: list[tuple[_Rec, bytes]] = field(default_factory=list)
+    kept: int = 0  # records that kept the parent's nid
 
 
-def lay_out(root: Inode, meta_start: int, data_digests: Sequence[bytes]) -> Metadata:
-    """Lay out every inode reachable from `root` into a metadata area starting at byte
-    `meta_start` (block aligned, right after the data area). Pure: no I/O."""
-    pairs = list(walk(root))
-    nodes = [n for n, _ in pairs]
-    bt = build_time_of(nodes)
+def _record(node: Inode, parent: Inode, path: bytes, bt: tuple[int, int], ids: dict[tuple[bytes, bytes], int]) -> _Rec:
+    rec = _Rec(node, parent, path)
+    rec.extended = (node.size >= 1 << 32 or node.uid > 0xFFFF or node.gid > 0xFFFF or node.nlink > 0xFFFF
+                    or (node.mtime, node.nsec) != bt)
+    rec.xbody = _xattr_body(node, ids)
+    isize = fmt.EXTENDED_SIZE if rec.extended else fmt.COMPACT_SIZE
+    if node.children is not None:
+        rec.names = sorted([*node.children, b".", b".."])
+        node.size = fmt.dir_size(rec.names)
+        inline = isize + len(rec.xbody) + node.size <= BS
+        node.layout = fmt.LAYOUT_FLAT_INLINE if inline else fmt.LAYOUT_FLAT_PLAIN
+        rec.extra = node.size if inline else 0
+    elif node.layout == fmt.LAYOUT_CHUNK_BASED:
+        rec.extra = 4 * len(node.blockmap)
+    else:
+        rec.extra = len(node.inline)
+    rec.total = isize + len(rec.xbody) + rec.extra
+    return rec
+
+
+def plan(root: Inode, parent: ParentMeta | None = None) -> Plan:
+    """Place every inode reachable from `root`. With `parent`, records keep the parent's nids
+    where they can (see the module docstring); if the root cannot, the parent is ignored."""
+    triples = list(walk(root))
+    nodes = [n for n, _p, _path in triples]
     for n in nodes:
         if n.children is not None:
             n.nlink = 2 + sum(1 for c in n.children.values() if c.kind is Kind.DIR)
-    area, ids = _shared_xattrs(nodes)
-    recs = []
-    for node, parent in pairs:
-        rec = _Rec(node, parent)
-        rec.extended = (node.size >= 1 << 32 or node.uid > 0xFFFF or node.gid > 0xFFFF or node.nlink > 0xFFFF
-                        or (node.mtime, node.nsec) != bt)
-        rec.xbody = _xattr_body(node, ids)
-        isize = fmt.EXTENDED_SIZE if rec.extended else fmt.COMPACT_SIZE
-        if node.children is not None:
-            rec.names = sorted([*node.children, b".", b".."])
-            node.size = fmt.dir_size(rec.names)
-            inline = isize + len(rec.xbody) + node.size <= BS
-            node.layout = fmt.LAYOUT_FLAT_INLINE if inline else fmt.LAYOUT_FLAT_PLAIN
-            rec.extra = node.size if inline else 0
-        elif node.layout == fmt.LAYOUT_CHUNK_BASED:
-            rec.extra = 4 * len(node.blockmap)
-        else:
-            rec.extra = len(node.inline)
-        rec.total = isize + len(rec.xbody) + rec.extra
-        recs.append(rec)
-
+    bt = parent.build_time if parent else build_time_of(nodes)
+    area, ids = _shared_xattrs(nodes, parent)
+    recs = [_record(n, p, path, bt, ids) for n, p, path in triples]
+    for rec in recs:
+        if rec.node.kind is not Kind.DIR:
+            rec.raw = _pack(rec, {}, _i_u(rec))
+    if parent is not None and (b"" not in parent.slots or recs[0].total > parent.slots[b""].room):
+        parent = None  # the root must keep a nid that fits the superblock: lay out afresh
     segments: list[MetaSegment] = []
-    nid_of: dict[int, int] = {}
-    volatile = [r for r in recs if r.node.has_address]
+    kept = 0
+    if parent is None:
+        recs[0].pos = 0  # the root alone in the first block
+        start = fmt.align(recs[0].total, BS)
+        segments.append(MetaSegment(0, start, False))
+        rest = recs[1:]
+    else:
+        start = len(parent.area)
+        rest = []
+        for rec in recs:
+            slot = parent.slots.get(rec.path)
+            if slot is None or rec.total > slot.room or (rec.node.kind is not Kind.DIR and rec.raw != slot.raw):
+                rest.append(rec)
+            else:
+                rec.pos = slot.pos
+                kept += 1
+    cursor = _append(rest, start, segments)
+    nid_of = {id(rec.node): rec.pos // fmt.ISLOT for rec in recs}
+    p = Plan(recs=recs, nid_of=nid_of, build_time=bt, xattr_area=area, length=cursor, segments=segments,
+             parent=parent, kept=kept)
+    for rec in recs:
+        if rec.node.kind is Kind.DIR and rec.node.layout == fmt.LAYOUT_FLAT_PLAIN:
+            p.dir_blocks.append((rec, dir_bytes(rec, nid_of)))
+    return p
+
+
+def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
+    """Lay out records from `cursor` (block aligned): directories, then the other records that
+    hold an address, first-fit in order; then the position-independent ones in content-defined
+    stable groups. Returns the new end."""
+    volatile = ([r for r in recs if r.node.kind is Kind.DIR]
+                + [r for r in recs if r.node.kind is not Kind.DIR and r.node.has_address])
     stable = [r for r in recs if not r.node.has_address]
-    packer = _Packer(0)
-    for rec in volatile:  # the root comes first: its nid must fit 16 bits
+    packer = _Packer(cursor)
+    for rec in volatile:
         rec.pos = packer.place(rec.total)
-    cursor = packer.close()
-    segments.append(MetaSegment(meta_start, cursor, False))
+    end = packer.close()
+    if end > cursor:
+        segments.append(MetaSegment(cursor, end - cursor, False))
+    cursor = end
     group: list[_Rec] = []
     glen = 0
     for i, rec in enumerate(stable):
-        rec.raw = _pack(rec, nid_of, rec.node.rdev, 0)
-        crc = zlib.crc32(rec.raw)
-        rec.raw = _pack(rec, nid_of, rec.node.rdev, crc)
         group.append(rec)
         glen += fmt.align(rec.total, fmt.ISLOT)
+        crc = zlib.crc32(rec.raw)
         last = i == len(stable) - 1
         cut_here = glen >= GROUP_MIN and crc < len(rec.raw) / (GROUP_TARGET - GROUP_MIN) * (1 << 32)
         if last or glen >= GROUP_MAX or cut_here:
@@ -256,53 +361,52 @@ def lay_out(root: Inode, meta_start: int, data_digests: Sequence[bytes]) -> Meta
             for r in sorted(group, key=lambda r: -r.total):
                 r.pos = packer.place(r.total)
             end = packer.close()
-            segments.append(MetaSegment(meta_start + cursor, end - cursor, True))
+            segments.append(MetaSegment(cursor, end - cursor, True))
             cursor = end
             group, glen = [], 0
-    tail_start = cursor
-    for rec in recs:
-        nid_of[id(rec.node)] = rec.pos // fmt.ISLOT
-    dir_blocks: list[tuple[int, _Rec]] = []
-    for rec in volatile:
-        if rec.node.kind is Kind.DIR and rec.node.layout == fmt.LAYOUT_FLAT_PLAIN:
-            dir_blocks.append((cursor, rec))
-            cursor += fmt.align(rec.node.size, BS)
-    xattr_blkaddr = (meta_start + cursor) // BS if area else 0
-    cursor = fmt.align(cursor + len(area), BS)
-    if cursor > tail_start:
-        segments.append(MetaSegment(meta_start + tail_start, cursor - tail_start, False))
+    return cursor
 
-    meta = bytearray(cursor)
-    dir_addr = {id(rec): (meta_start + off) // BS for off, rec in dir_blocks}
-    for ino, rec in enumerate(volatile, 1):
-        n = rec.node
-        if n.layout == fmt.LAYOUT_CHUNK_BASED:
-            i_u = n.chunkbits
-        elif n.kind is Kind.DIR:
-            i_u = dir_addr.get(id(rec), 0)
-        else:
-            i_u = n.blkaddr
-        rec.raw = _pack(rec, nid_of, i_u, ino)
-    for rec in recs:
+
+@dataclass(frozen=True)
+class Metadata:
+    """What `pack` produces: the metadata area (written at `meta_start`), the superblock's
+    block (block 0), the metadata segments and the cuts inherited from a parent (absolute)."""
+
+    meta: bytes
+    block0: bytes
+    segments: tuple[MetaSegment, ...]
+    inherited: tuple[Cut, ...]
+
+
+def pack(p: Plan, *, dir_addr: dict[int, int], xattr_blkaddr: int, meta_start: int,
+         data_digests: Sequence[bytes]) -> Metadata:
+    """The metadata area's bytes (records at their places, over the parent's area if any) and
+    the superblock. `dir_addr` maps id(directory record) to the block of its entries."""
+    meta = bytearray(p.length)
+    if p.parent is not None:
+        meta[:len(p.parent.area)] = p.parent.area
+    for rec in p.recs:
+        if rec.node.kind is Kind.DIR:
+            rec.node.blkaddr = dir_addr.get(id(rec), 0)
+            rec.raw = _pack(rec, p.nid_of, rec.node.blkaddr)
         meta[rec.pos:rec.pos + len(rec.raw)] = rec.raw
-    for off, rec in dir_blocks:
-        data = _dir_bytes(rec, nid_of)
-        meta[off:off + len(data)] = data
-    if area:
-        off = xattr_blkaddr * BS - meta_start
-        meta[off:off + len(area)] = area
-
     size = meta_start + len(meta)
-    h = blake3.blake3(b"layerstore-erofs-v1\0")
+    h = blake3.blake3(UUID_TAG)
+    if p.parent is not None:
+        h.update(p.parent.uuid)
     h.update(b"".join(data_digests))
     h.update(meta)
     uuid = bytearray(h.digest()[:16])
     uuid[6] = (uuid[6] & 0x0F) | 0x80  # RFC 9562 version 8 (custom), variant 10
     uuid[8] = (uuid[8] & 0x3F) | 0x80
-    chunked = any(n.layout == fmt.LAYOUT_CHUNK_BASED for n in nodes)
-    sb = fmt.pack_superblock(root_nid=nid_of[id(root)], inos=len(nodes), build_time=bt[0], build_time_nsec=bt[1],
-                             blocks=size // BS, meta_blkaddr=meta_start // BS, xattr_blkaddr=xattr_blkaddr,
-                             uuid=bytes(uuid), feature_incompat=fmt.FEATURE_INCOMPAT_CHUNKED_FILE if chunked else 0)
+    chunked = any(r.node.layout == fmt.LAYOUT_CHUNK_BASED for r in p.recs)
+    bt = p.build_time
+    sb = fmt.pack_superblock(root_nid=p.nid_of[id(p.recs[0].node)], inos=len(p.recs), build_time=bt[0],
+                             build_time_nsec=bt[1], blocks=size // BS, meta_blkaddr=meta_start // BS,
+                             xattr_blkaddr=xattr_blkaddr, uuid=bytes(uuid),
+                             feature_incompat=fmt.FEATURE_INCOMPAT_CHUNKED_FILE if chunked else 0)
     block0 = bytearray(BS)
     block0[fmt.SUPER_OFFSET:fmt.SUPER_OFFSET + len(sb)] = sb
-    return Metadata(meta=bytes(meta), block0=bytes(block0), segments=tuple(segments))
+    inherited = tuple(Cut(meta_start + off, n, METADATA) for off, n in p.parent.cuts) if p.parent else ()
+    segments = tuple(MetaSegment(meta_start + s.offset, s.length, s.stable) for s in p.segments)
+    return Metadata(meta=bytes(meta), block0=bytes(block0), segments=segments, inherited=inherited)

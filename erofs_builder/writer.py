@@ -9,6 +9,8 @@ docs/erofs-builder.md.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import BinaryIO
 
 import blake3
@@ -17,7 +19,8 @@ from layerstore.errors import BadInput
 
 from . import format as fmt
 from .chunking import DataExtent, ImageLayout
-from .metadata import Inode, lay_out
+from .metadata import Inode, pack, plan
+from .parent import ParentImage
 from .tree import Data, Entry, Hole, Kind, check_path
 
 BS = fmt.BLOCK_SIZE
@@ -28,9 +31,10 @@ PATH_MAX = 4096
 
 class ImageWriter:
     def __init__(self, out: BinaryIO, *, mtime_clamp: int | None = None, all_root: bool = False,
-                 pack_tails: bool = False) -> None:
+                 pack_tails: bool = False, parent: ParentImage | None = None) -> None:
         """`pack_tails` also packs the last partial block of multi-block files into the metadata
-        (smaller image, but those tails then sit next to absolute addresses and dedup poorly)."""
+        (a smaller image). With `parent`, the parent's data area is copied first and every run
+        of data the parent already holds keeps its address (see metadata.py for the records)."""
         self._out = out
         self._clamp = mtime_clamp
         self._all_root = all_root
@@ -44,7 +48,15 @@ class ImageWriter:
         self._pos = BS
         self._paths = 1
         self._finished = False
+        # (blake3, length) of every stored run -> its image offset: identical runs (a file's
+        # blocks, a symlink's, a directory's, the shared xattrs) are stored once
+        self._runs: dict[tuple[bytes, int], int] = {}
+        self._parent = parent
         out.seek(BS)
+        if parent is not None:
+            _copy_range(parent.path, BS, parent.data_end - BS, out)
+            self._pos = parent.data_end
+            self._runs.update(parent.runs)
 
     # -- entries ------------------------------------------------------------------------
     def add(self, entry: Entry, data: Data | None = None) -> None:
@@ -173,8 +185,15 @@ class ImageWriter:
         if self._finished:
             raise BadInput("image writer already finished")
         self._finished = True
+        parent = self._parent
+        p = plan(self._root, parent.meta if parent else None)
+        # entries of large directories and the shared xattrs go to the data area: they hold
+        # nids and xattr ids, but their own addresses then sit outside the metadata area
+        dir_addr = {id(rec): self._store_run(_pad(data)) // BS for rec, data in p.dir_blocks}
+        xattr_blkaddr = self._store_run(_pad(p.xattr_area)) // BS if p.xattr_area else 0
         meta_start = self._pos
-        md = lay_out(self._root, meta_start, self._digests)
+        md = pack(p, dir_addr=dir_addr, xattr_blkaddr=xattr_blkaddr, meta_start=meta_start,
+                  data_digests=self._digests)
         size = meta_start + len(md.meta)
         out = self._out
         out.seek(meta_start)
@@ -183,8 +202,10 @@ class ImageWriter:
         out.write(md.block0)
         out.truncate(size)
         out.flush()
+        extra = {"kept_records": p.kept, "records": len(p.recs)}
         return ImageLayout(size=size, data_start=BS, data_end=meta_start, extents=tuple(self._extents),
-                           meta=md.segments, files=self._paths)
+                           meta=md.segments, files=self._paths, extra=extra,
+                           inherited_data=parent.data_cuts if parent else (), inherited_meta=md.inherited)
 
     # -- data -----------------------------------------------------------------------------
     def _inline_room(self, node: Inode) -> int:
@@ -199,6 +220,94 @@ class ImageWriter:
         self._out.write(buf)
         self._cur.update(buf)
         self._pos += len(buf)
+
+    def _commit_run(self, offset: int, length: int) -> int:
+        """End the run just written at `offset` like `_end_extent`, unless the same bytes are
+        already stored: then forget it (later data overwrites it) and return their offset."""
+        key = (self._cur.digest(), length)
+        have = self._runs.get(key)
+        if have is not None:
+            self._rewind(offset)
+            return have
+        self._runs[key] = offset
+        self._end_extent(offset, length)
+        return offset
+
+    def _rewind(self, offset: int) -> None:
+        self._out.seek(offset)
+        self._pos = offset
+        self._cur = blake3.blake3()
+
+    def _settle(self, node: Inode, path: bytes, start: int, length: int, tail: bytes) -> None:
+        """Place a file stored as the one run just written at `start` (its inline `tail`, if
+        any, is already in `node`): share identical bytes stored before; else keep the blocks
+        that the parent's file at the same path has identical at the same index (the file
+        becomes chunk-based with 4 KiB chunks); else keep the new run."""
+        if not length:
+            return
+        key = (self._cur.digest(), length)
+        have = self._runs.get(key)
+        if have is not None:
+            self._rewind(start)
+            node.blkaddr = have // BS
+            return
+        old = self._parent.blocks_of(path) if self._parent is not None else None
+        if old and _readable(self._out) and self._keep_parent_blocks(node, old, start, length, tail):
+            return
+        self._runs[key] = start
+        self._end_extent(start, length)
+        node.blkaddr = start // BS
+
+    def _keep_parent_blocks(self, node: Inode, old: list[int], start: int, length: int, tail: bytes) -> bool:
+        out = self._out
+        out.flush()
+        nblocks = length // BS
+        same: dict[int, int] = {}
+        for i in range(min(nblocks, len(old))):
+            if old[i] == fmt.NULL_ADDR:
+                continue
+            out.seek(start + i * BS)
+            new = out.read(BS)
+            out.seek(old[i] * BS)
+            if out.read(BS) == new:
+                same[i] = old[i]
+        if not same:
+            out.seek(self._pos)
+            return False
+        if tail:  # a chunk-based file has no inline tail: it gets a block of its own
+            out.seek(self._pos)
+            self._write(_pad(tail))
+            nblocks += 1
+        cursor = start
+        h = blake3.blake3()
+        blockmap = []
+        for i in range(nblocks):
+            if i in same:
+                blockmap.append(same[i])
+                continue
+            out.seek(start + i * BS)
+            block = out.read(BS)
+            if cursor != start + i * BS:
+                out.seek(cursor)
+                out.write(block)
+            h.update(block)
+            blockmap.append(cursor // BS)
+            cursor += BS
+        self._rewind(cursor)
+        if cursor > start:
+            self._digests.append(h.digest())
+            self._extents.append(DataExtent(start, cursor - start, int.from_bytes(h.digest()[:4], "little")))
+        node.layout = fmt.LAYOUT_CHUNK_BASED
+        node.chunkbits = 0
+        node.blockmap = blockmap
+        node.inline = b""
+        return True
+
+    def _store_run(self, data: bytes) -> int:
+        """Store `data` (block aligned) as one run; returns its image offset."""
+        start = self._pos
+        self._write(data)
+        return self._commit_run(start, len(data))
 
     def _end_extent(self, offset: int, length: int) -> None:
         """Record the data run just written; its digest is its content hint and feeds the UUID."""
@@ -218,9 +327,7 @@ class ImageWriter:
             node.inline = target
             node.layout = fmt.LAYOUT_FLAT_INLINE
         else:
-            node.blkaddr = self._pos // BS
-            self._write(target + _ZEROS[: (-len(target)) % BS])
-            self._end_extent(node.blkaddr * BS, fmt.align(len(target), BS))
+            node.blkaddr = self._store_run(target + _ZEROS[: (-len(target)) % BS]) // BS
 
     def _store_file(self, node: Inode, data: Data, path: bytes) -> None:
         size = node.size
@@ -317,16 +424,15 @@ class _FileSink:
         if whole:
             self.pending += bytes(size - self._end())
             tail = size % BS
+            packed = b""
             if 0 < tail <= self.tail_room:
                 self._flush(keep_tail=True)
-                node.inline = bytes(self.pending)
+                packed = node.inline = bytes(self.pending)
                 node.layout = fmt.LAYOUT_FLAT_INLINE
-                node.blkaddr = self.run_img // BS
-                if self.written:
-                    self.w._end_extent(self.run_img, self.written)
-                return
-            self._close()
-            node.blkaddr = self.run_img // BS
+            else:
+                self.pending += _ZEROS[:(-len(self.pending)) % BS]
+                self._flush()
+            self.w._settle(node, self.path, self.run_img, self.written, packed)
             return
         if self.run_file >= 0:
             self._close()
@@ -423,6 +529,39 @@ def _best_chunk_bits(runs: list[tuple[int, int, int]], size: int, can_rewrite: b
         if nchunks == 1:
             break
     return best
+
+
+def _pad(data: bytes) -> bytes:
+    return data + _ZEROS[: (-len(data)) % BS]
+
+
+def _copy_range(src: Path, offset: int, length: int, out: BinaryIO) -> None:
+    """Copy `length` bytes of `src` from `offset` to `out` at its position (in the kernel when
+    both are files)."""
+    with open(src, "rb") as f:
+        try:
+            dst = out.fileno()
+        except (AttributeError, OSError, ValueError):
+            dst = -1
+        if dst >= 0:
+            out.flush()
+            pos = out.tell()
+            done = 0
+            while done < length:
+                n = os.copy_file_range(f.fileno(), dst, length - done, offset + done, pos + done)
+                if n <= 0:
+                    raise BadInput(f"{src}: parent image is shorter than its superblock says")
+                done += n
+            out.seek(pos + length)
+            return
+        f.seek(offset)
+        left = length
+        while left:
+            buf = f.read(min(left, _FLUSH))
+            if not buf:
+                raise BadInput(f"{src}: parent image is shorter than its superblock says")
+            out.write(buf)
+            left -= len(buf)
 
 
 def _drain_empty(data: Data | None, path: bytes) -> None:
