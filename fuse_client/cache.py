@@ -23,9 +23,11 @@ leave data without a record (recovery punches it), never a record without data.
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -66,7 +68,7 @@ class BlobEntry:
 
     __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
                  "is_meta", "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions", "view", "mapped",
-                 "_map", "_map_failed")
+                 "_map", "_map_failed", "io_lock", "closed")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
         n = len(cmap.chunks)
@@ -91,6 +93,11 @@ class BlobEntry:
         self.mapped = False  # pages may have been mapped by reads since the last `release_pages`
         self._map: mmap.mmap | None = None
         self._map_failed = False
+        # Fetch threads may outlive their flight (abandoned at shutdown): they write under this
+        # lock and only while the entry is open, so no write ever reaches a closed (and maybe
+        # reused) descriptor.
+        self.io_lock = threading.Lock()
+        self.closed = False
 
     @property
     def size(self) -> int:
@@ -134,6 +141,8 @@ class BlobEntry:
             self._map.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
+        with self.io_lock:
+            self.closed = True
         if self._map is not None:
             assert self.view is not None
             try:
@@ -267,8 +276,11 @@ class NodeCache:
     def write_sync(entry: BlobEntry, positions: Sequence[int], payload: bytes) -> None:
         """Worker thread: put a chunk's bytes at each position (not yet servable)."""
         chunks = entry.cmap.chunks
-        for i in positions:
-            pwrite_all(entry.fd, payload, chunks[i].offset)
+        with entry.io_lock:
+            if entry.closed:
+                raise OSError(errno.EBADF, "the cache is closed")
+            for i in positions:
+                pwrite_all(entry.fd, payload, chunks[i].offset)
 
     def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
         """Trio thread, after `write_sync` returned: the positions become servable now and

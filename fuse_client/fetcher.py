@@ -188,18 +188,11 @@ class Fetcher:
             async with self._slots.hold(fl):
                 t0 = time.perf_counter()
                 prio = fl.priority
-                try:
-                    payload = await trio.to_thread.run_sync(self.store.get_chunk, digest, abandon_on_cancel=True,
-                                                            limiter=self._threads)
-                except LayerstoreError:
-                    raise
-                except Exception as e:  # a backend's unexpected failure: the store is not answering properly
-                    raise _as_store_error(e) from None
-                if len(payload) != ref.length:
-                    raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {ref.length}")
-                # Not abandonable: a shutdown waits for the write, so no thread ever writes to a
-                # descriptor that was closed (and maybe reused) behind it.
-                await trio.to_thread.run_sync(_write, entry, positions, payload, limiter=self._threads)
+                # One worker thread call: get, verify and decompress, then write (one hop per chunk).
+                # Abandoned on cancel (a store that hangs must not hold up a shutdown); the thread
+                # then never writes to a closed entry (`BlobEntry.io_lock`).
+                await trio.to_thread.run_sync(self._get_and_write, entry, positions, digest, ref.length,
+                                              abandon_on_cancel=True, limiter=self._threads)
                 self.cache.commit(entry, positions)
                 self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other")).observe(time.perf_counter() - t0)
                 bs = self.stats.blob(blob, entry.size)
@@ -225,6 +218,19 @@ class Fetcher:
                 if busy.get((blob, i)) is fl:
                     del busy[(blob, i)]
             fl.done.set()
+
+    def _get_and_write(self, entry: BlobEntry, positions: list[int], digest: str, length: int) -> None:
+        """Worker thread: the chunk from the store (verified), written at every position. Touches
+        no shared state: `entry.fd` and the chunk map are immutable while the entry lives."""
+        try:
+            payload = self.store.get_chunk(digest)
+        except LayerstoreError:
+            raise
+        except Exception as e:  # a backend's unexpected failure: the store is not answering properly
+            raise _as_store_error(e) from None
+        if len(payload) != length:
+            raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
+        _write(entry, positions, payload)
 
     def _store_error(self, what: str, err: LayerstoreError) -> None:
         self.stats.store_errors += 1
