@@ -16,7 +16,7 @@ from layerstore import sysmount
 
 from .blobs import BlobSource
 from .errors import ShimError
-from .overlay import detach, rmdir_quiet
+from .overlay import detach, explain, rmdir_quiet
 from .paths import NodePaths
 from .state import LayerMount, Txn
 
@@ -38,7 +38,7 @@ class LayerMounts:
             rmdir_quiet(mp)
             if not os.path.exists(source):
                 raise ShimError(f"layer {blob}: no image file at {source}") from None
-            raise ShimError(f"layer {blob}: {e}") from None
+            raise ShimError(f"layer {blob}: {explain(e)}") from None
         return LayerMount(blob, str(mp), str(source), 0, generation)
 
     def unmount(self, lm: LayerMount) -> None:

@@ -38,7 +38,24 @@ def mount_overlay(target: str, lowers_top_first: Sequence[str], upper: str, work
     opts = options(lowers_top_first, upper, work)
     if len(opts) >= 4096:
         raise ShimError(f"overlay options for {target} are {len(opts)} bytes; the kernel takes one page")
-    sysmount.mount("overlay", target, "overlay", 0, opts)
+    try:
+        sysmount.mount("overlay", target, "overlay", 0, opts)
+    except sysmount.MountError as e:
+        raise ShimError(explain(e)) from None
+
+
+def explain(e: Exception) -> str:
+    """A mount error, with the limit named when the kernel's mount table is full (ENOSPC: more
+    mounts in this namespace than fs.mount-max; every sandbox costs one, every layer one)."""
+    msg = str(e)
+    if os.strerror(errno.ENOSPC) in msg:
+        try:
+            with open("/proc/sys/fs/mount-max") as f:
+                limit = f.read().strip()
+        except OSError:
+            limit = "?"
+        msg += f" (the mount table is full: fs.mount-max = {limit} mounts per namespace; raise it with sysctl)"
+    return msg
 
 
 MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8

@@ -347,8 +347,13 @@ class NodeState:
         self._env.sync(True)
 
     def size(self) -> dict[str, int]:
-        """Bytes: `used` = pages in use, `file` = data.mdb on disk (sparse up to the map size)."""
-        info, st = self._env.info(), self._env.stat()
+        """Bytes: `used` = pages holding records now (every table), `file` = data.mdb's blocks on disk."""
+        psize = int(self._env.stat()["psize"])
+        pages = 0
+        with self._env.begin() as txn:
+            for db in [None, *self._dbs.values()]:
+                st = txn.stat(db) if db is not None else self._env.stat()
+                pages += int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
         data = self.path / "data.mdb"
         on_disk = os.stat(data).st_blocks * 512 if data.exists() else 0
-        return {"used": (info["last_pgno"] + 1) * st["psize"], "file": on_disk}
+        return {"used": pages * psize, "file": on_disk}
