@@ -1,41 +1,61 @@
-"""Read throughput of EROFS images served by the FUSE daemon, against the same images mounted from
-a local file (the physical limit here) and the plain source directory.
+"""Read throughput of EROFS images served lazily by the node daemon (`layerctl daemon`), against the
+same images mounted file-backed from a local file (the physical limit here) and the plain source
+directory. Same run, same data for every contender.
 
-Workloads (same data for every contender):
-- `seq`: sequential read (1 MiB reads) of large files in an image of random data;
-- `walk_hash`: walk + read + blake3 of a tree of many small files (a copy of a Python stdlib);
-- `tar`: `tar -cf -` of that small-file tree, read from a pipe.
+Workloads:
+- `seq`: sequential read (1 MiB reads) of the large files of an image of random data;
+- `walk_hash`: os.walk + read + blake3 of every file of a copy of a Python standard library.
 
-Contenders:
-- `local`: EROFS file-backed on the image file (mount(2), no loop device), the image file in the
-  page cache (the daemon's cache files are too, when warm); `local_disk`: the same with the image
-  dropped from the page cache first (the disk's speed);
-- `fuse_cold`: EROFS on `MOUNTPOINT/blobs/<digest>` of a fresh `layerctl daemon` (empty node
-  cache, local-directory store: every chunk is fetched, verified, decompressed, cached);
-- `fuse_warm`: the same after a daemon restart over the filled cache (hits only);
-- `fuse_warm_directio`: as `fuse_warm`, EROFS mounted with `-o directio` (every EROFS page-cache
-  miss is a FUSE request: the daemon's hit path, without the FUSE file's page cache);
+Contenders (EROFS is mounted with mount(2), file-backed, no loop device; `_dio`: `-o directio`):
+- `erofs_local`, `erofs_local_dio`: the image file on local disk. `erofs_local` is the reference:
+  every ratio is to it;
+- `fuse_warm`, `fuse_warm_dio`: EROFS on MOUNTPOINT/blobs/<digest> of a daemon whose node cache
+  holds every chunk of the image (all reads are cache hits);
+- `fuse_cold`, `fuse_cold_dio`: the same with an empty node cache and a local-directory store on
+  the same disk (every chunk is fetched, verified, decompressed, committed and served);
 - `source`: the plain directory the images were built from;
-- with `--s3`: `fuse_cold_s3` (sequential read of an image in an S3 store on a local Ceph RGW,
-  empty cache) against the store's own parallel GET bandwidth measured in the same run.
-Page caches are made cold for every run: EROFS mounts are fresh (the daemon's FUSE file is read
-with direct I/O by EROFS, so its page cache plays no part), source files get FADV_DONTNEED.
-`erofsfuse` (erofs-utils) is not packaged in Debian 12 and is reported as unavailable.
+- `erofsfuse` (erofs-utils): reported as unavailable (see UNAVAILABLE).
 
-Also measured: the cost of one FUSE request on the cache-hit path (O_DIRECT reads of the blob
-file through the daemon versus the same reads of the cache's own data file).
+Cache states are explicit and the same for every contender and every run: a fresh EROFS mount,
+a freshly started daemon for the FUSE contenders (nothing of the node cache mapped or in memory
+beyond its index), then `sync; echo 3 > /proc/sys/vm/drop_caches`, then the timed workload. So
+"warm" means the node cache holds the chunks on local disk, and no contender reads anything from
+the page cache. Cold runs mount before dropping the caches: opening the blob fetches its metadata
+chunks (timed apart, as `mount_s`). The `hot` section is labelled apart: everything in the page
+cache (an untimed first pass, then a fresh EROFS mount, no drop), which leaves the cost of the
+FUSE path itself.
 
-    python bench/fuse_read.py [--size quick|full] [--big-mib N] [--reps N] [--s3 | --no-s3]
-                              [--out bench/results/fuse_read.json]
+Measured with every FUSE run: the FUSE read requests (the daemon's hits + misses), bytes served and
+fetched, the daemon's CPU time; with every EROFS run: the page cache held afterwards by EROFS, by
+its backing file (the image file or the FUSE blob file) and by the node cache's data file
+(cachestat(2)): the memory side of `directio`.
 
-`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 256 MiB, 3 runs, S3 with
-128 MiB (about a minute and a half); full: 1 GiB, 5 runs, S3 with 512 MiB.
+The cost of one FUSE request on the cache-hit path: O_DIRECT reads of 4 KiB, 128 KiB and 1 MiB of
+a blob through the mount, the data in the page cache (wall time, and the daemon's own CPU time
+from its main thread's schedstat, per request as counted by the daemon), and the read handler
+alone, called without a kernel (the daemon's Python share).
+
+S3 (`--s3`, default on): cold sequential read of an image in an S3 store on a local Ceph RGW
+(tests/ceph_cluster.py) against the store's own parallel GET bandwidth (16 threads, the daemon's
+fetch concurrency), both measured in every round.
+
+Rounds interleave the contenders (the order rotates each round). Figures: best and median of the
+rounds; ratios both as best/best and as the median of same-round ratios (the machine is shared:
+see loadavg).
+
+    python bench/read.py [--size quick|full] [--reps N] [--s3 | --no-s3] [--out FILE]
+                         [--contenders a,b] [--workloads a,b]
+
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full. quick: 256 MiB of large
+files, 3 rounds, S3 with 128 MiB (about 3 minutes; results in bench/results/read-quick.json);
+full: 1 GiB, 5 rounds, S3 with 512 MiB (about 10 minutes; bench/results/read.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import json
 import mmap
@@ -49,6 +69,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +79,42 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import blake3  # noqa: E402
+import trio  # noqa: E402
 
 from erofs_builder.build import build_layer, push_layer  # noqa: E402
 from erofs_builder.source_dir import dir_entries  # noqa: E402
 from fuse_client.control import DaemonNotRunning, request_json  # noqa: E402
+from fuse_client.daemon import open_cache  # noqa: E402
+from fuse_client.fetcher import DEFAULT_CONCURRENCY, Fetcher  # noqa: E402
+from fuse_client.fs import BLOBS_INODE, BlobFS  # noqa: E402
+from fuse_client.stats import Stats  # noqa: E402
+from layerstore import digest as digestmod  # noqa: E402
 from layerstore import sysmount  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 
 MiB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
-DEFAULT_OUT = ROOT / "bench" / "results" / "fuse_read.json"
+DAEMON_ARGS: list[str] = []  # --daemon-arg: extra `layerctl daemon` arguments for every daemon
+RESULTS = ROOT / "bench" / "results"
 SIZES: dict[str, dict[str, int]] = {
     "quick": {"big_mib": 256, "reps": 3, "s3_mib": 128},
     "full": {"big_mib": 1024, "reps": 5, "s3_mib": 512},
 }
 SMALL_SOURCE = Path(f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}")
+REFERENCE = "erofs_local"
+UNAVAILABLE = {
+    "erofsfuse": "not packaged in Debian 12 (erofs-utils 1.5 ships no erofsfuse binary); building it from a "
+                 "fetched erofs-utils tree may not be committed, so it is not a contender here",
+}
+GOALS = {  # (workload or "s3", contender, minimum ratio)
+    "warm_seq": ("seq", "fuse_warm", 0.95),
+    "warm_seq_dio": ("seq", "fuse_warm_dio", 0.95),
+    "warm_small": ("walk_hash", "fuse_warm", 0.9),
+    "warm_small_dio": ("walk_hash", "fuse_warm_dio", 0.9),
+    "cold_s3": ("s3", "fuse_cold_s3", 0.8),
+}
 
 
 # -- data -------------------------------------------------------------------------------------------
@@ -106,7 +149,7 @@ def tree_stats(root: Path) -> dict[str, int]:
     return {"files": files, "bytes": size}
 
 
-# -- workloads (each returns bytes read) ------------------------------------------------------------------
+# -- workloads (each returns the bytes read) ----------------------------------------------------------
 def seq_read(root: Path) -> int:
     total = 0
     buf = bytearray(MiB)
@@ -119,7 +162,8 @@ def seq_read(root: Path) -> int:
 
 def walk_hash(root: Path) -> int:
     total = 0
-    for dirpath, _dirs, names in os.walk(root):
+    for dirpath, dirs, names in os.walk(root):
+        dirs.sort()
         for n in sorted(names):
             p = os.path.join(dirpath, n)
             if os.path.islink(p) or not os.path.isfile(p):
@@ -131,47 +175,75 @@ def walk_hash(root: Path) -> int:
     return total
 
 
-def tar_read(root: Path) -> int:
-    proc = subprocess.Popen(["tar", "-cf", "-", "-C", str(root), "."], stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    total = 0
-    while b := proc.stdout.read(MiB):
-        total += len(b)
-    if proc.wait() != 0:
-        raise RuntimeError("tar failed")
-    return total
-
-
 WORKLOADS: dict[str, tuple[str, Callable[[Path], int]]] = {
     "seq": ("big", seq_read),
     "walk_hash": ("small", walk_hash),
-    "tar": ("small", tar_read),
 }
 
 
-def drop_source_cache(root: Path) -> None:
+# -- the machine ------------------------------------------------------------------------------------------
+def drop_caches() -> None:
+    """Every contender, every run: write back, then drop clean page cache, dentries and inodes."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                               "nr_recently_evicted")]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+SYS_CACHESTAT = 451  # x86_64 and most others (Linux 6.5+)
+
+
+def cached_bytes(path: str | Path) -> int:
+    """Bytes of `path` in the page cache (cachestat(2)); 0 if it cannot be asked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return 0
+    try:
+        rng, st = _CachestatRange(0, 0), _Cachestat()
+        if _libc.syscall(SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+            return 0
+        return st.nr_cache * PAGE
+    finally:
+        os.close(fd)
+
+
+def tree_cached_bytes(root: Path) -> int:
+    total = 0
     for dirpath, _dirs, names in os.walk(root):
         for n in names:
             p = os.path.join(dirpath, n)
-            if os.path.islink(p) or not os.path.isfile(p):
-                continue
-            drop_file_cache(Path(p))
+            if not os.path.islink(p):
+                total += cached_bytes(p)
+    return total
 
 
-def drop_file_cache(path: Path) -> None:
-    """Write back, then drop a file's pages (DONTNEED skips dirty pages)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of the whole process, exited threads included (clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def thread_sched_ns(pid: int, tid: int) -> tuple[int, int]:
+    """(time on a CPU, time runnable but waiting for a CPU) of one thread, in ns (schedstat)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        on_cpu, waiting, _slices = f.read().split()
+    return int(on_cpu), int(waiting)
 
 
 # -- mounts and the daemon ----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def erofs_mount(image: Path, work: Path, options: str = "") -> Iterator[Path]:
-    target = Path(tempfile.mkdtemp(prefix="mnt-", dir=work))
+    target = Path(tempfile.mkdtemp(prefix="mnt-erofs-", dir=work))
     sysmount.mount_erofs(image, target, options)
     try:
         yield target
@@ -180,26 +252,50 @@ def erofs_mount(image: Path, work: Path, options: str = "") -> Iterator[Path]:
         target.rmdir()
 
 
+@dataclass
+class DaemonRun:
+    pid: int
+    mnt: Path
+    cache: Path
+
+    def blob(self, digest: str) -> Path:
+        return self.mnt / "blobs" / digest
+
+    def counters(self, blob: str) -> dict[str, float]:
+        st = request_json(self.cache, "GET", "/stats", timeout=10)["blobs"].get(blob, {})
+        on_cpu, waiting = thread_sched_ns(self.pid, self.pid)
+        return {"requests": st.get("hits", 0) + st.get("misses", 0), "misses": st.get("misses", 0),
+                "served": st.get("served_bytes", 0), "fetched": st.get("fetched_bytes", 0),
+                "cpu_s": process_cpu_s(self.pid), "main_cpu_ns": on_cpu, "main_wait_ns": waiting}
+
+    def data_file(self, blob: str) -> Path:
+        hexd = digestmod.hex_of(blob)
+        return self.cache / "data" / hexd[:2] / hexd
+
+
 @contextlib.contextmanager
-def daemon(store: Path | str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | None = None) -> Iterator[Path]:
+def daemon(store: str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | None = None,
+           extra: list[str] | None = None) -> Iterator[DaemonRun]:
+    """A `layerctl daemon` subprocess (its defaults as shipped, unless `extra` arguments say
+    otherwise); stopped and unmounted even on failure."""
     mnt.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as logf:
-        proc = subprocess.Popen([LAYERCTL, "daemon", "--store", str(store), "--cache", str(cache),
-                                 "--mountpoint", str(mnt), "--log-level", "warning"], stdout=logf, stderr=logf,
+        proc = subprocess.Popen([LAYERCTL, "daemon", "--store", store, "--cache", str(cache), "--mountpoint", str(mnt),
+                                 "--log-level", "warning", *(extra or DAEMON_ARGS)], stdout=logf, stderr=logf,
                                 env={**os.environ, **(env or {})})
     try:
         end = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited; see {log}")
+                raise RuntimeError(f"daemon exited with {proc.returncode}; see {log}")
             if sysmount.is_mountpoint(mnt):
                 with contextlib.suppress(DaemonNotRunning, OSError):
                     request_json(cache, "GET", "/stats", timeout=5)
                     break
             if time.monotonic() > end:
-                raise RuntimeError("daemon did not mount")
+                raise RuntimeError(f"daemon did not mount; see {log}")
             time.sleep(0.02)
-        yield mnt
+        yield DaemonRun(proc.pid, mnt, cache)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -212,63 +308,331 @@ def daemon(store: Path | str, cache: Path, mnt: Path, log: Path, env: dict[str, 
             sysmount.umount(mnt, lazy=True)
 
 
-def timed(fn: Callable[[Path], int], root: Path) -> tuple[float, int]:
+def timed(fn: Callable[[Path], int], root: Path, out: dict[str, Any] | None = None) -> tuple[float, int]:
+    """Run the workload in this thread; with `out`, also record this thread's CPU time and its
+    time waiting for a CPU (the machine is shared: waits are what other load costs us)."""
+    me = os.getpid()
+    s0 = thread_sched_ns(me, me)
     t0 = time.perf_counter()
     n = fn(root)
-    return time.perf_counter() - t0, n
+    secs = time.perf_counter() - t0
+    s1 = thread_sched_ns(me, me)
+    if out is not None:
+        out["reader"] = {"cpu_ns": s1[0] - s0[0], "wait_ns": s1[1] - s0[1]}
+    return secs, n
 
 
-def hit_path_cost(blob_file: Path, cache_file: Path, size: int, block: int, limit: int) -> dict[str, float]:
-    """Reads of `block` bytes over the blob through FUSE (O_DIRECT: every read is a request) vs.
-    the same preads on the cache's data file (in the page cache, as the daemon does them)."""
-    buf = mmap.mmap(-1, block)
-    n = min(size, limit) // block
+# -- the contenders -------------------------------------------------------------------------------------------
+@dataclass
+class Images:
+    store: str
+    work: Path
+    trees: dict[str, Path]
+    paths: dict[str, Path]
+    blobs: dict[str, str]
+    warm_cache: Path
+    daemon_env: dict[str, str]
 
-    def run(path: Path, flags: int) -> float:
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
+
+CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "fuse_cold", "fuse_cold_dio"]
+HOT_CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio"]
+
+
+def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> dict[str, Any]:
+    """One timed run of `workload` on `contender`, cache state as the module doc says."""
+    tree, fn = WORKLOADS[workload]
+    opts = "directio" if contender.endswith("_dio") else ""
+    kind = contender.removesuffix("_dio")
+    out: dict[str, Any] = {}
+    # hot: an untimed pass first (through a mount of its own), so everything is in the page cache
+    # except EROFS's own pages (each run mounts afresh).
+    if kind == "source":
+        if hot:
+            fn(im.trees[tree])
+        else:
+            drop_caches()
+        out["seconds"], out["bytes"] = timed(fn, im.trees[tree], out)
+        return out
+    if kind == "erofs_local":
+        image = im.paths[tree]
+        if hot:
+            with erofs_mount(image, im.work, opts) as m:
+                fn(m)
+        with erofs_mount(image, im.work, opts) as m:
+            if not hot:
+                drop_caches()
+            out["seconds"], out["bytes"] = timed(fn, m, out)
+            out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(image)}
+        return out
+    blob = im.blobs[tree]
+    cold = kind == "fuse_cold"
+    cache = im.work / "cache-cold" if cold else im.warm_cache
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
+    try:
+        with daemon(im.store, cache, im.work / "mnt-fuse", im.work / "daemon.log", im.daemon_env) as d:
+            if hot:
+                with erofs_mount(d.blob(blob), im.work, opts) as m:
+                    fn(m)
             t0 = time.perf_counter()
-            for k in range(n):
+            with erofs_mount(d.blob(blob), im.work, opts) as m:
+                out["mount_s"] = time.perf_counter() - t0
+                if not hot:
+                    drop_caches()
+                c0 = d.counters(blob)
+                out["seconds"], out["bytes"] = timed(fn, m, out)
+                c1 = d.counters(blob)
+                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(d.blob(blob)),
+                                 "node_cache_file": cached_bytes(d.data_file(blob))}
+            out["fuse"] = {k: c1[k] - c0[k] for k in c0}
+    finally:
+        if cold:
+            shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    secs = [s["seconds"] for s in samples]
+    nbytes = samples[0]["bytes"]
+    if any(s["bytes"] != nbytes for s in samples):
+        raise RuntimeError(f"runs read different amounts of data: {[s['bytes'] for s in samples]}")
+    best, med = min(secs), statistics.median(secs)
+    out: dict[str, Any] = {"bytes": nbytes, "seconds": [round(s, 4) for s in secs],
+                           "MBps": round(nbytes / best / 1e6, 1), "median_MBps": round(nbytes / med / 1e6, 1)}
+    if "reader" in samples[0]:
+        out["reader_thread_ms"] = {
+            k.removesuffix("_ns"): round(statistics.median(s["reader"][k] for s in samples) / 1e6, 1)
+            for k in ("cpu_ns", "wait_ns")}
+    if "mount_s" in samples[0]:
+        out["mount_s_median"] = round(statistics.median(s["mount_s"] for s in samples), 4)
+    if "memory" in samples[0]:
+        out["page_cache_MiB"] = {k: round(statistics.median(s["memory"][k] for s in samples) / MiB, 1)
+                                 for k in samples[0]["memory"]}
+    if "fuse" in samples[0]:
+        f = [s["fuse"] for s in samples]
+        reqs = statistics.median(x["requests"] for x in f)
+        served = statistics.median(x["served"] for x in f)
+        cpu = statistics.median(x["cpu_s"] for x in f)
+        out["fuse"] = {
+            "requests": reqs, "misses": statistics.median(x["misses"] for x in f),
+            "mean_request_KiB": round(served / reqs / 1024, 1) if reqs else None,
+            "served_MiB": round(served / MiB, 1),
+            "fetched_MiB": round(statistics.median(x["fetched"] for x in f) / MiB, 1),
+            "daemon_cpu_s": round(cpu, 3),
+            "daemon_cpu_s_per_GB_served": round(cpu / served * 1e9, 3) if served else None,
+            "daemon_main_thread_us_per_request": round(statistics.median(x["main_cpu_ns"] for x in f) / reqs / 1e3, 1)
+            if reqs else None,
+            "daemon_main_thread_ms": {"cpu": round(statistics.median(x["main_cpu_ns"] for x in f) / 1e6, 1),
+                                      "wait": round(statistics.median(x["main_wait_ns"] for x in f) / 1e6, 1)},
+        }
+    return out
+
+
+def ratios(results: dict[str, dict[str, Any]], raw: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per contender: best/best, and the median of same-round ratios, to the reference."""
+    ref = results.get(REFERENCE)
+    if ref is None:
+        return {}
+    out = {}
+    for c, r in results.items():
+        paired = [raw[REFERENCE][k]["seconds"] / s["seconds"] for k, s in enumerate(raw[c]) if k < len(raw[REFERENCE])]
+        out[c] = {"best": round(r["MBps"] / ref["MBps"], 3), "paired_median": round(statistics.median(paired), 3)}
+    return out
+
+
+# -- the cost per request on the hit path ---------------------------------------------------------------------
+def hit_path_kernel(d: DaemonRun, blob: str, size: int) -> list[dict[str, Any]]:
+    """O_DIRECT reads through FUSE (every read is one request), data in the page cache."""
+    out = []
+    path = d.blob(blob)
+    for block, n in ((4096, 20000), (128 * 1024, 4000), (MiB, 1000)):
+        span = min(size, 256 * MiB) // block * block
+        buf = mmap.mmap(-1, block)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        walls, cpus, mains = [], [], []
+        try:
+            for k in range(min(n, span // block)):  # into the page cache, mapped by the daemon
                 os.preadv(fd, [buf], k * block)
-            return time.perf_counter() - t0
+            for _ in range(3):
+                c0 = d.counters(blob)
+                t0 = time.perf_counter()
+                for k in range(n):
+                    os.preadv(fd, [buf], (k * block) % span)
+                wall = time.perf_counter() - t0
+                c1 = d.counters(blob)
+                reqs = c1["requests"] - c0["requests"]
+                walls.append(wall / n * 1e6)
+                cpus.append((c1["cpu_s"] - c0["cpu_s"]) / reqs * 1e6)
+                mains.append((c1["main_cpu_ns"] - c0["main_cpu_ns"]) / reqs / 1e3)
         finally:
             os.close(fd)
-
-    run(blob_file, os.O_DIRECT)  # warm both paths once
-    run(cache_file, 0)
-    fuse = min(run(blob_file, os.O_DIRECT) for _ in range(3))
-    local = min(run(cache_file, 0) for _ in range(3))
-    buf.close()
-    return {"block": block, "requests": n, "fuse_us_per_request": fuse / n * 1e6,
-            "cache_file_us_per_request": local / n * 1e6, "fuse_overhead_us": (fuse - local) / n * 1e6,
-            "fuse_MBps": n * block / fuse / 1e6}
+            buf.close()
+        out.append({"block": block, "requests": n, "wall_us_per_request": round(min(walls), 1),
+                    "wall_us_per_request_median": round(statistics.median(walls), 1),
+                    "daemon_cpu_us_per_request": round(statistics.median(cpus), 1),
+                    "daemon_main_thread_us_per_request": round(statistics.median(mains), 1),
+                    "MBps": round(block / min(walls), 1)})
+    return out
 
 
-# -- the run -------------------------------------------------------------------------------------------------
+def hit_path_handler(store_url: str, cache_dir: Path, blob: str, size: int) -> list[dict[str, Any]]:
+    """`BlobFS.read` on a cache hit, called without a kernel (the daemon's Python share), next to
+    an os.pread of the same range of the cache file (what a copying hit path would add)."""
+    results: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        with contextlib.ExitStack() as stack:
+            cache = open_cache(cache_dir, None, stack)
+            store = stack.enter_context(Store.open(store_url))
+            stats = Stats()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(cache.run)
+                fs = BlobFS(Fetcher(store, cache, stats, nursery=nursery), cache, stats)
+                attr = await fs.lookup(BLOBS_INODE, blob.encode())
+                fh = (await fs.open(attr.st_ino, os.O_RDONLY)).fh
+                entry = cache.get(blob)
+                assert entry is not None
+                for block, n in ((4096, 100000), (128 * 1024, 20000), (MiB, 3000)):
+                    span = min(size, 256 * MiB) // block * block
+                    best = float("inf")
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        for k in range(n):
+                            coro = fs.read(fh, (k * block) % span, block)
+                            try:
+                                coro.send(None)
+                            except StopIteration:
+                                pass
+                            else:
+                                raise RuntimeError("the cache-hit path awaited")
+                        best = min(best, (time.perf_counter() - t0) / n)
+                    t0 = time.perf_counter()
+                    for k in range(n):
+                        os.pread(entry.fd, block, (k * block) % span)
+                    pread = (time.perf_counter() - t0) / n
+                    results.append({"block": block, "handler_us": round(best * 1e6, 2),
+                                    "pread_of_the_same_range_us": round(pread * 1e6, 2)})
+                await fs.release(fh)
+                await cache.shutdown_flush()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return results
+
+
+# -- S3 -----------------------------------------------------------------------------------------------------------
+def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path) -> dict[str, float]:
+    """A fresh daemon with an empty node cache on the S3 store: sequential read of the image."""
+    cache = work / "cache-s3"
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log", env) as d, \
+                erofs_mount(d.blob(blob), work) as m:
+            drop_caches()
+            c0 = d.counters(blob)
+            secs, nbytes = timed(seq_read, m)
+            c1 = d.counters(blob)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"fuse_cold_s3_MBps": nbytes / secs / 1e6, "fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6}
+
+
+def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Cold sequential read from an S3 store (a local Ceph RGW) vs. that store's parallel GET rate,
+    both in every round."""
+    from tests.ceph_cluster import CephCluster
+
+    ceph = CephCluster(work / "ceph")
+    saved = dict(os.environ)
+    ceph.start(cephfs=False)
+    try:
+        env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        os.environ.update(env)
+        url = f"s3://read-bench/store?endpoint={ceph.endpoint}"
+        src = work / "src-s3"
+        make_big_tree(src, args.s3_mib, files=2)
+        with Store.open(url) as store:
+            store.init()
+            layer = build_layer(dir_entries(src, all_root=True), work / "s3.erofs", all_root=True)
+            push_layer(store, layer)
+        shutil.rmtree(src)
+        digests = sorted({r.digest for r in layer.refs})
+        rounds: list[dict[str, float]] = []
+        with Store.open(url) as store, ThreadPoolExecutor(DEFAULT_CONCURRENCY) as pool:
+            keys = [store.chunk_key(dg) for dg in digests]
+
+            def get_pass(fn: Callable[[str], bytes], items: list[str]) -> float:
+                t0 = time.perf_counter()
+                n = sum(len(b) for b in pool.map(fn, items))
+                return n / (time.perf_counter() - t0)
+
+            get_pass(store.backend.load, keys)  # clients and connections set up, untimed
+            for _ in range(args.reps):
+                # The backend's own rate: the better of two passes of raw GETs of every chunk object.
+                get_bps = max(get_pass(store.backend.load, keys) for _ in range(2))
+                get_chunk_bps = get_pass(store.get_chunk, digests)
+                r = {"parallel_get_MBps": get_bps / 1e6, "parallel_get_chunk_MBps": get_chunk_bps / 1e6,
+                     **cold_s3_read(url, env, layer.blob, work)}
+                r["ratio"] = r["fuse_cold_s3_MBps"] / r["parallel_get_MBps"]
+                rounds.append(r)
+                print(f"s3: parallel GET {r['parallel_get_MBps']:.0f} MB/s "
+                      f"(GET+verify {r['parallel_get_chunk_MBps']:.0f}); "
+                      f"fuse_cold_s3 seq {r['fuse_cold_s3_MBps']:.0f} MB/s ({r['ratio']:.2f}x)", flush=True)
+        return {
+            "image_bytes": layer.size, "chunks": len(digests), "get_threads": DEFAULT_CONCURRENCY,
+            "rounds": [{k: round(v, 3 if k == "ratio" else 1) for k, v in r.items()} for r in rounds],
+            "parallel_get_MBps_best": round(max(r["parallel_get_MBps"] for r in rounds), 1),
+            "fuse_cold_s3_MBps_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds), 1),
+            "ratio_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds)
+                                / max(r["parallel_get_MBps"] for r in rounds), 3),
+            "ratio_paired_median": round(statistics.median(r["ratio"] for r in rounds), 3),
+        }
+    finally:
+        ceph.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE", "quick"))
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE") or "full")
     ap.add_argument("--big-mib", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory under /var/tmp")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--s3-mib", type=int, default=None)
     ap.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
                     help="also: cold reads from S3 on a local Ceph RGW (default on)")
-    ap.add_argument("--s3-mib", type=int, default=None)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help="comma-separated subset of " + ",".join(CONTENDERS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
+    ap.add_argument("--hot", action=argparse.BooleanOptionalAction, default=True, help="the all-in-page-cache section")
+    ap.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for the daemon (e.g. for profiling)")
+    ap.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
+                    help="extra `layerctl daemon` argument (repeat for each; default: the shipped defaults)")
+    ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory under /var/tmp")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/read.json (full) or read-<size>.json")
     args = ap.parse_args(argv)
-    preset = SIZES[args.size]
-    for name, value in preset.items():
+    for name, value in SIZES[args.size].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.out is None:
+        args.out = RESULTS / ("read.json" if args.size == "full" else f"read-{args.size}.json")
+    DAEMON_ARGS[:] = args.daemon_arg
+    args.contenders = [c for c in args.contenders.split(",") if c]
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if unknown := (set(args.contenders) - set(CONTENDERS)) | (set(args.workloads) - set(WORKLOADS)):
+        ap.error(f"unknown contender or workload: {', '.join(sorted(unknown))}")
     if os.geteuid() != 0:
-        print("needs root (mounts)", file=sys.stderr)
+        print("needs root (mounts, drop_caches)", file=sys.stderr)
         return 2
 
-    work = Path(tempfile.mkdtemp(prefix="fuse-read-", dir=args.workdir or "/var/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="read-bench-", dir=args.workdir or "/var/tmp"))
     try:
         return run(args, work)
     finally:
-        for p in work.glob("**/mnt*"):
+        for p in sorted(work.glob("**/mnt*"), reverse=True):
             if sysmount.is_mountpoint(p):
                 sysmount.umount(p, lazy=True)
         shutil.rmtree(work, ignore_errors=True)
@@ -277,162 +641,134 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, work: Path) -> int:
     print(f"workdir {work}", flush=True)
     load_start = os.getloadavg()
+    t_start = time.perf_counter()
     trees = {"big": work / "src-big", "small": work / "src-small"}
     make_big_tree(trees["big"], args.big_mib)
     make_small_tree(trees["small"])
-    store_dir = work / "store"
-    store = Store.open(str(store_dir))
-    store.init()
+    store_url = str(work / "store")
     images: dict[str, dict[str, Any]] = {}
-    for name, src in trees.items():
-        t0 = time.perf_counter()
-        layer = build_layer(dir_entries(src, all_root=True), work / f"{name}.erofs", all_root=True)
-        push_layer(store, layer)
-        images[name] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
-                        "metadata_chunks": sum(r.metadata for r in layer.refs), **tree_stats(src),
-                        "build_and_push_s": round(time.perf_counter() - t0, 2), "path": work / f"{name}.erofs"}
-        print(f"image {name}: {layer.size / MiB:.1f} MiB, {len(layer.refs)} chunks", flush=True)
-    store.close()
+    with Store.open(store_url) as store:
+        store.init()
+        for name, src in trees.items():
+            t0 = time.perf_counter()
+            layer = build_layer(dir_entries(src, all_root=True), work / f"{name}.erofs", all_root=True)
+            push_layer(store, layer)
+            images[name] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
+                            "metadata_chunks": sum(r.metadata for r in layer.refs), **tree_stats(src),
+                            "build_and_push_s": round(time.perf_counter() - t0, 2)}
+            print(f"image {name}: {layer.size / MiB:.1f} MiB, {len(layer.refs)} chunks, {images[name]['files']} files",
+                  flush=True)
+    env = dict(kv.split("=", 1) for kv in args.daemon_env)
+    im = Images(store_url, work, trees, {n: work / f"{n}.erofs" for n in trees},
+                {n: v["blob"] for n, v in images.items()}, work / "cache-warm", env)
+    # The warm node cache: every chunk of both images fetched once, then the daemon stopped.
+    with daemon(store_url, im.warm_cache, work / "mnt-fuse", work / "daemon.log", env):
+        for blob in im.blobs.values():
+            request_json(im.warm_cache, "POST", "/prefetch", {"blob": blob, "all": True, "wait": True}, timeout=None)
+        ls = request_json(im.warm_cache, "GET", "/cache", timeout=30)
+        if any(b["cached_chunks"] != b["chunks"] for b in ls["blobs"]):
+            raise RuntimeError(f"warm cache incomplete: {ls}")
 
-    results: dict[str, dict[str, Any]] = {}
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in args.workloads}
+    raw_hot: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in args.workloads}
+    hot_contenders = [c for c in HOT_CONTENDERS if c in args.contenders] if args.hot else []
+    for rnd in range(args.reps):
+        for workload in args.workloads:
+            k = rnd % len(args.contenders)
+            for c in args.contenders[k:] + args.contenders[:k]:
+                r = run_one(im, c, workload)
+                raw[workload].setdefault(c, []).append(r)
+                extra = f", {r['fuse']['requests']} requests" if "fuse" in r else ""
+                print(f"round {rnd} {workload:9s} {c:16s} {r['bytes'] / r['seconds'] / 1e6:8.1f} MB/s{extra}",
+                      flush=True)
+            for c in hot_contenders:
+                r = run_one(im, c, workload, hot=True)
+                raw_hot[workload].setdefault(c, []).append(r)
+                print(f"round {rnd} {workload:9s} {c + ' (hot)':16s} {r['bytes'] / r['seconds'] / 1e6:8.1f} MB/s",
+                      flush=True)
 
-    def record(contender: str, workload: str, samples: list[tuple[float, int]]) -> None:
-        # Best of N is the figure (the machine is shared: noise only ever slows a run down);
-        # the median is kept alongside.
-        secs = [s for s, _ in samples]
-        nbytes = samples[0][1]
-        best, med = min(secs), statistics.median(secs)
-        results.setdefault(contender, {})[workload] = {
-            "bytes": nbytes, "seconds": [round(s, 4) for s in secs], "best_s": round(best, 4),
-            "median_s": round(med, 4), "MBps": round(nbytes / best / 1e6, 1),
-            "median_MBps": round(nbytes / med / 1e6, 1)}
-        print(f"{contender:18s} {workload:10s} {nbytes / best / 1e6:9.1f} MB/s best, {nbytes / med / 1e6:9.1f} median",
-              flush=True)
+    def build(rw: dict[str, dict[str, list[dict[str, Any]]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        res = {w: {c: summarize(s) for c, s in per.items()} for w, per in rw.items()}
+        for w, per in res.items():
+            sizes = {r["bytes"] for r in per.values()}
+            if len(sizes) > 1:
+                raise RuntimeError(f"{w}: contenders read different amounts of data: {sizes}")
+        return res, {w: ratios(res[w], rw[w]) for w in res}
 
-    for workload, (tree, fn) in WORKLOADS.items():
-        image = images[tree]["path"]
-        blob = images[tree]["blob"]
-        # source directory
-        samples = []
-        for _ in range(args.reps):
-            drop_source_cache(trees[tree])
-            samples.append(timed(fn, trees[tree]))
-        record("source", workload, samples)
-        # EROFS on a local file: the image in the page cache (as the daemon's cache files are when
-        # warm), and dropped from it (the disk's own speed)
-        samples, cold_samples = [], []
-        for _ in range(args.reps):
-            with erofs_mount(image, work) as m:
-                samples.append(timed(fn, m))
-            drop_file_cache(image)
-            with erofs_mount(image, work) as m:
-                cold_samples.append(timed(fn, m))
-        record("local", workload, samples)
-        record("local_disk", workload, cold_samples)
-        # EROFS on the FUSE daemon, cold then warm (a restarted daemon: a fresh FUSE page cache)
-        cold, warm, warm_dio = [], [], []
-        for rep in range(args.reps):
-            cache = work / f"cache-{workload}-{rep}"
-            mnt = work / f"mnt-fuse-{workload}"
-            log = work / "daemon.log"
-            with daemon(store_dir, cache, mnt, log) as fm, erofs_mount(fm / "blobs" / blob, work) as m:
-                cold.append(timed(fn, m))
-            with daemon(store_dir, cache, mnt, log) as fm, erofs_mount(fm / "blobs" / blob, work) as m:
-                warm.append(timed(fn, m))
-            with daemon(store_dir, cache, mnt, log) as fm, erofs_mount(fm / "blobs" / blob, work, "directio") as m:
-                warm_dio.append(timed(fn, m))
-            if rep:
-                shutil.rmtree(work / f"cache-{workload}-{rep - 1}", ignore_errors=True)
-        record("fuse_cold", workload, cold)
-        record("fuse_warm", workload, warm)
-        record("fuse_warm_directio", workload, warm_dio)
+    results, ratio = build(raw)
+    hot_results, hot_ratio = build(raw_hot) if hot_contenders else ({}, {})
 
-    # The hit path: cost of one FUSE request, with the big blob fully cached.
+    # The cost per FUSE request on the cache-hit path.
     big = images["big"]
-    cache = work / f"cache-seq-{args.reps - 1}"
-    hexd = big["blob"][3:]
-    with daemon(store_dir, cache, work / "mnt-hit", work / "daemon.log") as fm:
-        blob_file = fm / "blobs" / big["blob"]
-        request_json(cache, "POST", "/prefetch", {"blob": big["blob"], "all": True, "wait": True}, timeout=None)
-        hit = [hit_path_cost(blob_file, cache / "data" / hexd[:2] / hexd, big["size"], block, limit)
-               for block, limit in ((128 * 1024, 1 << 30), (4096, 64 << 20))]
-    for h in hit:
-        print(f"hit path, {h['block']} B requests: {h['fuse_us_per_request']:.1f} us each through FUSE, "
-              f"{h['cache_file_us_per_request']:.1f} us on the cache file; overhead {h['fuse_overhead_us']:.1f} us",
-              flush=True)
+    with daemon(store_url, im.warm_cache, work / "mnt-hit", work / "daemon.log", env) as d:
+        hit_kernel = hit_path_kernel(d, big["blob"], big["size"])
+    hit_handler = hit_path_handler(store_url, im.warm_cache, big["blob"], big["size"])
+    for h in hit_kernel:
+        print(f"hit path through the kernel, {h['block']:>7} B: {h['wall_us_per_request']:.1f} us/request wall, "
+              f"daemon CPU {h['daemon_cpu_us_per_request']:.1f} us/request", flush=True)
+    for h in hit_handler:
+        print(f"read handler alone, {h['block']:>7} B: {h['handler_us']:.2f} us (a pread of it: "
+              f"{h['pread_of_the_same_range_us']:.2f} us)", flush=True)
 
-    ratios = {c: {w: round(results[c][w]["MBps"] / results["local"][w]["MBps"], 3) for w in results[c]}
-              for c in results}
     s3 = run_s3(args, work) if args.s3 else None
+    goals: dict[str, Any] = {}
+    for name, (w, c, need) in GOALS.items():
+        if w == "s3":
+            if s3 is not None:
+                goals[name] = {"need": need, "ratio_paired_median": s3["ratio_paired_median"],
+                               "ratio_best": s3["ratio_best"], "met": s3["ratio_paired_median"] >= need}
+        elif c in ratio.get(w, {}):
+            r = ratio[w][c]
+            goals[name] = {"need": need, "ratio_paired_median": r["paired_median"], "ratio_best": r["best"],
+                           "met": r["paired_median"] >= need}
     doc = {
-        "benchmark": "fuse_read",
+        "benchmark": "read",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-        "params": {"size": args.size, "big_mib": args.big_mib, "reps": args.reps, "s3_mib": args.s3_mib if args.s3
-                   else None, "small_source": str(SMALL_SOURCE)},
-        "images": {k: {kk: vv for kk, vv in v.items() if kk != "path"} for k, v in images.items()},
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+                    "disk_read_ahead_kb": _read_ahead_of(work)},
+        "params": {"size": args.size, "big_mib": args.big_mib, "reps": args.reps,
+                   "s3_mib": args.s3_mib if args.s3 else None, "small_source": str(SMALL_SOURCE),
+                   "contenders": args.contenders, "workloads": args.workloads, "daemon_env": env,
+                   "daemon_args": DAEMON_ARGS},
+        "images": images,
+        "reference": REFERENCE,
         "results": results,
-        "ratio_to_local": ratios,
-        "hit_path": hit,
+        "ratio_to_erofs_local": ratio,
+        "hot": {"results": hot_results, "ratio_to_erofs_local": hot_ratio},
+        "hit_path": {"through_kernel": hit_kernel, "handler_alone": hit_handler},
         "s3": s3,
+        "goals": goals,
+        "unavailable": UNAVAILABLE,
         "loadavg_at_start": load_start,
         "loadavg_at_end": os.getloadavg(),
+        "duration_s": round(time.perf_counter() - t_start, 1),
         "notes": [
-            "MBps is best of `reps` runs (the machine is shared with other work; see loadavg); median_MBps too",
-            "ratios are to `local`: EROFS file-backed on the image file, image in the page cache",
-            "fuse_warm: EROFS buffered over the FUSE file (kernel readahead 1 MiB); fuse_warm_directio: "
-            "EROFS -o directio, every EROFS page-cache miss is a FUSE request",
-            "hit_path: per-request cost through FUSE (O_DIRECT on the blob file) vs pread of the cache file",
+            "every run: fresh EROFS mount, fresh daemon, then sync + drop_caches (3), then the timed workload; "
+            "`hot`: no drop, an untimed pass first, then a fresh EROFS mount",
+            "MBps: best of the rounds; median_MBps: median; ratio best: best/best; paired_median: median over "
+            "rounds of the same-round ratio to erofs_local (rounds interleave contenders, order rotating)",
+            "_dio: EROFS mounted with -o directio (EROFS reads its backing file with direct I/O)",
+            "fuse.requests: FUSE read requests the daemon answered (hits + misses); daemon_cpu_s: the daemon "
+            "process's utime+stime during the run (10 ms ticks); main thread: schedstat of the trio thread",
+            "reader_thread_ms / daemon_main_thread_ms: time on a CPU and time runnable but waiting for one "
+            "(schedstat): on a shared machine every FUSE round trip adds two wake-ups that may wait",
+            "page_cache_MiB after the run: erofs = EROFS's own page cache (all files), backing = the image file "
+            "or the FUSE blob file, node_cache_file = the node cache's data file of the blob",
         ],
-        "unavailable": {"erofsfuse": "not packaged in Debian 12 (erofs-utils 1.5 ships no erofsfuse)"},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    print(json.dumps(ratios, indent=2))
+    print(json.dumps({"ratio_to_erofs_local": ratio, "hot": hot_ratio, "goals": goals}, indent=1))
     print(f"results written to {args.out}")
     return 0
 
 
-def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Cold sequential read from an S3 store (local Ceph RGW) vs. that store's parallel GET rate."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tests.ceph_cluster import CephCluster
-
-    ceph = CephCluster(work / "ceph")
-    ceph.start(cephfs=False)
-    try:
-        env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
-        os.environ.update(env)
-        url = f"s3://fuse-bench/store?endpoint={ceph.endpoint}"
-        src = work / "src-s3"
-        make_big_tree(src, args.s3_mib, files=2)
-        with Store.open(url) as store:
-            store.init()
-            layer = build_layer(dir_entries(src, all_root=True), work / "s3.erofs", all_root=True)
-            push_layer(store, layer)
-        digests = sorted({r.digest for r in layer.refs})
-        with Store.open(url) as store, ThreadPoolExecutor(16) as pool:
-            t0 = time.perf_counter()
-            got = sum(len(b) for b in pool.map(store.get_chunk, digests))
-            get_s = time.perf_counter() - t0
-        get_mbps = got / get_s / 1e6
-        samples = []
-        for rep in range(args.reps):
-            cache = work / f"cache-s3-{rep}"
-            with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log", env) as fm, \
-                    erofs_mount(fm / "blobs" / layer.blob, work) as m:
-                samples.append(timed(seq_read, m))
-            shutil.rmtree(cache, ignore_errors=True)
-        best = min(s for s, _ in samples)
-        cold_mbps = samples[0][1] / best / 1e6
-        print(f"s3: parallel GET (16 threads, get_chunk) {get_mbps:.1f} MB/s; fuse_cold_s3 seq {cold_mbps:.1f} MB/s "
-              f"({cold_mbps / get_mbps:.2f}x)", flush=True)
-        return {"image_bytes": layer.size, "parallel_get_MBps": round(get_mbps, 1),
-                "fuse_cold_s3_seq": {"seconds": [round(s, 4) for s, _ in samples], "MBps": round(cold_mbps, 1)},
-                "ratio_to_parallel_get": round(cold_mbps / get_mbps, 3)}
-    finally:
-        ceph.stop()
+def _read_ahead_of(path: Path) -> int | None:
+    """read_ahead_kb of the device holding `path` (the node cache, the store and the images)."""
+    dev = os.stat(path).st_dev
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    return None
 
 
 if __name__ == "__main__":

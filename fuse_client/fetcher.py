@@ -4,8 +4,9 @@
   that position waits for it. A fetched payload is written to every position of the blob that has
   the same digest, so a chunk is fetched once per blob even when files repeat.
 - Bounded concurrency: a `PriorityLimiter` of `concurrency` slots orders flights demand-first;
-  prefetch additionally holds one of `prefetch_concurrency` tokens, so it never occupies more
-  than that many slots, and a demand reader joining a queued prefetch flight raises its priority.
+  prefetch additionally holds one of `prefetch_concurrency` tokens (default: three quarters of
+  the slots), so it never occupies more than that many slots, and a demand reader joining a
+  queued prefetch flight raises its priority.
 - Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Failures: a chunk that fails verification fails its flight (EIO for the readers; counted and
@@ -60,7 +61,10 @@ class Fetcher:
         self._nursery = nursery
         self._slots = PriorityLimiter(concurrency)
         self._threads = trio.CapacityLimiter(concurrency)
-        self._prefetch = trio.CapacityLimiter(prefetch_concurrency or max(1, concurrency // 2))
+        # Prefetch and readahead may hold three quarters of the slots: a sequential reader of a
+        # cold blob needs many fetches in flight (GET latency x bandwidth), and a demand fetch
+        # still finds a free slot at once or gets the next one (demand goes first).
+        self._prefetch = trio.CapacityLimiter(prefetch_concurrency or max(1, concurrency * 3 // 4))
         self._map_flights: dict[str, Flight] = {}
         self._last_error_log = 0.0
         self._suppressed = 0
