@@ -225,9 +225,16 @@ class Shim:
                      target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
                      created=time.time(), utab=utab_entry)
         # From here on, a crash leaves a `pending` mount that recovery rolls back.
-        with self.state.write() as t:
-            t.put_sandbox(sb, old=None)
-            t.put_pending(sid, "mount")
+        try:
+            with self.state.write() as t:
+                t.put_sandbox(sb, old=None)
+                t.put_pending(sid, "mount")
+        except BaseException:
+            if owned:
+                shutil.rmtree(sdir, ignore_errors=True)
+            elif created_dir:
+                rmdir_quiet(sdir)
+            raise
         fresh: dict[str, LayerMount] = {}
         mounted = False
         try:
