@@ -27,7 +27,7 @@ from layerstore.store import PutStats, Store
 from .chunking import ChunkPolicy, Cut, ImageLayout, cut
 from .parent import read_parent
 from .tree import Data, Entry, Kind
-from .writer import ImageWriter
+from .writer import PACK_TAILS, ImageWriter
 
 HASH_THREADS = max(2, os.cpu_count() or 2)
 IMAGE_MODE = 0o644  # before the umask
@@ -51,7 +51,7 @@ MAX_DEAD = 0.25
 
 def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None = None,
                 all_root: bool = False, progress: Callable[[int], None] | None = None,
-                pack_tails: bool = False, policy: ChunkPolicy | None = None, parent: Parent | None = None,
+                pack_tails: bool | int = PACK_TAILS, policy: ChunkPolicy | None = None, parent: Parent | None = None,
                 max_dead: float = MAX_DEAD) -> BuiltLayer:
     """Write the image for `entries` to `out_path` and cut it into chunks. `progress` is called
     with the number of content bytes each added entry carried.

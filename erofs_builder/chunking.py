@@ -8,9 +8,11 @@ gives identical chunks in different images:
 
 - a big extent (>= `big`) is cut alone at fixed offsets from its own start, `max_chunk` apart;
 - small extents are grouped without ever splitting one; a group ends after an extent whose
-  content hint falls under a threshold proportional to its length (content-defined, so an
-  insertion or a change disturbs only its own group), or before it would outgrow `max_group`;
-- each stable metadata group is one chunk; volatile metadata is cut every `max_chunk`;
+  hint (a hash of the file's name) falls under a threshold proportional to its length (so an
+  insertion or a change disturbs only its own group, and an edit that keeps the name moves no
+  boundary), or before it would outgrow `max_group`;
+- each stable metadata group is one chunk; volatile metadata is cut every `meta_chunk`;
+- cuts inherited from a parent image are repeated as they are;
 - every metadata chunk carries the METADATA flag; the chunks cover the image contiguously.
 """
 
@@ -28,7 +30,7 @@ from .format import BLOCK_SIZE
 class DataExtent:
     offset: int
     length: int
-    hint: int  # 32-bit content fingerprint used for group boundaries
+    hint: int  # 32-bit hash used for group boundaries (of the file's name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +64,15 @@ class ImageLayout:
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    max_chunk: int = 1 << 20
-    big: int = 256 << 10
-    min_group: int = 128 << 10
-    target_group: int = 512 << 10
-    max_group: int = 1 << 20
-    meta_chunk: int = 1 << 20  # volatile metadata is cut at fixed offsets this far apart
+    """Chunk sizes; docs/erofs-builder.md has the measured trade-off between chunk count and
+    deduplication behind the defaults."""
+
+    max_chunk: int = 1 << 20  # big files are cut this far apart, from their own start
+    big: int = 64 << 10  # a run at least this long is chunked alone
+    min_group: int = 32 << 10
+    target_group: int = 128 << 10
+    max_group: int = 256 << 10
+    meta_chunk: int = 64 << 10  # volatile metadata is cut at fixed offsets this far apart
 
 
 def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:

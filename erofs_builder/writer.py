@@ -27,18 +27,21 @@ BS = fmt.BLOCK_SIZE
 _FLUSH = 1 << 20
 _ZEROS = bytes(BS)
 PATH_MAX = 4096
+PACK_TAILS = BS // 2
 
 
 class ImageWriter:
     def __init__(self, out: BinaryIO, *, mtime_clamp: int | None = None, all_root: bool = False,
-                 pack_tails: bool = False, parent: ParentImage | None = None) -> None:
-        """`pack_tails` also packs the last partial block of multi-block files into the metadata
-        (a smaller image). With `parent`, the parent's data area is copied first and every run
-        of data the parent already holds keeps its address (see metadata.py for the records)."""
+                 pack_tails: bool | int = PACK_TAILS, parent: ParentImage | None = None) -> None:
+        """`pack_tails`: the last partial block of a multi-block file goes inline into its
+        inode when it is at most this many bytes (True: whenever it fits, False: never). The
+        default, half a block, packs a tail only when that saves at least as many bytes of
+        padding as it moves into the metadata. With `parent`, the parent's data area is copied
+        first and every run of data the parent already holds keeps its address."""
         self._out = out
         self._clamp = mtime_clamp
         self._all_root = all_root
-        self._pack_tails = pack_tails
+        self._tail_max = BS if pack_tails is True else int(pack_tails)
         self._root = Inode(Kind.DIR, b"")
         self._root.mtime = mtime_clamp or 0
         self._explicit: set[bytes] = set()
@@ -189,8 +192,8 @@ class ImageWriter:
         p = plan(self._root, parent.meta if parent else None)
         # entries of large directories and the shared xattrs go to the data area: they hold
         # nids and xattr ids, but their own addresses then sit outside the metadata area
-        dir_addr = {id(rec): self._store_run(_pad(data)) // BS for rec, data in p.dir_blocks}
-        xattr_blkaddr = self._store_run(_pad(p.xattr_area)) // BS if p.xattr_area else 0
+        dir_addr = {id(rec): self._store_run(_pad(data), rec.path) // BS for rec, data in p.dir_blocks}
+        xattr_blkaddr = self._store_run(_pad(p.xattr_area), b"") // BS if p.xattr_area else 0
         meta_start = self._pos
         md = pack(p, dir_addr=dir_addr, xattr_blkaddr=xattr_blkaddr, meta_start=meta_start,
                   data_digests=self._digests)
@@ -221,7 +224,7 @@ class ImageWriter:
         self._cur.update(buf)
         self._pos += len(buf)
 
-    def _commit_run(self, offset: int, length: int) -> int:
+    def _commit_run(self, offset: int, length: int, path: bytes) -> int:
         """End the run just written at `offset` like `_end_extent`, unless the same bytes are
         already stored: then forget it (later data overwrites it) and return their offset."""
         key = (self._cur.digest(), length)
@@ -230,7 +233,7 @@ class ImageWriter:
             self._rewind(offset)
             return have
         self._runs[key] = offset
-        self._end_extent(offset, length)
+        self._end_extent(offset, length, path)
         return offset
 
     def _rewind(self, offset: int) -> None:
@@ -252,13 +255,14 @@ class ImageWriter:
             node.blkaddr = have // BS
             return
         old = self._parent.blocks_of(path) if self._parent is not None else None
-        if old and _readable(self._out) and self._keep_parent_blocks(node, old, start, length, tail):
+        if old and _readable(self._out) and self._keep_parent_blocks(node, path, old, start, length, tail):
             return
         self._runs[key] = start
-        self._end_extent(start, length)
+        self._end_extent(start, length, path)
         node.blkaddr = start // BS
 
-    def _keep_parent_blocks(self, node: Inode, old: list[int], start: int, length: int, tail: bytes) -> bool:
+    def _keep_parent_blocks(self, node: Inode, path: bytes, old: list[int], start: int, length: int,
+                            tail: bytes) -> bool:
         out = self._out
         out.flush()
         nblocks = length // BS
@@ -296,25 +300,27 @@ class ImageWriter:
         self._rewind(cursor)
         if cursor > start:
             self._digests.append(h.digest())
-            self._extents.append(DataExtent(start, cursor - start, int.from_bytes(h.digest()[:4], "little")))
+            self._extents.append(DataExtent(start, cursor - start, _hint(path)))
         node.layout = fmt.LAYOUT_CHUNK_BASED
         node.chunkbits = 0
         node.blockmap = blockmap
         node.inline = b""
         return True
 
-    def _store_run(self, data: bytes) -> int:
+    def _store_run(self, data: bytes, path: bytes) -> int:
         """Store `data` (block aligned) as one run; returns its image offset."""
         start = self._pos
         self._write(data)
-        return self._commit_run(start, len(data))
+        return self._commit_run(start, len(data), path)
 
-    def _end_extent(self, offset: int, length: int) -> None:
-        """Record the data run just written; its digest is its content hint and feeds the UUID."""
+    def _end_extent(self, offset: int, length: int, path: bytes) -> None:
+        """Record the data run just written (its digest feeds the UUID). Its grouping hint
+        comes from the file's name, not its content: an edited file then leaves the chunk
+        boundaries where they were, and the same files under another prefix group alike."""
         digest = self._cur.digest()
         self._cur = blake3.blake3()
         self._digests.append(digest)
-        self._extents.append(DataExtent(offset, length, int.from_bytes(digest[:4], "little")))
+        self._extents.append(DataExtent(offset, length, _hint(path)))
 
     def _store_symlink(self, node: Inode, target: bytes | None, path: bytes) -> None:
         if not target:
@@ -327,7 +333,7 @@ class ImageWriter:
             node.inline = target
             node.layout = fmt.LAYOUT_FLAT_INLINE
         else:
-            node.blkaddr = self._store_run(target + _ZEROS[: (-len(target)) % BS]) // BS
+            node.blkaddr = self._store_run(target + _ZEROS[: (-len(target)) % BS], path) // BS
 
     def _store_file(self, node: Inode, data: Data, path: bytes) -> None:
         size = node.size
@@ -349,7 +355,7 @@ class ImageWriter:
             node.inline = bytes(buf)
             node.layout = fmt.LAYOUT_FLAT_INLINE
             return
-        _FileSink(self, node, path, room if self._pack_tails else -1).run(data)
+        _FileSink(self, node, path, min(room, self._tail_max) if self._tail_max else -1).run(data)
 
 
 class _FileSink:
@@ -386,7 +392,7 @@ class _FileSink:
         self.pending += _ZEROS[:pad]
         self._flush()
         self.runs.append((self.run_file, self.run_img, self.written))
-        self.w._end_extent(self.run_img, self.written)
+        self.w._end_extent(self.run_img, self.written, self.path)
         self.run_file = -1
 
     def run(self, data: Data) -> None:
@@ -485,11 +491,11 @@ class _FileSink:
                 new_runs[-1] = (f, i, n + len(chunks[c]))
             else:
                 if new_runs:
-                    w._end_extent(new_runs[-1][1], new_runs[-1][2])
+                    w._end_extent(new_runs[-1][1], new_runs[-1][2], self.path)
                 new_runs.append((c * chunk, w._pos, len(chunks[c])))
             w._write(chunks[c])
         if new_runs:
-            w._end_extent(new_runs[-1][1], new_runs[-1][2])
+            w._end_extent(new_runs[-1][1], new_runs[-1][2], self.path)
         return new_runs
 
 
@@ -529,6 +535,10 @@ def _best_chunk_bits(runs: list[tuple[int, int, int]], size: int, can_rewrite: b
         if nchunks == 1:
             break
     return best
+
+
+def _hint(path: bytes) -> int:
+    return int.from_bytes(blake3.blake3(path.rpartition(b"/")[2]).digest()[:4], "little")
 
 
 def _pad(data: bytes) -> bytes:

@@ -159,9 +159,11 @@ def test_sparse_file_small_holes(tmp_path: Path) -> None:
     build_and_check(src, tmp_path)
 
 
-def test_pack_tails_variant(tmp_path: Path) -> None:
+def test_pack_tails_variants(tmp_path: Path) -> None:
+    """Tails up to half a block are packed by default; True packs any that fits, False none."""
     src = tmp_path / "src"
-    make_tree(src, {f"f{i}": os.urandom(4096 * (i % 3) + i * 13) for i in range(1, 60)})
-    plain = build_and_check(src, tmp_path, "plain.img")
+    make_tree(src, {f"f{i}": os.urandom(4096 * (i % 3) + i * 67) for i in range(1, 60)})
+    plain = build_and_check(src, tmp_path, "plain.img", pack_tails=False)
+    half = build_and_check(src, tmp_path, "half.img")
     packed = build_and_check(src, tmp_path, "packed.img", pack_tails=True)
-    assert packed.stat().st_size < plain.stat().st_size
+    assert packed.stat().st_size <= half.stat().st_size < plain.stat().st_size
