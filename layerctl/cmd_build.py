@@ -133,8 +133,11 @@ class _Bar:
 @json_option
 @click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the image's runtime config JSON here (oci:/docker-archive: sources).")
+@click.option("--parent", default=None, metavar="DIGEST|FILE",
+              help="Build on an earlier image of the same tree (its blob digest, or an image file whose chunk map "
+                   "is in the store): unchanged files keep their chunks.")
 def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, role: str | None, all_root: bool,
-              mtime: int | None, as_json: bool, config_out: Path | None) -> None:
+              mtime: int | None, as_json: bool, config_out: Path | None, parent: str | None) -> None:
     """Build SRC into EROFS layer images.
 
     SRC is a directory, a tar file (plain, gzip or zstd; '-' reads stdin), oci:PATH[:REF] (an OCI
@@ -145,29 +148,34 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     source = resolve_source(src, all_root=all_root)
     if config_out is not None and source.config is None:
         raise ConfigError("--config-out needs an image source (oci:PATH or docker-archive:PATH)")
+    if parent is not None and source.multi:
+        raise ConfigError("--parent needs a single-layer source (a directory or a tar)")
     store = None
-    if push:
+    if push or parent is not None:
         from .cmd_store import open_store
 
         store = open_store(store_url)
     results: list[dict[str, Any]] = []
     try:
-        with _Bar(not as_json) as bar, _Staging(output, source.multi) as staging:
+        with _Bar(not as_json) as bar, _Staging(output, source.multi) as staging, _parent(parent, store, output) as par:
             built = []
             for i, layer in enumerate(source.layers):
                 what = f"layer {i + 1}/{len(source.layers)}" if source.multi else "building"
                 progress = bar.task(f"{what}: reading", layer.size)
                 built.append(build_layer(layer.entries(progress), staging.path_for(i), mtime_clamp=mtime,
-                                         all_root=all_root, progress=None if layer.counts_input else progress))
+                                         all_root=all_root, progress=None if layer.counts_input else progress,
+                                         parent=par))
             published = staging.publish(built)
             for i, layer in enumerate(built):
                 res: dict[str, Any] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
                                        "new_bytes": None, "files": layer.files}
-                if store is not None:
+                if push and store is not None:
                     stats = push_layer(store, layer, progress=bar.task(f"pushing {layer.blob[:15]}", layer.size))
                     res["chunks"], res["new_bytes"] = stats.chunks, stats.new_bytes
                 if role:
                     res["role"] = role
+                if parent is not None:
+                    res["parent_used"] = layer.parent_used
                 res["_path"] = published[i]
                 res["_payload"] = sum(ref.length for ref in layer.refs)
                 results.append(res)
@@ -183,6 +191,14 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     _report(results, source.multi, as_json, store.url if store is not None else None)
 
 
+def _parent(spec: str | None, store: Any, output: Path | None) -> contextlib.AbstractContextManager[Any]:
+    if spec is None:
+        return contextlib.nullcontext(None)
+    from erofs_builder.parent import parent_source
+
+    return parent_source(spec, store, output.absolute().parent if output is not None else Path(tempfile.gettempdir()))
+
+
 def _report(results: list[dict[str, Any]], multi: bool, as_json: bool, store_url: str | None) -> None:
     public = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     if as_json:
@@ -193,6 +209,8 @@ def _report(results: list[dict[str, Any]], multi: bool, as_json: bool, store_url
         role = f" ({r['role']})" if r.get("role") else ""
         click.echo(f"{head}{r['blob']}{role}")
         click.echo(f"  {r['files']} files, image {human_bytes(r['size'])}, {r['chunks']} chunks")
+        if r.get("parent_used") is False:
+            click.echo("  parent set aside (too much of it is no longer referenced): laid out afresh")
         if r["new_bytes"] is not None:
             dedup = max(0, r["_payload"] - r["new_bytes"])
             click.echo(f"  pushed to {store_url}: {human_bytes(r['new_bytes'])} new, "
