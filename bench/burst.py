@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 from bench.burst import report, spec  # noqa: E402
-from bench.burst.orchestrate import Bench, Options  # noqa: E402
+from bench.burst.orchestrate import Bench, Options, remeasure_readset  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
                     help="comma-separated subset of " + ",".join(spec.SIZES["full"].contenders))
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every contender (default: the size's)")
     ap.add_argument("--no-readset", action="store_true", help="skip measuring the bytes the tasks read")
+    ap.add_argument("--readset-only", type=Path, default=None, metavar="RESULTS",
+                    help="only measure the bytes read again for an existing results file, and re-render")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
@@ -45,10 +47,13 @@ def parse_args(argv: list[str] | None = None) -> Options:
         if e not in spec.ENVIRONMENTS:
             ap.error(f"unknown environment {e!r} (known: {', '.join(spec.ENVIRONMENTS)})")
     contenders = tuple(a.contenders.split(",")) if a.contenders else size.contenders
+    if a.readset_only is not None:
+        a.output = a.readset_only
     opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes, rate_mbit=a.rate_mbit or size.rate_mbit,
                    environments=envs, contenders=contenders,
                    output=a.output or REPO / "bench" / "results" / f"burst-{size.name}.json",
-                   readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs)
+                   readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs,
+                   readset_only=a.readset_only is not None)
     return opts
 
 
@@ -57,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("burst: needs root (network namespaces, mounts, runc)", file=sys.stderr)
         return 2
+    if opts.readset_only:
+        results = remeasure_readset(opts.output)
+        sys.stdout.write(report.render(opts.output, opts.docs, opts.output.parent))
+        return 0
     results = Bench(opts).run()
     section = report.render(opts.output, opts.docs, opts.output.parent)
     sys.stdout.write(section)
