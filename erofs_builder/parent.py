@@ -19,7 +19,6 @@ the data area, records in the metadata area); anything else is a `BadInput`.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import stat
 import struct
@@ -49,6 +48,7 @@ _EXTENDED = struct.Struct("<HHHHQIIIIQII16x")
 _DIRENT = struct.Struct("<QHBx")
 _XATTR_ENTRY = struct.Struct("<BBH")
 _CHUNK_INDEXES = 0x20
+_READ = 1 << 20
 _PREFIX_OF = {index: (prefix, whole) for prefix, index, whole in fmt.XATTR_PREFIXES}
 
 
@@ -88,9 +88,18 @@ class _Ino:
 
 
 class _Reader:
-    def __init__(self, image: memoryview, data_end: int, size: int, where: str) -> None:
-        self.img, self.data_end, self.size, self.where = image, data_end, size, where
-        self.meta = image[data_end:size]
+    def __init__(self, fd: int, data_end: int, size: int, where: str) -> None:
+        self.fd, self.data_end, self.size, self.where = fd, data_end, size, where
+        self.meta = self.read(data_end, size - data_end)
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray()
+        while len(out) < length:
+            buf = os.pread(self.fd, min(length - len(out), _READ), offset + len(out))
+            if not buf:
+                raise self.bad("shorter than its superblock says")
+            out += buf
+        return bytes(out)
 
     def bad(self, why: str) -> BadInput:
         return BadInput(f"parent image {self.where}: {why}")
@@ -133,7 +142,7 @@ class _Reader:
             raise self.bad(f"nid {nid} runs past the metadata area")
         return _Ino(nid, mode, layout, size, i_u, total, shared)
 
-    def tail(self, ino: _Ino) -> memoryview:
+    def tail(self, ino: _Ino) -> bytes:
         """The inline part of a record (inline data, inline dirents, or the block map)."""
         end = ino.nid * fmt.ISLOT + ino.total
         n = ino.size - (fmt.blocks_of(ino.size) - 1) * BS if ino.layout == fmt.LAYOUT_FLAT_INLINE else 0
@@ -142,11 +151,21 @@ class _Reader:
             n = 4 * ((ino.size + chunk - 1) // chunk)
         return self.meta[end - n:end]
 
-    def data(self, blkaddr: int, length: int) -> memoryview:
+    def check(self, blkaddr: int, length: int) -> int:
         start = blkaddr * BS
         if not (start >= BS and start + length <= self.data_end):
             raise self.bad(f"blocks {blkaddr}+{fmt.blocks_of(length)} lie outside the data area")
-        return self.img[start:start + length]
+        return start
+
+    def data(self, blkaddr: int, length: int) -> bytes:
+        return self.read(self.check(blkaddr, length), length)
+
+    def digest(self, blkaddr: int, length: int) -> bytes:
+        start = self.check(blkaddr, length)
+        h = blake3.blake3()
+        for off in range(0, length, _READ):
+            h.update(self.read(start + off, min(_READ, length - off)))
+        return h.digest()
 
     def dirents(self, ino: _Ino) -> Iterator[tuple[bytes, int, int]]:
         if ino.layout == fmt.LAYOUT_FLAT_INLINE:
@@ -180,23 +199,19 @@ def read_parent(image: str | os.PathLike[str], refs: Sequence[ChunkRef | Cut]) -
         size = os.fstat(f.fileno()).st_size
         if size < BS:
             raise BadInput(f"parent image {path}: too small ({size} bytes)")
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                return _read(view, size, path, refs)
-            finally:
-                view.release()
+        return _read(f.fileno(), size, path, refs)
 
 
-def _read(view: memoryview, size: int, path: Path, refs: Sequence[ChunkRef | Cut]) -> ParentImage:
+def _read(fd: int, size: int, path: Path, refs: Sequence[ChunkRef | Cut]) -> ParentImage:
+    sb = os.pread(fd, _SUPER.size, fmt.SUPER_OFFSET).ljust(_SUPER.size, b"\0")
     (magic, _csum, _compat, blkbits, _ext, root_nid, _inos, bt, bt_nsec, blocks, meta_blkaddr, xattr_blkaddr,
-     uuid, _vol, incompat, _u1) = _SUPER.unpack_from(view, fmt.SUPER_OFFSET)
+     uuid, _vol, incompat, _u1) = _SUPER.unpack(sb)
     if magic != fmt.MAGIC or blkbits != fmt.BLOCK_BITS:
         raise BadInput(f"parent image {path}: not an EROFS image with 4 KiB blocks")
     if incompat & ~fmt.FEATURE_INCOMPAT_CHUNKED_FILE or blocks * BS != size or not 1 <= meta_blkaddr < blocks:
         raise BadInput(f"parent image {path}: not laid out by this builder")
     data_end = meta_blkaddr * BS
-    r = _Reader(view, data_end, size, str(path))
+    r = _Reader(fd, data_end, size, str(path))
     slots_raw: list[tuple[int, int, bytes]] = []  # (pos, total, path)
     runs: dict[tuple[bytes, int], int] = {}
     live: list[tuple[int, int]] = []
@@ -205,7 +220,7 @@ def _read(view: memoryview, size: int, path: Path, refs: Sequence[ChunkRef | Cut
 
     def share(blkaddr: int, length: int) -> None:
         if length:
-            runs.setdefault((blake3.blake3(r.data(blkaddr, length)).digest(), length), blkaddr * BS)
+            runs.setdefault((r.digest(blkaddr, length), length), blkaddr * BS)
             live.append((blkaddr * BS, length))
 
     def visit(ino: _Ino, where: bytes) -> None:
@@ -220,7 +235,7 @@ def _read(view: memoryview, size: int, path: Path, refs: Sequence[ChunkRef | Cut
                 addr = int.from_bytes(blockmap[4 * c:4 * c + 4], "little")
                 if addr != fmt.NULL_ADDR:
                     n = min(chunk, fmt.align(ino.size - c * chunk, BS))
-                    r.data(addr, n)
+                    r.check(addr, n)
                     live.append((addr * BS, n))
                     runs.append((c * chunk // BS, addr, n // BS))
             if kind == stat.S_IFREG and runs:
@@ -270,16 +285,17 @@ def _read(view: memoryview, size: int, path: Path, refs: Sequence[ChunkRef | Cut
     if xattr_area:
         share(xattr_blkaddr, fmt.align(len(xattr_area), BS))
     slots = _slots(slots_raw, r.meta)
-    meta_live = sum(fmt.align(total, fmt.ISLOT) for _p, total, _w in slots_raw)
+    # metadata blocks that hold no live record (padding within a block is not dead)
+    meta_live = {b for pos, total, _w in slots_raw for b in range(pos // BS, (pos + total - 1) // BS + 1)}
     data_cuts, meta_cuts = _split_cuts(refs, data_end, size, path)
-    meta = ParentMeta(area=bytes(r.meta), slots=slots, build_time=(bt, bt_nsec), xattr_area=xattr_area,
+    meta = ParentMeta(area=r.meta, slots=slots, build_time=(bt, bt_nsec), xattr_area=xattr_area,
                       xattr_ids=xattr_ids, cuts=meta_cuts, uuid=bytes(uuid))
-    dead = (data_end - BS - _union(live)) + max(0, len(r.meta) - meta_live)
+    dead = (data_end - BS - _union(live)) + len(r.meta) - len(meta_live) * BS
     return ParentImage(path=path, size=size, data_end=data_end, runs=runs, meta=meta, data_cuts=data_cuts,
                        dead_bytes=dead, files=files)
 
 
-def _slots(recs: list[tuple[int, int, bytes]], meta: memoryview) -> dict[bytes, Slot]:
+def _slots(recs: list[tuple[int, int, bytes]], meta: bytes) -> dict[bytes, Slot]:
     """Each live record's room: up to the next live record, and within its block unless it
     already spans blocks (only records without inline data do)."""
     out: dict[bytes, Slot] = {}
@@ -306,8 +322,10 @@ def _xattr_area(r: _Reader, blkaddr: int, ids: set[int]) -> tuple[bytes, dict[tu
     while off // 4 <= last:
         if not BS <= start + off + 4 <= r.data_end:
             raise r.bad("shared xattrs run past the data area")
-        name_len, index, value_len = _XATTR_ENTRY.unpack_from(r.img, start + off)
-        body = bytes(r.img[start + off + 4:start + off + 4 + name_len + value_len])
+        name_len, index, value_len = _XATTR_ENTRY.unpack(r.read(start + off, 4))
+        if start + off + 4 + name_len + value_len > r.data_end:
+            raise r.bad("shared xattrs run past the data area")
+        body = r.read(start + off + 4, name_len + value_len)
         if index not in _PREFIX_OF:
             raise r.bad(f"shared xattr with name index {index}")
         prefix, whole = _PREFIX_OF[index]
@@ -317,7 +335,7 @@ def _xattr_area(r: _Reader, blkaddr: int, ids: set[int]) -> tuple[bytes, dict[tu
         off += fmt.align(4 + name_len + value_len, 4)
     if not ids <= starts:
         raise r.bad("an inode names a shared xattr id that starts no entry")
-    return bytes(r.img[start:start + off]), found
+    return r.read(start, off), found
 
 
 def _split_cuts(refs: Sequence[ChunkRef | Cut], data_end: int, size: int,

@@ -3,6 +3,7 @@ mounts and shows exactly as described, and that rebuilds byte for byte."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import tempfile
 from pathlib import Path
@@ -114,3 +115,46 @@ def test_any_tree_round_trips_through_the_kernel(tree: list[tuple[Entry, Any, An
         b = build_layer([(e, list(p) if p is not None else None) for e, p, _c in tree], Path(tmp) / "b.img",
                         mtime_clamp=clamp)
         assert (a.blob, a.refs) == (b.blob, b.refs)
+
+
+@st.composite
+def releases(draw: Any) -> tuple[list[tuple[Entry, Any, Any]], list[tuple[Entry, Any, Any]]]:
+    """A tree and a next release of it: entries dropped, files edited (often keeping a prefix),
+    metadata changed, and a few new entries."""
+    first = draw(trees())
+    second: list[tuple[Entry, Any, Any]] = []
+    kept: set[bytes] = set()
+    for e, pieces, content in first:
+        if draw(st.integers(0, 5)) == 0 or (e.hardlink is not None and e.hardlink not in kept):
+            continue
+        what = draw(st.sampled_from(["same", "same", "same", "edit", "meta"]))
+        if what == "edit" and e.kind is Kind.REG and e.hardlink is None:
+            _p, extra = draw(contents())
+            content = content[:draw(st.integers(0, len(content)))] + extra
+            pieces = [content[i:i + 70_000] for i in range(0, len(content), 70_000)]
+            e = dataclasses.replace(e, size=len(content))
+        elif what == "meta" and e.hardlink is None:
+            e = dataclasses.replace(e, mode=draw(st.integers(0, 0o7777)), uid=draw(owners))
+        kept.add(e.path)
+        second.append((e, pieces, content))
+    for e, pieces, content in draw(trees()):
+        moved = dataclasses.replace(e, path=b"new/" + e.path,
+                                    hardlink=None if e.hardlink is None else b"new/" + e.hardlink)
+        second.append((moved, pieces, content))
+    return first, second
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(pair=releases())
+def test_a_release_built_on_its_parent_round_trips(pair: tuple[list[Any], list[Any]]) -> None:
+    first, second = pair
+    with tempfile.TemporaryDirectory(prefix="erofs-hyp-") as tmp:
+        a = build_layer([(e, p) for e, p, _c in first], Path(tmp) / "a.img")
+        b = build_layer([(e, p) for e, p, _c in second], Path(tmp) / "b.img", parent=a)
+        assert b.parent_used
+        fsck_erofs(b.path)
+        with mounted_erofs(b.path) as mnt:
+            got = snapshot_tree(mnt)
+        assert_trees_equal(expected_snapshot([(e, c) for e, _p, c in second]), got)
+        again = build_layer([(e, p) for e, p, _c in second], Path(tmp) / "again.img", parent=a)
+        assert (again.blob, again.refs) == (b.blob, b.refs)
