@@ -332,10 +332,15 @@ class BlobFS(pyfuse3.Operations):
             self.trace.record(e.blob, len(e.present), first, last)
         if not e.is_meta[first]:
             if self.readahead and e.seq_end >= 0 and 0 <= off - e.seq_end <= SEQ_SLACK:
-                # A sequential stream missed: start a readahead window right after this read, so
-                # that the store fetches of the next chunks overlap with this one.
-                e.ra_end = last
-                self._extend_readahead(e)
+                # A sequential stream missed: make sure a readahead window runs ahead of it, so
+                # that the store fetches of the next chunks overlap with this one. A window that
+                # is already just ahead (the reader caught up with chunks still in flight) is
+                # kept, not pulled back: pulling it back re-requested the same chunks at every
+                # miss and the window never got ahead.
+                if not last <= e.ra_end <= last + 2 * self.readahead:
+                    e.ra_end = last
+                if e.ra_end - last < self.readahead:
+                    self._extend_readahead(e)
             else:
                 e.ra_mark = len(e.present)
             e.seq_end = end
@@ -399,7 +404,9 @@ class BlobFS(pyfuse3.Operations):
         stop = min(start + self.readahead, n)
         e.ra_mark = start if start < n else n
         e.ra_end = stop
-        todo = [i for i in range(start, stop) if not e.present[i]]
+        busy = self.cache.busy
+        # Chunks in flight already need no prefetch task (it would hold a token just to wait).
+        todo = [i for i in range(start, stop) if not e.present[i] and (e.blob, i) not in busy]
         if todo:
             self.fetcher.readahead(e, todo)
 

@@ -496,3 +496,41 @@ async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
         assert r.stats.blobs[cmap.blob].hits > 0
         assert sum("cannot map" in rec.getMessage() for rec in caplog.records) == 1  # said once
         await r.fs.release(fh)
+
+
+@pytest.mark.trio
+async def test_sequential_reader_of_a_cold_blob_keeps_the_fetch_slots_busy(store: Store, data: bytes,
+                                                                            tmp_path: Path) -> None:
+    """The readahead window runs ahead of a sequential reader: while the reader waits for one
+    chunk, the prefetch tokens' worth of the following chunks are being fetched."""
+    cmap = put_blob(store, data)
+    lock = threading.Lock()
+    state = {"now": 0, "max": 0}
+    release = threading.Event()
+
+    class Slow:
+        """Loads wait until six are in flight at once (or a generous timeout), so the test
+        sees how many the daemon keeps in flight; counts the peak."""
+
+        def get_chunk(self, digest: str) -> bytes:
+            with lock:
+                state["now"] += 1
+                state["max"] = max(state["max"], state["now"])
+                if state["now"] >= 6:
+                    release.set()
+            release.wait(2)
+            try:
+                return store.get_chunk(digest)
+            finally:
+                with lock:
+                    state["now"] -= 1
+
+        def get_chunk_map(self, blob: str) -> ChunkMap:
+            return store.get_chunk_map(blob)
+
+    async with rig(Slow(), tmp_path / "cache", concurrency=8) as r:  # type: ignore[arg-type]
+        fh = await r.open_blob(cmap.blob)
+        assert await r.read_all(fh, len(data), CHUNK) == data
+        assert state["max"] >= 6  # 3/4 of 8 slots for readahead, plus the demand fetch
+        assert r.stats.blobs[cmap.blob].fetched_bytes == len(data)  # each chunk once
+        await r.fs.release(fh)
