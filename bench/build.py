@@ -3,12 +3,20 @@
 1. Throughput and size on a real Debian userland (`mmdebstrap --variant=minbase bookworm`,
    extracted under bench/.cache/erofs-build/rootfs): our build_layer (build + chunk + hash)
    vs mkfs.erofs (erofs-utils, uncompressed and -zlz4hc), MB/s of file content and image size.
-   All runs read a warm page cache (the tree is read once before timing); best of N runs.
+   All runs read a warm page cache (the tree is read once before timing); rounds of the tools
+   alternate, so that load from other work on the machine spreads over all of them; best of N.
 2. Dedup: ten successive releases of one project's source tree (sdists from PyPI, downloaded
-   with pip), each built as a layer and pushed to one fresh local store: stored bytes / the
-   largest release's image. A fixed 1 MiB cut of the same images is the baseline.
+   with pip), each built as a layer and pushed to one fresh local store, in several variants:
+   as extracted or normalised (all_root + mtime clamp), each release built afresh or on the
+   previous release's image (`parent=`), and chunk policies around the default. For each:
+   new uncompressed bytes / the largest release's image, and stored (zstd-compressed) bytes /
+   the largest release's image pushed alone. "The largest release" is always a fresh build
+   with the variant's image options (a parent-built image also holds bytes nothing uses any
+   more, so it would flatter the ratio). A fixed 1 MiB cut of the same images is a baseline.
 
-Writes bench/results/build.json. Usage: python bench/build.py [--runs N] [--package django --versions ...]
+Writes bench/results/build.json. Usage: python bench/build.py [--size quick|full] [--runs N]
+[--package django --versions ...]; --size defaults to $BENCH_SIZE (as `make bench` sets it),
+else quick (the chunk-policy trade-off variants run only with full).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
@@ -30,7 +39,7 @@ import blake3
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from erofs_builder.build import build_layer, push_layer  # noqa: E402
+from erofs_builder.build import BuiltLayer, build_layer, push_layer  # noqa: E402
 from erofs_builder.chunking import ChunkPolicy  # noqa: E402
 from erofs_builder.source_dir import dir_entries  # noqa: E402
 from layerstore.chunker import fixed_boundaries  # noqa: E402
@@ -75,51 +84,60 @@ def tree_stats(root: Path) -> dict[str, int]:
     return {"entries": entries + 1, "regular_files": files, "content_bytes": size}
 
 
-def best_of(runs: int, fn) -> tuple[float, object]:  # type: ignore[no-untyped-def]
-    best, result = float("inf"), None
-    for _ in range(runs):
-        t = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, result
-
-
 def bench_throughput(rootfs: Path, runs: int, work: Path) -> dict[str, object]:
     stats = tree_stats(rootfs)
     for _ in dir_entries(rootfs):  # warm the page cache (reads metadata; contents below)
         pass
     sh("tar", "-cf", "/dev/null", "-C", str(rootfs), ".")
-    out: dict[str, object] = {"tree": str(rootfs.relative_to(ROOT)), **stats}
-    ours = work / "ours.img"
-
-    def run_ours():  # type: ignore[no-untyped-def]
-        return build_layer(dir_entries(rootfs), ours)
-
-    secs, layer = best_of(runs, run_ours)
-    out["layerstore"] = {"seconds": round(secs, 3), "MBps": round(stats["content_bytes"] / MB / secs, 1),
-                         "image_bytes": layer.size, "chunks": len(layer.refs),  # type: ignore[union-attr]
-                         "what": "build + chunk + hash (build_layer)"}
-    packed = build_layer(dir_entries(rootfs), work / "packed.img", pack_tails=True)
-    out["layerstore_pack_tails"] = {"image_bytes": packed.size, "chunks": len(packed.refs)}
+    out: dict[str, object] = {"tree": str(rootfs.relative_to(ROOT)), **stats, "loadavg_at_start": os.getloadavg()}
     dpkg = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "erofs-utils"], capture_output=True, text=True)
     out["mkfs_version"] = f"erofs-utils {dpkg.stdout.strip() or 'unknown'}"
-    for name, extra in (("mkfs_erofs", []), ("mkfs_erofs_lz4hc", ["-zlz4hc"])):
-        img = work / f"{name}.img"
+    ours = work / "ours.img"
+    layers: list[BuiltLayer] = []
 
-        def run_mkfs(img: Path = img, extra: list[str] = extra) -> None:  # type: ignore[misc]
-            if img.exists():
-                img.unlink()
-            sh("mkfs.erofs", "--quiet", "-U", "00000000-0000-0000-0000-000000000001", *extra, str(img), str(rootfs))
-            fd = os.open(img, os.O_RDONLY)  # durable, like build_layer's output
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    def run_ours() -> None:
+        layers.append(build_layer(dir_entries(rootfs), ours))
 
-        secs, _ = best_of(runs, run_mkfs)
-        out[name] = {"seconds": round(secs, 3), "MBps": round(stats["content_bytes"] / MB / secs, 1),
-                     "image_bytes": img.stat().st_size, "args": " ".join(extra) or "(defaults)",
-                     "what": "mkfs.erofs + fsync of the image"}
+    def run_mkfs(img: Path, extra: list[str]) -> None:
+        if img.exists():
+            img.unlink()
+        sh("mkfs.erofs", "--quiet", "-U", "00000000-0000-0000-0000-000000000001", *extra, str(img), str(rootfs))
+        fd = os.open(img, os.O_RDONLY)  # durable, like build_layer's output
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    contenders: dict[str, Callable[[], None]] = {
+        "layerstore": run_ours,
+        "mkfs_erofs": lambda: run_mkfs(work / "mkfs_erofs.img", []),
+        "mkfs_erofs_lz4hc": lambda: run_mkfs(work / "mkfs_erofs_lz4hc.img", ["-zlz4hc"]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(runs):  # alternate, so that outside load hits every contender alike
+        for name, fn in contenders.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    layer = layers[-1]
+    for name in contenders:
+        secs = min(times[name])
+        entry: dict[str, object] = {"seconds": round(secs, 3), "MBps": round(stats["content_bytes"] / MB / secs, 1),
+                                    "all_seconds": [round(x, 3) for x in times[name]]}
+        if name == "layerstore":
+            meta = sum(r.length for r in layer.refs if r.metadata)
+            entry.update(image_bytes=layer.size, chunks=len(layer.refs), metadata_bytes=meta,
+                         metadata_chunks=sum(1 for r in layer.refs if r.metadata),
+                         what="build + chunk + hash (build_layer), tails up to half a block packed")
+        else:
+            img = work / f"{name}.img"
+            entry.update(image_bytes=img.stat().st_size, args="-zlz4hc" if "lz4" in name else "(defaults)",
+                         what="mkfs.erofs + fsync of the image")
+        out[name] = entry
+    for variant, pack in (("layerstore_no_pack_tails", False), ("layerstore_pack_all_tails", True)):
+        other = build_layer(dir_entries(rootfs), work / f"{variant}.img", pack_tails=pack)
+        out[variant] = {"image_bytes": other.size, "chunks": len(other.refs)}
+    out["loadavg_at_end"] = os.getloadavg()
     return out
 
 
@@ -149,28 +167,65 @@ def fetch_releases(package: str, versions: list[str]) -> list[Path]:
     return trees
 
 
-def bench_dedup(package: str, versions: list[str], work: Path) -> dict[str, object]:
+def dedup_variants(full: bool) -> list[tuple[str, dict[str, object], bool]]:
+    """(name, build_layer options, built on the previous release?)"""
+    norm: dict[str, object] = {"all_root": True, "mtime_clamp": SOURCE_DATE_EPOCH}
+    out: list[tuple[str, dict[str, object], bool]] = [
+        ("as_extracted", {}, False),  # owners and mtimes exactly as in each sdist (they differ per release)
+        ("normalized", norm, False),  # all_root + SOURCE_DATE_EPOCH-style clamp, defaults
+        ("normalized_parent", norm, True),  # each release built on the previous release's image
+        ("normalized_parent_no_pack_tails", {**norm, "pack_tails": False}, True),
+        ("as_extracted_parent", {}, True),
+    ]
+    if full:  # the chunk-count / dedup trade-off around the defaults (see docs/erofs-builder.md)
+        groups = {"512KiB_groups": ChunkPolicy(min_group=128 << 10, target_group=512 << 10, max_group=1 << 20,
+                                               big=256 << 10),
+                  "64KiB_groups": ChunkPolicy(min_group=16 << 10, target_group=64 << 10, max_group=128 << 10)}
+        for name, policy in groups.items():
+            out.append((f"normalized_{name}", {**norm, "policy": policy}, False))
+        out.append(("normalized_no_pack_tails", {**norm, "pack_tails": False}, False))
+        for kib in (1024, 16):
+            policy = ChunkPolicy(meta_chunk=kib << 10)
+            out.append((f"normalized_parent_{kib}KiB_meta_chunks", {**norm, "policy": policy}, True))
+    return out
+
+
+def _push_alone(layer: BuiltLayer, store_dir: Path) -> int:
+    """Compressed bytes of one image pushed to an empty store."""
+    with Store.open(str(store_dir)) as store:
+        store.init()
+        stored = push_layer(store, layer).stored_bytes
+    shutil.rmtree(store_dir)
+    return stored
+
+
+def bench_dedup(package: str, versions: list[str], work: Path, full: bool) -> dict[str, object]:
     trees = fetch_releases(package, versions)
     out: dict[str, object] = {"package": package, "versions": versions}
-    norm = {"all_root": True, "mtime_clamp": SOURCE_DATE_EPOCH}
-    small = ChunkPolicy(min_group=32 << 10, target_group=128 << 10, max_group=256 << 10, big=64 << 10)
-    variants: tuple[tuple[str, dict[str, object]], ...] = (
-        ("as_extracted", {}),  # owners and mtimes exactly as in each sdist (they differ per release)
-        ("normalized", norm),  # all_root + SOURCE_DATE_EPOCH-style clamp, default chunk policy
-        ("normalized_pack_tails", {**norm, "pack_tails": True}),
-        ("normalized_128KiB_groups", {**norm, "policy": small}),
-    )
-    for variant, kw in variants:
+    largest_of: dict[str, tuple[int, Path]] = {}
+    for variant, kw, on_parent in dedup_variants(full):
+        image_kw = {k: v for k, v in kw.items() if k != "policy"}
+        key = repr(sorted(image_kw.items()))
+        if key not in largest_of:  # the largest release, built afresh with these image options
+            sizes = [(build_layer(dir_entries(t), work / "probe.img", **image_kw).size, t)  # type: ignore[arg-type]
+                     for t in trees]
+            largest_of[key] = max(sizes, key=lambda st: st[0])
+            (work / "probe.img").unlink()
+        largest, tree = largest_of[key]
+        layer = build_layer(dir_entries(tree), work / "largest.img", **kw)  # type: ignore[arg-type]
+        largest_stored = _push_alone(layer, work / "store-alone")
+        layer.path.unlink()
         store_dir = work / f"store-{variant}"
         releases = []
         fixed_seen: set[str] = set()
         fixed_new = 0
+        parent: BuiltLayer | None = None
         with Store.open(str(store_dir)) as store:
             store.init()
             for v, tree in zip(versions, trees, strict=True):
-                layer = build_layer(dir_entries(tree), work / f"{package}-{v}.img", **kw)  # type: ignore[arg-type]
+                extra = {"parent": parent} if on_parent and parent is not None else {}
+                layer = build_layer(dir_entries(tree), work / f"{package}-{v}.img", **kw, **extra)  # type: ignore[arg-type]
                 st = push_layer(store, layer)
-                meta_new = sum(r.length for r in layer.refs if r.metadata)
                 fd = os.open(layer.path, os.O_RDONLY)
                 try:
                     for off, length in fixed_boundaries(layer.size, 1 << 20):
@@ -180,45 +235,62 @@ def bench_dedup(package: str, versions: list[str], work: Path) -> dict[str, obje
                             fixed_new += length
                 finally:
                     os.close(fd)
-                layer.path.unlink()
+                new_meta = sum(r.length for r in {r.digest: r for r in layer.refs}.values() if r.metadata)
                 releases.append({"version": v, "image_bytes": layer.size, "chunks": len(layer.refs),
                                  "new_bytes": st.new_bytes, "new_chunks": st.new_chunks,
-                                 "stored_compressed_bytes": st.stored_bytes, "metadata_bytes": meta_new})
-        largest = max(r["image_bytes"] for r in releases)  # type: ignore[type-var]
+                                 "stored_compressed_bytes": st.stored_bytes, "metadata_bytes": new_meta,
+                                 "parent_used": layer.parent_used})
+                if parent is not None:
+                    parent.path.unlink()
+                parent = layer
+        assert parent is not None
+        parent.path.unlink()
         new_total = sum(r["new_bytes"] for r in releases)  # type: ignore[misc]
+        stored = sum(r["stored_compressed_bytes"] for r in releases)  # type: ignore[misc]
         on_disk = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
+        shutil.rmtree(store_dir)
         out[variant] = {
+            "built_on_previous_release": on_parent,
             "releases": releases,
             "largest_image_bytes": largest,
+            "largest_stored_compressed_bytes": largest_stored,
             "stored_uncompressed_bytes": new_total,
             "ratio_stored_over_largest": round(new_total / largest, 3),
+            "stored_compressed_bytes": stored,
+            "ratio_stored_compressed_over_largest_compressed": round(stored / largest_stored, 3),
             "store_on_disk_bytes": on_disk,
-            "ratio_store_on_disk_over_largest": round(on_disk / largest, 3),
+            "chunks_per_release": round(sum(r["chunks"] for r in releases) / len(releases)),  # type: ignore[misc]
             "baseline_fixed_1MiB_ratio": round(fixed_new / largest, 3),
         }
+        print(f"{variant}: {out[variant]['ratio_stored_over_largest']} uncompressed, "
+              f"{out[variant]['ratio_stored_compressed_over_largest_compressed']} compressed, "
+              f"{out[variant]['chunks_per_release']} chunks", file=sys.stderr)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--size", choices=["quick", "full"], default=os.environ.get("BENCH_SIZE", "quick"))
+    ap.add_argument("--runs", type=int, default=None, help="throughput rounds (quick: 3, full: 5)")
     ap.add_argument("--package", default="Django")
     ap.add_argument("--versions", nargs="*", default=[f"4.2.{i}" for i in range(1, 11)])
     ap.add_argument("--skip-rootfs", action="store_true")
     args = ap.parse_args()
+    full = args.size == "full"
     result: dict[str, object] = {
+        "size": args.size,
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
         "goals": {"throughput": "layerstore MBps >= mkfs_erofs MBps",
                   "size": "layerstore image_bytes <= mkfs_erofs image_bytes",
-                  "dedup": "ratio_stored_over_largest <= 1.3 over ten releases"},
+                  "dedup": "ratio_stored_over_largest <= 1.3 over ten releases (normalized_parent)"},
     }
     with tempfile.TemporaryDirectory(prefix="bench-build-", dir=CACHE.parent if CACHE.parent.exists() else None) as t:
         work = Path(t)
         if not args.skip_rootfs:
-            result["rootfs"] = bench_throughput(debian_rootfs(), args.runs, work)
+            result["rootfs"] = bench_throughput(debian_rootfs(), args.runs or (5 if full else 3), work)
             for p in work.iterdir():
                 p.unlink()
-        result["dedup"] = bench_dedup(args.package, args.versions, work)
+        result["dedup"] = bench_dedup(args.package, args.versions, work, full)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -25,6 +25,8 @@ from layerstore.errors import CorruptObject
 from layerstore.store import PutStats, Store
 
 from .chunking import ChunkPolicy, Cut, ImageLayout, cut
+from .format import BLOCK_SIZE
+from .metadata import MAX_DEAD
 from .parent import read_parent
 from .tree import Data, Entry, Kind
 from .writer import PACK_TAILS, ImageWriter
@@ -46,7 +48,7 @@ class BuiltLayer:
 
 # A parent: a layer built earlier, or an image file and its chunk map.
 Parent = BuiltLayer | tuple[Path, Sequence[ChunkRef]]
-MAX_DEAD = 0.25
+BS = BLOCK_SIZE
 
 
 def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None = None,
@@ -58,19 +60,21 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
 
     With `parent` (an earlier build of the same tree), data and inode records the parent already
     holds keep their addresses, and new or changed ones are appended, so that the image shares
-    all but the changed parts' chunks with it. A parent in which more than `max_dead` of the
-    bytes are no longer referenced is set aside, and the image is laid out afresh."""
+    all but the changed parts' chunks with it. A parent whose data area is more than `max_dead`
+    unreferenced is set aside, and the image is laid out afresh; so is its metadata area alone
+    when less than 1 - `max_dead` of its blocks would still hold a record."""
     out_path = Path(out_path)
     par = None
     if parent is not None:
         path, refs = (parent.path, parent.refs) if isinstance(parent, BuiltLayer) else parent
         par = read_parent(path, refs)
-        if par.dead_bytes > max_dead * par.size:
+        if par.dead_data > max_dead * (par.data_end - BS):
             par = None
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     try:
         with os.fdopen(fd, "w+b") as f:
-            writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails, parent=par)
+            writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails, parent=par,
+                                 max_dead=max_dead)
             for entry, data in entries:
                 writer.add(entry, data)
                 if progress is not None:

@@ -46,6 +46,7 @@ _FTYPE = {Kind.REG: fmt.FT_REG, Kind.DIR: fmt.FT_DIR, Kind.CHR: fmt.FT_CHR, Kind
 # stable groups: content-defined, between MIN and MAX bytes, about TARGET on average
 GROUP_MIN, GROUP_TARGET, GROUP_MAX = 16 << 10, 64 << 10, 256 << 10
 UUID_TAG = b"layerstore-erofs-v2\0"
+MAX_DEAD = 0.25  # the share of a parent's area that may be dead before it is laid out afresh
 
 
 class Inode:
@@ -84,29 +85,22 @@ def walk(root: Inode) -> Iterator[tuple[Inode, Inode, bytes]]:
     """(inode, parent directory, path) with each directory followed by its non-directory
     entries, then its subdirectories in turn; names sorted bytewise; each inode once (a hard
     link is reached under its first path in this order)."""
-    seen = {id(root)}
-    yield root, root, b""
-
-    def entries(d: Inode) -> Iterator[tuple[Inode, Inode, bytes]]:
-        for name, child in sorted(d.children.items()):  # type: ignore[union-attr]
-            if child.children is None and id(child) not in seen:
+    seen: set[int] = set()
+    stack = [(root, root)]
+    while stack:
+        d, parent = stack.pop()
+        yield d, parent, d.path
+        subdirs = []
+        children = d.children
+        assert children is not None
+        for name in sorted(children):
+            child = children[name]
+            if child.children is not None:
+                subdirs.append(child)
+            elif id(child) not in seen:
                 seen.add(id(child))
                 yield child, d, d.path + b"/" + name if d.path else name
-
-    def subdirs(d: Inode) -> Iterator[Inode]:
-        return (c for _n, c in sorted(d.children.items()) if c.children is not None)  # type: ignore[union-attr]
-
-    yield from entries(root)
-    stack = [(root, subdirs(root))]
-    while stack:
-        parent, it = stack[-1]
-        for child in it:
-            yield child, parent, child.path
-            yield from entries(child)
-            stack.append((child, subdirs(child)))
-            break
-        else:
-            stack.pop()
+        stack.extend((sub, d) for sub in reversed(subdirs))
 
 
 def build_time_of(nodes: list[Inode]) -> tuple[int, int]:
@@ -290,9 +284,11 @@ def _record(node: Inode, parent: Inode, path: bytes, bt: tuple[int, int], ids: d
     return rec
 
 
-def plan(root: Inode, parent: ParentMeta | None = None) -> Plan:
+def plan(root: Inode, parent: ParentMeta | None = None, max_dead: float = MAX_DEAD) -> Plan:
     """Place every inode reachable from `root`. With `parent`, records keep the parent's nids
-    where they can (see the module docstring); if the root cannot, the parent is ignored."""
+    where they can (see the module docstring). The parent's area is set aside (the metadata
+    laid out afresh) if the root cannot keep its nid, or if fewer than 1 - `max_dead` of its
+    blocks would still hold a record."""
     triples = list(walk(root))
     nodes = [n for n, _p, _path in triples]
     for n in nodes:
@@ -306,8 +302,17 @@ def plan(root: Inode, parent: ParentMeta | None = None) -> Plan:
             rec.raw = _pack(rec, {}, _i_u(rec))
     if parent is not None and (b"" not in parent.slots or recs[0].total > parent.slots[b""].room):
         parent = None  # the root must keep a nid that fits the superblock: lay out afresh
+    keep: dict[int, int] = {}
+    if parent is not None:
+        for rec in recs:
+            slot = parent.slots.get(rec.path)
+            if slot is not None and rec.total <= slot.room and (rec.node.kind is Kind.DIR or rec.raw == slot.raw):
+                keep[id(rec)] = slot.pos
+        live = {b for rec in recs if id(rec) in keep
+                for b in range(keep[id(rec)] // BS, (keep[id(rec)] + rec.total - 1) // BS + 1)}
+        if len(live) < (1 - max_dead) * (len(parent.area) // BS):
+            parent, keep = None, {}
     segments: list[MetaSegment] = []
-    kept = 0
     if parent is None:
         recs[0].pos = 0  # the root alone in the first block
         start = fmt.align(recs[0].total, BS)
@@ -317,16 +322,14 @@ def plan(root: Inode, parent: ParentMeta | None = None) -> Plan:
         start = len(parent.area)
         rest = []
         for rec in recs:
-            slot = parent.slots.get(rec.path)
-            if slot is None or rec.total > slot.room or (rec.node.kind is not Kind.DIR and rec.raw != slot.raw):
-                rest.append(rec)
+            if id(rec) in keep:
+                rec.pos = keep[id(rec)]
             else:
-                rec.pos = slot.pos
-                kept += 1
+                rest.append(rec)
     cursor = _append(rest, start, segments)
     nid_of = {id(rec.node): rec.pos // fmt.ISLOT for rec in recs}
     p = Plan(recs=recs, nid_of=nid_of, build_time=bt, xattr_area=area, length=cursor, segments=segments,
-             parent=parent, kept=kept)
+             parent=parent, kept=len(keep))
     for rec in recs:
         if rec.node.kind is Kind.DIR and rec.node.layout == fmt.LAYOUT_FLAT_PLAIN:
             p.dir_blocks.append((rec, dir_bytes(rec, nid_of)))

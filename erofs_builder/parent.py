@@ -10,7 +10,7 @@ the kernel would and returns a `ParentImage`:
   (blake3, length) -> image offset;
 - for the metadata, a `ParentMeta`: the area's bytes, every live record's slot by path, the
   build time, the shared xattr area and its ids, the metadata chunks;
-- the parent's data chunks, and how many bytes of it nothing references any more.
+- the parent's data chunks, and how many bytes of its data area nothing references any more.
 
 Only images laid out by this builder are accepted (large directories and the shared xattrs in
 the data area, records in the metadata area); anything else is a `BadInput`.
@@ -60,7 +60,7 @@ class ParentImage:
     runs: dict[tuple[bytes, int], int]  # (blake3, length) of shareable runs -> image offset
     meta: ParentMeta
     data_cuts: tuple[Cut, ...]  # the parent's chunks of [block size, data_end)
-    dead_bytes: int  # data and metadata bytes that no live inode references
+    dead_data: int  # bytes of the data area that no live inode references
     # regular files' stored blocks by path: (first block index in the file, image block, count)
     files: dict[bytes, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
 
@@ -285,14 +285,11 @@ def _read(fd: int, size: int, path: Path, refs: Sequence[ChunkRef | Cut]) -> Par
     if xattr_area:
         share(xattr_blkaddr, fmt.align(len(xattr_area), BS))
     slots = _slots(slots_raw, r.meta)
-    # metadata blocks that hold no live record (padding within a block is not dead)
-    meta_live = {b for pos, total, _w in slots_raw for b in range(pos // BS, (pos + total - 1) // BS + 1)}
     data_cuts, meta_cuts = _split_cuts(refs, data_end, size, path)
     meta = ParentMeta(area=r.meta, slots=slots, build_time=(bt, bt_nsec), xattr_area=xattr_area,
                       xattr_ids=xattr_ids, cuts=meta_cuts, uuid=bytes(uuid))
-    dead = (data_end - BS - _union(live)) + len(r.meta) - len(meta_live) * BS
     return ParentImage(path=path, size=size, data_end=data_end, runs=runs, meta=meta, data_cuts=data_cuts,
-                       dead_bytes=dead, files=files)
+                       dead_data=data_end - BS - _union(live), files=files)
 
 
 def _slots(recs: list[tuple[int, int, bytes]], meta: bytes) -> dict[bytes, Slot]:

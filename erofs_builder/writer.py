@@ -16,7 +16,7 @@ from layerstore.errors import BadInput
 from . import format as fmt
 from .chunking import ImageLayout
 from .dataarea import DataArea, pad
-from .metadata import Inode, pack, plan
+from .metadata import MAX_DEAD, Inode, pack, plan
 from .parent import ParentImage
 from .tree import Data, Entry, Hole, Kind, check_path
 
@@ -27,7 +27,8 @@ PACK_TAILS = BS // 2
 
 class ImageWriter:
     def __init__(self, out: BinaryIO, *, mtime_clamp: int | None = None, all_root: bool = False,
-                 pack_tails: bool | int = PACK_TAILS, parent: ParentImage | None = None) -> None:
+                 pack_tails: bool | int = PACK_TAILS, parent: ParentImage | None = None,
+                 max_dead: float = MAX_DEAD) -> None:
         """`pack_tails`: the last partial block of a multi-block file goes inline into its
         inode when it is at most this many bytes (True: whenever it fits, False: never). The
         default, half a block, packs a tail only when that saves at least as many bytes of
@@ -43,6 +44,7 @@ class ImageWriter:
         self._paths = 1
         self._finished = False
         self._parent = parent
+        self._max_dead = max_dead
         self._data = DataArea(out, parent)
 
     # -- entries ------------------------------------------------------------------------
@@ -173,7 +175,7 @@ class ImageWriter:
             raise BadInput("image writer already finished")
         self._finished = True
         parent = self._parent
-        p = plan(self._root, parent.meta if parent else None)
+        p = plan(self._root, parent.meta if parent else None, max_dead=self._max_dead)
         # entries of large directories and the shared xattrs go to the data area: they hold
         # nids and xattr ids, but their own addresses then sit outside the metadata area
         data = self._data

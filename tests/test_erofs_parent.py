@@ -202,7 +202,7 @@ def test_parent_slots_and_runs(tmp_path: Path) -> None:
     assert p.meta.slots[b""].pos == 0 and p.meta.slots[b""].room == 4096  # the root has its block
     assert p.blocks_of(b"d/f") is not None and len(p.blocks_of(b"d/f") or []) == 3
     assert p.blocks_of(b"d/g") is None  # inline
-    assert p.dead_bytes == 0
+    assert p.dead_data == 0
     assert [c.offset for c in p.data_cuts][0] == 4096
 
 
