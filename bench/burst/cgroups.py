@@ -119,6 +119,26 @@ class MemoryCgroup:
                 time.sleep(0.1)
 
 
+def remove_everywhere(name: str) -> None:
+    """rmdir the cgroup `name` (a top-level directory) and its children in every hierarchy, deepest
+    first; a cgroup that still has processes refuses and stays."""
+    for top in Path("/sys/fs/cgroup").glob(f"*/{name}"):
+        dirs = [p for p in top.rglob("*") if p.is_dir()] + [top]
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def remove_stale(prefix: str = "lsburst-") -> None:
+    """Top-level cgroups `<prefix><pid>` of runs whose process is gone, and the shared sandbox parent."""
+    names = {p.name for p in Path("/sys/fs/cgroup").glob(f"*/{prefix}*")}
+    for name in names:
+        pid = name[len(prefix):]
+        if pid.isdigit() and (int(pid) == os.getpid() or Path(f"/proc/{pid}").exists()):
+            continue
+        remove_everywhere(name)
+
+
 def join(relpath: str) -> None:
     """Move the calling process into the memory cgroup `relpath` (run by the contender's runner)."""
     root, _ = memory_root()

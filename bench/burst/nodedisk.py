@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -112,9 +113,11 @@ class NodeDisk:
             if subprocess.run(["umount", str(self.mountpoint)], capture_output=True).returncode == 0:
                 return True
             time.sleep(0.1)
-        holders = subprocess.run(["fuser", "-vm", str(self.mountpoint)], capture_output=True, text=True)
-        print(f"burst: node disk busy, detaching it lazily; holders:\n{holders.stderr}{holders.stdout}",
-              file=sys.stderr)
+        holders = ""
+        if shutil.which("fuser"):
+            p = subprocess.run(["fuser", "-vm", str(self.mountpoint)], capture_output=True, text=True)
+            holders = p.stderr + p.stdout
+        print(f"burst: node disk busy, detaching it lazily; holders:\n{holders}", file=sys.stderr)
         subprocess.run(["umount", "-l", str(self.mountpoint)], check=False)
         return False
 

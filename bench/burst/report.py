@@ -57,7 +57,8 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
         f"### Cold burst ({results.get('size')}): {results.get('sandboxes')} sandboxes, "
         f"{len(results.get('environments', {}))} environments, link {results.get('rate_mbit')} Mbit/s",
         "",
-        *([f"Every contender ran {rounds} rounds (in rotated order); figures are medians over the rounds.", ""]
+        *([f"Every contender ran {rounds} rounds (in rotated order); figures are medians over the rounds "
+           "(each figure on its own); the timeline plot shows each contender's median round.", ""]
           if rounds > 1 else []),
         f"Run {results.get('started', '?')} on {results.get('machine', {}).get('cpus', '?')} CPUs, "
         f"kernel {results.get('machine', {}).get('kernel', '?')}. Raw results: "
@@ -166,7 +167,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(12, 5.5))
     for i, (name, c) in enumerate(cs.items()):
         color = f"C{i}"
         for key, style, what in (("started_s", "-", "started"), ("finished_s", "--", "finished")):
@@ -176,9 +177,12 @@ def plot(results: dict[str, Any], out_dir: Path) -> dict[str, Path]:
                         label=f"{LABELS.get(name, name)}: {what}")
     ax.set_xlabel("seconds since the burst began")
     ax.set_ylabel("sandboxes")
-    ax.set_title(f"Cold burst of {results.get('sandboxes')} sandboxes, {results.get('rate_mbit')} Mbit/s link")
+    title = f"Cold burst of {results.get('sandboxes')} sandboxes, {results.get('rate_mbit')} Mbit/s link"
+    if (results.get("rounds") or 1) > 1:
+        title += " (per contender: the round with the median all-started time)"
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     paths["timeline"] = out_dir / f"burst-{size}-timeline.png"
     fig.savefig(paths["timeline"], dpi=110)
