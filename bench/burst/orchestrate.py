@@ -136,7 +136,14 @@ class Bench:
                 k = r % len(runnable) if runnable else 0
                 for name in runnable[k:] + runnable[:k]:
                     inputs.log(f"round {r + 1}/{o.rounds}: {name}: burst of {len(plan.sandboxes)} sandboxes")
-                    rounds[name].append(self._run_contender(name, plan.sandboxes))
+                    try:
+                        rounds[name].append(self._run_contender(name, plan.sandboxes))
+                    except Exception as e:  # noqa: BLE001 - one contender's failure must not sink the others
+                        inputs.log(f"round {r + 1}: {name} failed: {e}")
+                        o.notes.append(f"{name}, round {r + 1}: the run failed: {e}")
+                        if not rounds[name]:
+                            self.results["contenders"][name] = {"skipped": f"the run failed: {e}"}
+                        continue
                     self.results["contenders"][name] = metrics.combine(rounds[name])
                     self._write()
             self.results["notes"] = o.notes
