@@ -36,7 +36,8 @@ device, no process, no namespace, no directory.
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 1,000 and 10,000, 1 client,
 20 CLI calls per point, one round (~4 minutes, most of it teardown: see docs/benchmarks-compose.md);
-full: 1 and 4 clients, two rounds, 50 CLI calls per point (medians of the rounds are reported).
+full: 1 and 4 clients, two rounds, 50 CLI calls per point (medians of the rounds are reported, and
+each round's headline figures with the machine's load while it ran).
 Needs root, mkfs.erofs and busybox-static.
 """
 
@@ -237,12 +238,16 @@ def usable(target: str) -> None:
 
 # -- contenders --------------------------------------------------------------------------------
 class Plain:
-    """mkdir upper/work/root + one overlay mount(2) of the three layer directories."""
+    """mkdir upper/work/root + one overlay mount(2) of the three layer directories. The roots are
+    on a mount of their own (a private bind mount of WORK/plain-roots, made by `inner`), as the
+    shim's are: overlayfs walks every child mount of the mounts its upper and lowers are on at
+    each mount(2), so roots mounted beside them would make each mount O(mounted) in the kernel."""
 
     name = "plain-overlay"
 
     def __init__(self, work: Path, trees: dict[str, Path], tag: str) -> None:
         self.root = work / f"plain-{tag}"
+        self.roots = work / "plain-roots"
         self.root.mkdir(parents=True, exist_ok=True)
         self.lowers = ":".join(str(trees[r]) for r in ("workspace", "toolkit", "base"))
 
@@ -254,7 +259,7 @@ class Plain:
 
         d = self.root / i
         d.mkdir()
-        up, wk, rt = d / "upper", d / "work", d / "rootfs"
+        up, wk, rt = d / "upper", d / "work", self.roots / i
         up.mkdir()
         wk.mkdir()
         rt.mkdir()
@@ -265,7 +270,8 @@ class Plain:
     def unmount(self, handle: str) -> None:
         from layerstore import sysmount
 
-        sysmount.umount(self.root / handle / "rootfs")
+        sysmount.umount(self.roots / handle)
+        os.rmdir(self.roots / handle)
         shutil.rmtree(self.root / handle)
 
     def close(self) -> None:
@@ -415,6 +421,7 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
     each checkpoint, then tear everything down. Each step's figures are for the sandboxes mounted in
     that step (e.g. the 9,000 that take the node from 1,000 to 10,000)."""
     tag = f"r{rnd}-{kind}-{clients}"
+    load_start = os.getloadavg()[0]
     base = snapshot()
     results: dict[str, Any] = {}
     done = 0
@@ -446,6 +453,8 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
         nxt = nested.pop("next", None)
         results[str(scales[k])] = nested
         nested, k = nxt, k + 1
+    for r in results.values():
+        r["loadavg_1min"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # at start, at end
     return results
 
 
@@ -586,6 +595,11 @@ def inner(args: argparse.Namespace) -> int:
         log(f"building the environment in {work}")
         trees = make_trees(work)
         store, blobs = make_environment(work, trees)
+        from layerstore import sysmount
+
+        (work / "plain-roots").mkdir()
+        sysmount.mount(work / "plain-roots", work / "plain-roots", "", 4096)  # MS_BIND
+        sysmount.mount("none", work / "plain-roots", "", 1 << 18)  # MS_PRIVATE
         node = work / "node"
         cfg = {"work": str(work), "node": str(node), "store": store, "trees": {k: str(v) for k, v in trees.items()}}
         shim = Shim.for_node(node, store)
@@ -610,6 +624,12 @@ def inner(args: argparse.Namespace) -> int:
             doc["cli_at_1_mounted"] = cli_round(cfg, args.cli, "start")
         doc["results"] = {k: median_results(v) for k, v in rounds.items()}
         doc["rounds"] = args.rounds
+        if args.rounds > 1:  # each round's headline figures, with the machine's load while it ran
+            def headline(r: dict[str, Any]) -> dict[str, Any]:
+                return {"mount": r["mount"], "unmount_rate_per_s": r["unmount"]["rate_per_s"],
+                        "loadavg_1min": r["loadavg_1min"]}
+
+            doc["per_round"] = {k: [{scale: headline(r[scale]) for scale in r} for r in v] for k, v in rounds.items()}
         shim.unmount(anchor.id)
         anchor = None
         shim.stop_daemon()

@@ -114,6 +114,14 @@ def is_mount(path: str | os.PathLike[str]) -> bool:
     return st.st_dev != parent.st_dev or st.st_ino == parent.st_ino
 
 
+def is_mount_root(path: str | os.PathLike[str]) -> bool:
+    """Is `path` the root of a mount, bind mounts of the same filesystem included? O(1): its mount
+    id differs from its parent directory's."""
+    p = os.path.abspath(path)
+    mine, parent = mount_id(p), mount_id(os.path.dirname(p))
+    return mine is not None and parent is not None and mine != parent
+
+
 class _Statfs(ctypes.Structure):
     _fields_ = [("f_type", ctypes.c_long), ("f_bsize", ctypes.c_long), ("f_blocks", ctypes.c_ulong),
                 ("f_bfree", ctypes.c_ulong), ("f_bavail", ctypes.c_ulong), ("f_files", ctypes.c_ulong),

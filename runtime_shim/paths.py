@@ -10,7 +10,8 @@ from reading the environment).
     NODE/layers/<hex>/              one read-only EROFS mount per layer blob, shared
     NODE/sandboxes/<id>/upper       a sandbox's private writable layer
     NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
-    NODE/sandboxes/<id>/rootfs      where `layerctl run` mounts the composed root
+    NODE/roots/<id>                 where a sandbox's root is mounted unless the caller names a target;
+                                    NODE/roots is a private bind mount of itself while sandboxes exist
     NODE/sandboxes/<id>/bundle/     the OCI bundle (config.json) for `layerctl run`
 """
 
@@ -103,8 +104,13 @@ class NodePaths:
     def work(self, sandbox: str) -> Path:
         return self.sandbox_dir(sandbox) / "work"
 
+    @property
+    def roots(self) -> Path:
+        return self.root / "roots"
+
     def rootfs(self, sandbox: str) -> Path:
-        return self.sandbox_dir(sandbox) / "rootfs"
+        """The default target. Not beside the upper: see `Shim._ensure_roots`."""
+        return self.roots / check_sandbox_id(sandbox)
 
     def bundle(self, sandbox: str) -> Path:
         return self.sandbox_dir(sandbox) / "bundle"
@@ -112,5 +118,5 @@ class NodePaths:
     def create(self) -> None:
         """Make the node directory tree. The root is 0700: nothing under it is for other users."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (self.state, self.cache, self.fuse, self.layers, self.sandboxes):
+        for d in (self.state, self.cache, self.fuse, self.layers, self.sandboxes, self.roots):
             d.mkdir(mode=0o700, exist_ok=True)

@@ -192,6 +192,8 @@ def recover(shim: Shim) -> RecoverReport:
 
     with shim.state.read() as t:
         layer_now = {lm.blob: lm for lm in t.layers()}
+    if any(shim._under_roots(sb.target) for sb in redo):
+        shim._ensure_roots()
     for sb in redo:
         bad = [b for b in sb.layers if b in failed]
         try:
@@ -214,6 +216,7 @@ def recover(shim: Shim) -> RecoverReport:
     live_targets = {sb.target for sb in live}
     layer_points = {lm.mountpoint for lm in layer_now.values()}
     node_sb = str(paths.sandboxes) + "/"
+    node_roots = str(paths.roots) + "/"
     for m in mountinfo.under(mounts, str(paths.layers)):
         if m.mountpoint != str(paths.layers) and m.mountpoint not in layer_points:
             detach(m.mountpoint)
@@ -222,11 +225,13 @@ def recover(shim: Shim) -> RecoverReport:
     for m in sorted(mounts.values(), key=lambda m: m.mountpoint.count("/"), reverse=True):
         if m.fstype != "overlay" or m.mountpoint in live_targets:
             continue
-        on_node = m.mountpoint.startswith(node_sb) or f"upperdir={node_sb}" in m.options
+        on_node = (m.mountpoint.startswith((node_sb, node_roots)) or f"upperdir={node_sb}" in m.options)
         if on_node:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
 
+    if not live:
+        shim._release_roots()
     rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live})
     rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live})
     with shim.state.write() as t:

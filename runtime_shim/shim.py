@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from layerstore import sysmount
+
 from . import mountinfo, records, utab
 from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
@@ -31,6 +33,7 @@ from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_
 from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 
 Resolver = Callable[[str], EnvSpec]
+MS_BIND, MS_PRIVATE = 4096, 1 << 18
 
 
 @dataclass
@@ -166,7 +169,7 @@ class Shim:
     def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
               eager: bool = False, utab_entry: bool = False) -> Sandbox:
-        """Compose a sandbox's root at `target` (default NODE/sandboxes/<id>/rootfs).
+        """Compose a sandbox's root at `target` (default NODE/roots/<id>).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
         exists is refused unless `upper` is passed explicitly (resume). An explicit upper is the
@@ -243,6 +246,8 @@ class Shim:
                 os.mkdir(work, 0o700)
             else:
                 Path(work).mkdir(mode=0o700, exist_ok=True)
+            if self._under_roots(tgt):
+                self._ensure_roots()
             Path(tgt).mkdir(mode=0o755, parents=True, exist_ok=True)
             # The record file says what should be (mounted): it is what recovery rebuilds from
             # after a reboot, when the database is not trusted.
@@ -282,6 +287,8 @@ class Shim:
                 utab.remove(sb.target)
         if overlay:
             detach(sb.target)
+        if sb.target == str(self.paths.rootfs(sb.id)):
+            rmdir_quiet(sb.target)
         with self.state.read() as t:
             for lm in layers:
                 rec = t.layer(lm.blob)
@@ -304,6 +311,9 @@ class Shim:
             if cur is not None and cur.status == MOUNTING:
                 t.delete_sandbox(sb.id)
             t.clear_pending(sb.id)
+            last = t.count("sandboxes") == 0
+        if last:
+            self._release_roots()
 
     def _work_for(self, upper: Path, sdir: Path) -> Path:
         # overlayfs wants work on the upper's filesystem: beside the sandbox when that is the same
@@ -340,6 +350,8 @@ class Shim:
                 t.put_sandbox(cur, old=cur)
                 t.put_pending(sb.id, "unmount")
         detach(sb.target)
+        if sb.target == str(self.paths.rootfs(sb.id)):
+            rmdir_quiet(sb.target)
         if sb.utab:
             with contextlib.suppress(OSError):
                 utab.remove(sb.target)
@@ -356,12 +368,40 @@ class Shim:
                     self.layers.release(t, blob)
                 t.delete_sandbox(sb.id)
             t.clear_pending(sb.id)
+            last = t.count("sandboxes") == 0
+        if last:
+            self._release_roots()
         if not sb.owned:
             shutil.rmtree(sb.work, ignore_errors=True)
             shutil.rmtree(sdir / "bundle", ignore_errors=True)
             rmdir_quiet(sdir / "rootfs")
             rmdir_quiet(sdir)
         return trashed
+
+    # -- the roots mount ----------------------------------------------------------------------
+    # mount(2) of an overlay clones the mount its upper directory is on (clone_private_mount), and
+    # the kernel walks every child mount of that mount while doing so (has_locked_children ->
+    # is_subdir): with the roots mounted beside the uppers, each mount costs O(sandboxes) in the
+    # kernel (measured: 0.15 ms at 1,000, 0.77 ms at 10,000). Default roots therefore live under
+    # NODE/roots, a bind mount of itself: they are children of that mount, not of the uppers'.
+    # It is private, so that a root does not propagate to peers of the node directory's mount
+    # (nor back onto NODE/roots underneath). It exists while the node has sandboxes.
+    def _under_roots(self, target: str) -> bool:
+        return os.path.dirname(target) == str(self.paths.roots)
+
+    def _ensure_roots(self) -> None:
+        """Caller holds the lock."""
+        roots = self.paths.roots
+        roots.mkdir(mode=0o700, exist_ok=True)
+        if not mountinfo.is_mount_root(roots):
+            sysmount.mount(roots, roots, "", MS_BIND)
+            sysmount.mount("none", roots, "", MS_PRIVATE)
+
+    def _release_roots(self) -> None:
+        """Caller holds the lock; the node has no sandbox left."""
+        if mountinfo.is_mount_root(self.paths.roots):
+            with contextlib.suppress(sysmount.MountError):
+                sysmount.umount(self.paths.roots, lazy=True)
 
     def delete_containers(self, sandbox: str) -> list[str]:
         """Delete (killing it if it runs) the OCI runtimes' container of this sandbox, if any is

@@ -430,3 +430,20 @@ def test_check_and_full_recover_see_a_root_unmounted_behind_the_shims_back(node:
         assert shim.check(a.id).ok
         shim.unmount(a.id)
         shim.unmount(b.id)
+
+
+def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dict[str, object]) -> None:
+    """overlayfs walks every child mount of its upper's mount at each mount(2): the default roots
+    hang off NODE/roots, a mount of its own that exists while the node has sandboxes."""
+    roots = node / "roots"
+    with open_shim(node, images) as shim:
+        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        assert Path(a.target).parent == roots and mountinfo.is_mount_root(roots)
+        assert mountinfo.mount_id(a.upper) != mountinfo.mount_id(roots)
+        table = mountinfo.read()
+        assert table[str(roots)].fstype != "overlay" and table[a.target].fstype == "overlay"
+        shim.unmount(a.id)
+        assert mountinfo.is_mount_root(roots) and not os.path.exists(a.target)
+        shim.unmount(b.id)
+        assert not mountinfo.is_mount_root(roots)  # gone with the last sandbox
+        assert mountinfo.under(mountinfo.read(), str(node)) == []
