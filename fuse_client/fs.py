@@ -22,10 +22,10 @@ from the trio thread too). Callers that keep an answer longer must copy it.
 
 Metadata push: EROFS reads its metadata (inodes, directories) from the backing file one page at
 a time (`read_mapping_folio`, no readahead), and each such page is a synchronous FUSE request.
-When a read touches a metadata chunk, the daemon also pushes that whole chunk into the kernel's
-page cache of the blob file (FUSE notify_store, from a worker thread, in the background), so the
-following metadata reads of that chunk are page-cache hits, in buffered and `directio` mounts
-alike.
+When a read touches a metadata chunk, the daemon also pushes that whole chunk, and the nearest
+other metadata chunks (up to 4 MiB in all), into the kernel's page cache of the blob
+file (FUSE notify_store, from a worker thread, in the background), so the following metadata
+reads are page-cache hits, in buffered and `directio` mounts alike.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ BLKSIZE = 128 * 1024
 DEFAULT_READAHEAD = 16  # chunks fetched ahead of a sequential reader
 SEQ_SLACK = 256 * 1024  # a read starting this close after the previous one continues a stream
 PUSH_THREADS = 2  # concurrent metadata pushes (notify_store) to the kernel
+METADATA_PUSH_WINDOW = 4 << 20  # a metadata push also takes the following metadata chunks, up to this
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -363,40 +364,65 @@ class BlobFS(pyfuse3.Operations):
 
     def _push_metadata(self, e: BlobEntry, i: int) -> None:
         """Start pushing metadata chunk `i` into the kernel's page cache (see the module doc),
-        unless a push of it is under way. A read of it reaching us means the kernel lacks it."""
-        key = (e.blob, i)
-        if key in self._pushing or not e.present[i] or self._push_nursery is None:
+        unless a push of it is under way (a read of it reaching us means the kernel lacks it),
+        together with the nearest other metadata chunks, up to `METADATA_PUSH_WINDOW` bytes: a
+        walk of the tree reads them soon."""
+        if self._push_nursery is None or (e.blob, i) in self._pushing or not e.present[i]:
             return
         ino = self._ino_of.get(e.blob)
         if ino is None:
             return
-        self._pushing.add(key)
-        self.cache.pin(e, (i,))  # no eviction while the kernel copies from the mapping
-        self._push_nursery.start_soon(self._push, e, ino, i)
+        chunks = e.cmap.chunks
+        idxs = [i]
+        budget = METADATA_PUSH_WINDOW - chunks[i].length
+        # The other metadata chunks, nearest first (EROFS jumps between inodes and directories
+        # all over the metadata region). Pushed again even if pushed before: a read of one of
+        # them reaching us says the kernel dropped what we pushed (reclaim drops it together).
+        for j in sorted(e.metadata, key=lambda j: abs(j - i)):
+            if budget <= 0:
+                break
+            if j != i and e.present[j] and (e.blob, j) not in self._pushing:
+                idxs.append(j)
+                budget -= chunks[j].length
+        idxs.sort()
+        for k in idxs:
+            self._pushing.add((e.blob, k))
+        self.cache.pin(e, idxs)  # no eviction while the kernel copies from the mapping
+        self._push_nursery.start_soon(self._push, e, ino, idxs)
 
-    async def _push(self, e: BlobEntry, ino: int, i: int) -> None:
-        ref = e.cmap.chunks[i]
-        try:
-            v = e.map()
-            if v is not None:
-                data: bytes | memoryview = v[ref.offset:ref.end]
-                e.mapped = True
+    async def _push(self, e: BlobEntry, ino: int, idxs: list[int]) -> None:
+        chunks = e.cmap.chunks
+        # Contiguous chunks go in one notify_store.
+        runs: list[tuple[int, int]] = []
+        for k in idxs:
+            ref = chunks[k]
+            if runs and runs[-1][1] == ref.offset:
+                runs[-1] = (runs[-1][0], ref.end)
             else:
-                data = await trio.to_thread.run_sync(os.pread, e.fd, ref.length, ref.offset)
-            # A worker thread: the kernel may wait for a page that an in-flight read of ours has
-            # locked, and that read is answered by this (trio) thread.
-            await trio.to_thread.run_sync(pyfuse3.notify_store, ino, ref.offset, data, limiter=self._push_threads)
-            self.stats.metadata_pushes += 1
-            self.stats.metadata_pushed_bytes += ref.length
+                runs.append((ref.offset, ref.end))
+        try:
+            for lo, hi in runs:
+                v = e.map()
+                if v is not None:
+                    data: bytes | memoryview = v[lo:hi]
+                    e.mapped = True
+                else:
+                    data = await trio.to_thread.run_sync(os.pread, e.fd, hi - lo, lo)
+                # A worker thread: the kernel may wait for a page that an in-flight read of ours
+                # has locked, and that read is answered by this (trio) thread.
+                await trio.to_thread.run_sync(pyfuse3.notify_store, ino, lo, data, limiter=self._push_threads)
+                self.stats.metadata_pushes += 1
+                self.stats.metadata_pushed_bytes += hi - lo
         except OSError as err:
             if err.errno == errno.ENOSYS:
                 log.warning("the kernel does not take FUSE notify_store: no metadata push")
                 self._push_nursery = None
             elif err.errno != errno.ENOENT:  # ENOENT: the kernel forgot the inode meanwhile
-                log.warning("blob %s: pushing metadata chunk %d to the kernel: %s", e.blob, i, err)
+                log.warning("blob %s: pushing metadata to the kernel: %s", e.blob, err)
         finally:
-            self.cache.unpin(e, (i,))
-            self._pushing.discard((e.blob, i))
+            self.cache.unpin(e, idxs)
+            for k in idxs:
+                self._pushing.discard((e.blob, k))
 
     def _extend_readahead(self, e: BlobEntry) -> None:
         n = len(e.present)

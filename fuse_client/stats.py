@@ -83,8 +83,8 @@ class _Collector:
         yield CounterMetricFamily("layerstore_fuse_corrupt_chunks", "Chunks that failed verification",
                                   value=st.corrupt_chunks)
         yield CounterMetricFamily("layerstore_fuse_store_errors", "Failed store requests", value=st.store_errors)
-        yield CounterMetricFamily("layerstore_fuse_metadata_pushes", "Metadata chunks pushed into the kernel's page "
-                                  "cache (FUSE notify_store)", value=st.metadata_pushes)
+        yield CounterMetricFamily("layerstore_fuse_metadata_pushes", "Pushes of metadata (runs of chunks) into the "
+                                  "kernel's page cache (FUSE notify_store)", value=st.metadata_pushes)
         yield CounterMetricFamily("layerstore_fuse_metadata_pushed_bytes", "Bytes of metadata pushed into the "
                                   "kernel's page cache", value=st.metadata_pushed_bytes)
         for name, value in st.gauges().items():
