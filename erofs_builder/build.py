@@ -32,6 +32,7 @@ from .tree import Data, Entry, Kind
 from .writer import PACK_TAILS, ImageWriter
 
 HASH_THREADS = max(2, os.cpu_count() or 2)
+HASH_BATCH = 4 << 20
 IMAGE_MODE = 0o644  # before the umask
 
 
@@ -81,8 +82,10 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
                     progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
             layout = writer.finish()
             f.flush()
-            os.fsync(f.fileno())
-            blob, refs = hash_image(f.fileno(), layout, policy)
+            with ThreadPoolExecutor(1) as syncer:  # hashing reads the page cache: no need to wait for the disk
+                synced = syncer.submit(os.fsync, f.fileno())
+                blob, refs = hash_image(f.fileno(), layout, policy)
+                synced.result()
             # mkstemp made it 0600; the published image gets what a plain create would give
             os.fchmod(f.fileno(), IMAGE_MODE & ~current_umask())
         os.replace(tmp, out_path)
@@ -100,15 +103,23 @@ def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None) 
     cuts = cut(layout, policy)
     if not layout.size:
         return digestmod.of(b""), []
+    batches: list[list[Cut]] = [[]]
+    size = 0
+    for c in cuts:  # a few MiB per task: one future per chunk costs more than small chunks' hashing
+        if size >= HASH_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(c)
+        size += c.length
     with mmap.mmap(fd, layout.size, prot=mmap.PROT_READ) as mm:
         view = memoryview(mm)
         try:
-            def one(c: Cut) -> str:
-                return digestmod.PREFIX + blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest()
+            def batch(cs: list[Cut]) -> list[str]:
+                return [digestmod.PREFIX + blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest() for c in cs]
 
             with ThreadPoolExecutor(HASH_THREADS) as pool:
                 whole = pool.submit(_whole, view)
-                digests = list(pool.map(one, cuts, chunksize=16))
+                digests = [d for ds in pool.map(batch, batches) for d in ds]
                 blob = whole.result()
         finally:
             view.release()

@@ -179,10 +179,16 @@ class FileSink:
                         self._open(pos)
                     else:
                         self.pending += bytes(pos - end)
-            self.pending += item
+            if not self.pending and n >= BS:  # block aligned already: no copy through `pending`
+                whole = n - n % BS
+                self.w.write(memoryview(item)[:whole])
+                self.written += whole
+                self.pending += memoryview(item)[whole:]
+            else:
+                self.pending += item
+                if len(self.pending) >= _FLUSH:
+                    self._flush(keep_tail=True)
             pos += n
-            if len(self.pending) >= _FLUSH:
-                self._flush(keep_tail=True)
         if pos != size:
             raise BadInput(f"{self.path!r}: data is {pos} bytes, entry says {size}")
         node = self.node

@@ -30,6 +30,7 @@ VERSION_COMPACT = 0
 VERSION_EXTENDED = 1
 COMPACT_SIZE = 32
 EXTENDED_SIZE = 64
+INO_OFFSET = 20  # where i_ino sits, in both forms
 CHUNK_BLKBITS_MASK = 0x1F
 
 # dirent file types (the kernel's FT_* values)

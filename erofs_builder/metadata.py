@@ -157,6 +157,8 @@ def _shared_xattrs(nodes: list[Inode], parent: ParentMeta | None) -> tuple[bytes
 
 
 def _xattr_body(node: Inode, ids: dict[tuple[bytes, bytes], int]) -> bytes:
+    if not node.xattrs:
+        return b""
     items = sorted(node.xattrs.items())
     shared = sorted(ids[kv] for kv in items if kv in ids)[: fmt.MAX_SHARED_PER_INODE]
     chosen = set(shared)
@@ -213,15 +215,14 @@ def _pack(rec: _Rec, nid_of: dict[int, int], i_u: int) -> bytes:
             extra = dir_bytes(rec, nid_of)
     else:
         extra = n.inline
-
-    def with_ino(ino: int) -> bytes:
-        head = fmt.pack_inode(extended=rec.extended, layout=n.layout,
-                              xattr_icount=fmt.xattr_icount(len(rec.xbody)), mode=n.kind.value | n.mode,
-                              nlink=n.nlink, size=n.size, i_u=i_u, ino=ino, uid=n.uid, gid=n.gid, mtime=n.mtime,
-                              mtime_nsec=n.nsec)
-        return head + rec.xbody + extra
-
-    return with_ino(zlib.crc32(with_ino(0)))
+    raw = bytearray(fmt.pack_inode(extended=rec.extended, layout=n.layout,
+                                   xattr_icount=fmt.xattr_icount(len(rec.xbody)), mode=n.kind.value | n.mode,
+                                   nlink=n.nlink, size=n.size, i_u=i_u, ino=0, uid=n.uid, gid=n.gid, mtime=n.mtime,
+                                   mtime_nsec=n.nsec))
+    raw += rec.xbody
+    raw += extra
+    raw[fmt.INO_OFFSET:fmt.INO_OFFSET + 4] = zlib.crc32(raw).to_bytes(4, "little")
+    return bytes(raw)
 
 
 def dir_bytes(rec: _Rec, nid_of: dict[int, int]) -> bytes:

@@ -41,6 +41,7 @@ class ImageWriter:
         self._root = Inode(Kind.DIR, b"")
         self._root.mtime = mtime_clamp or 0
         self._explicit: set[bytes] = set()
+        self._dirs: dict[bytes, Inode] = {b"": self._root}  # every directory by path
         self._paths = 1
         self._finished = False
         self._parent = parent
@@ -91,6 +92,8 @@ class ImageWriter:
             elif entry.kind in (Kind.CHR, Kind.BLK):
                 node.rdev = fmt.encode_dev(*entry.rdev)
         parent.children[name] = node  # type: ignore[index]
+        if node.kind is Kind.DIR:
+            self._dirs[path] = node
         self._explicit.add(path)
         self._paths += 1
 
@@ -125,10 +128,11 @@ class ImageWriter:
         return node
 
     def _parent_dir(self, path: bytes) -> Inode:
-        node = self._root
         parent = path.rpartition(b"/")[0]
-        if not parent:
+        node = self._dirs.get(parent)  # most entries follow their directory: no walk from the root
+        if node is not None:
             return node
+        node = self._root
         done = []
         for comp in parent.split(b"/"):
             done.append(comp)
@@ -137,6 +141,7 @@ class ImageWriter:
                 nxt = Inode(Kind.DIR, b"/".join(done))
                 nxt.mtime = self._clamp or 0
                 node.children[comp] = nxt  # type: ignore[index]
+                self._dirs[nxt.path] = nxt
                 self._paths += 1
             elif nxt.kind is not Kind.DIR:
                 raise BadInput(f"{path!r}: ancestor {b'/'.join(done)!r} is a {nxt.kind.name}, not a directory")
