@@ -11,6 +11,8 @@ gives identical chunks in different images:
   hint (a hash of the file's name) falls under a threshold proportional to its length (so an
   insertion or a change disturbs only its own group, and an edit that keeps the name moves no
   boundary), or before it would outgrow `max_group`;
+- large directories' blocks and the shared xattrs, which sit in the data area, form METADATA
+  chunks of their own (up to `meta_chunk`);
 - each stable metadata group is one chunk; volatile metadata is cut every `meta_chunk`;
 - cuts inherited from a parent image are repeated as they are;
 - every metadata chunk carries the METADATA flag; the chunks cover the image contiguously.
@@ -31,6 +33,7 @@ class DataExtent:
     offset: int
     length: int
     hint: int  # 32-bit hash used for group boundaries (of the file's name)
+    meta: bool = False  # blocks of a large directory, or the shared xattrs: chunked as metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,17 +107,32 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
     for c in layout.inherited_data:
         emit(c)
 
-    group_start, group_len = pos, 0
+    group_start, group_len, group_flags = pos, 0, 0
 
     def flush() -> None:
         nonlocal group_start, group_len
         if group_len:
-            emit(Cut(group_start, group_len))
+            emit(Cut(group_start, group_len, group_flags))
         group_start, group_len = pos, 0
 
     for ext in layout.extents:
         if ext.offset != group_start + group_len:  # defensive: an unexpected gap joins the group
             group_len = ext.offset - group_start
+        flags = METADATA if ext.meta else 0
+        if flags != group_flags:
+            flush()
+            group_flags = flags
+        if ext.meta:  # consecutive metadata extents share chunks of up to meta_chunk
+            if ext.length > policy.meta_chunk:
+                flush()
+                for c in _fixed(ext.offset, ext.length, policy.meta_chunk, METADATA):
+                    emit(c)
+                group_start, group_len = pos, 0
+                continue
+            if group_len + ext.length > policy.meta_chunk:
+                flush()
+            group_len += ext.length
+            continue
         if ext.length >= policy.big:
             flush()
             for c in _fixed(ext.offset, ext.length, policy.max_chunk, 0):

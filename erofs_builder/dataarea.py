@@ -50,7 +50,7 @@ class DataArea:
         self._cur.update(buf)
         self.pos += len(buf)
 
-    def commit_run(self, offset: int, length: int, path: bytes) -> int:
+    def commit_run(self, offset: int, length: int, path: bytes, meta: bool = False) -> int:
         """End the run just written at `offset` like `end_extent`, unless the same bytes are
         already stored: then forget it (later data overwrites it) and return their offset."""
         key = (self._cur.digest(), length)
@@ -59,7 +59,7 @@ class DataArea:
             self.rewind(offset)
             return have
         self._runs[key] = offset
-        self.end_extent(offset, length, path)
+        self.end_extent(offset, length, path, meta)
         return offset
 
     def rewind(self, offset: int) -> None:
@@ -97,20 +97,21 @@ class DataArea:
         self.end_extent(start, length, path)
         node.blkaddr = start // BS
 
-    def store_run(self, data: bytes, path: bytes) -> int:
-        """Store `data` (block aligned) as one run; returns its image offset."""
+    def store_run(self, data: bytes, path: bytes, meta: bool = False) -> int:
+        """Store `data` (block aligned) as one run; returns its image offset. `meta`: it is
+        metadata (directory entries, shared xattrs) and is chunked as such."""
         start = self.pos
         self.write(data)
-        return self.commit_run(start, len(data), path)
+        return self.commit_run(start, len(data), path, meta)
 
-    def end_extent(self, offset: int, length: int, path: bytes) -> None:
+    def end_extent(self, offset: int, length: int, path: bytes, meta: bool = False) -> None:
         """Record the data run just written (its digest feeds the UUID). Its grouping hint
         comes from the file's name, not its content: an edited file then leaves the chunk
         boundaries where they were, and the same files under another prefix group alike."""
         digest = self._cur.digest()
         self._cur = blake3.blake3()
         self.digests.append(digest)
-        self.extents.append(DataExtent(offset, length, _hint(path)))
+        self.extents.append(DataExtent(offset, length, _hint(path), meta))
 
     def store_file(self, node: Inode, data: Data, path: bytes, tail_room: int) -> None:
         """Stream a regular file that does not fit inline; a tail of at most `tail_room` bytes

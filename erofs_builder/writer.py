@@ -184,8 +184,8 @@ class ImageWriter:
         # entries of large directories and the shared xattrs go to the data area: they hold
         # nids and xattr ids, but their own addresses then sit outside the metadata area
         data = self._data
-        dir_addr = {id(rec): data.store_run(pad(raw), rec.path) // BS for rec, raw in p.dir_blocks}
-        xattr_blkaddr = data.store_run(pad(p.xattr_area), b"") // BS if p.xattr_area else 0
+        dir_addr = {id(rec): data.store_run(pad(raw), rec.path, meta=True) // BS for rec, raw in p.dir_blocks}
+        xattr_blkaddr = data.store_run(pad(p.xattr_area), b"", meta=True) // BS if p.xattr_area else 0
         meta_start = data.pos
         md = pack(p, dir_addr=dir_addr, xattr_blkaddr=xattr_blkaddr, meta_start=meta_start,
                   data_digests=data.digests)

@@ -146,3 +146,30 @@ def test_image_mode_follows_the_umask(tmp_path: Path) -> None:
             assert stat.S_IMODE(layer.path.stat().st_mode) == want, (oct(mask), oct(layer.path.stat().st_mode))
     finally:
         os.umask(old)
+
+
+def test_directory_blocks_and_shared_xattrs_are_metadata_chunks(tmp_path: Path) -> None:
+    """Large directories' entries and the shared xattrs sit in the data area (they hold no
+    address of their own there), but readers still fetch them with the metadata."""
+    spec: dict[str, object] = {f"big/{i:05d}-{'x' * 40}": os.urandom(5000) for i in range(600)}
+    spec.update({f"x{i}": {"data": os.urandom(9000), "xattrs": {"user.shared": b"v" * 50}} for i in range(3)})
+    make_tree(tmp_path / "src", spec)  # type: ignore[arg-type]
+    layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / "img")
+    assert layer.layout is not None
+    metas = [e for e in layer.layout.extents if e.meta]
+    assert sum(e.length for e in metas) >= 8 * 4096  # the directory's blocks and the xattr area
+    for e in metas:
+        (ref,) = [r for r in layer.refs if r.offset <= e.offset < r.end]
+        assert ref.metadata and e.offset + e.length <= ref.end
+
+
+def test_cut_groups_metadata_extents_apart() -> None:
+    exts = [DataExtent(4096, 8192, 1), DataExtent(12288, 4096, 2, meta=True), DataExtent(16384, 8192, 3, meta=True),
+            DataExtent(24576, 300 << 10, 4, meta=True), DataExtent(24576 + (300 << 10), 4096, 5)]
+    end = 24576 + (300 << 10) + 4096
+    layout = ImageLayout(size=end, data_start=4096, data_end=end, extents=tuple(exts))
+    cuts = cut(layout, ChunkPolicy(meta_chunk=64 << 10))
+    check_cover(cuts, end)
+    assert [(c.offset, c.length, c.flags) for c in cuts[:4]] == [
+        (0, 4096, METADATA), (4096, 8192, 0), (12288, 12288, METADATA), (24576, 64 << 10, METADATA)]
+    assert all(c.flags == METADATA for c in cuts[3:-1]) and cuts[-1].flags == 0
