@@ -8,7 +8,7 @@ zstd frame ends are verified too.
 
 Formats: ustar, v7, GNU (long names and links, old and pax sparse files) and pax (path, linkpath,
 size, uid, gid, fractional mtime, `SCHILY.xattr.*`, `LIBARCHIVE.xattr.*`, `RHT.security.selinux`).
-Compression, detected by magic: none, gzip, zstd, xz, bzip2.
+Compression, detected by magic (decompress.py): none, gzip, zstd, xz, bzip2.
 
 Normalisation: leading '/' are stripped (absolute members become relative), '.' and empty
 components ('./' prefixes, '//') are dropped. Everything else that is odd is refused with a
@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-import bz2
-import gzip
-import lzma
 import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 from urllib.parse import unquote_to_bytes
-
-import zstandard
 
 from layerstore.errors import BadInput
 
+from .decompress import DECODE_ERRORS, READ_SIZE, Reader, open_decompressed
 from .tree import NAME_MAX, Data, Entry, Hole, Kind
+
+__all__ = ["OPAQUE_XATTR", "Reader", "open_decompressed", "show", "tar_entries"]
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
@@ -42,8 +39,6 @@ MAX_META_SIZE = 8 << 20  # pax headers, GNU long names
 PATH_MAX = 4096
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
-READ_SIZE = 1 << 20
-_ZSTD_FEED = 4096  # small input pieces bound the output of one zstd call (decompression bombs)
 
 _XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.", b"system.posix_acl_access", b"system.posix_acl_default")
 _OVERLAY_XATTR = b"trusted.overlay."
@@ -58,87 +53,10 @@ _TYPE_NAMES = {Kind.REG: "regular file", Kind.DIR: "directory", Kind.SYMLINK: "s
 _MTIME_RE = re.compile(rb"(-?)(\d+)(?:\.(\d*))?")
 
 
-class Reader(Protocol):
-    def read(self, n: int = -1, /) -> bytes: ...
-
-
 def show(path: bytes) -> str:
     """A member name for messages: quoted, undecodable bytes escaped, long names cut."""
     text = path.decode("utf-8", "backslashreplace")
     return repr(text if len(text) <= 200 else text[:200] + "...")
-
-
-# -- compression ------------------------------------------------------------------------------
-class _Prefixed:
-    """`raw` with bytes already read for sniffing put back in front."""
-
-    def __init__(self, head: bytes, raw: Reader) -> None:
-        self._head, self._raw = head, raw
-
-    def read(self, n: int = -1, /) -> bytes:
-        if self._head:
-            out = self._head if n < 0 else self._head[:n]
-            self._head = self._head[len(out):]
-            return out
-        return self._raw.read(n)
-
-
-class _ZstdReader:
-    """zstd frames in sequence, with truncation detected (the library's stream reader reports a
-    cut-off frame as a clean end of stream)."""
-
-    def __init__(self, raw: Reader) -> None:
-        self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor()
-        self._obj = self._dctx.decompressobj()
-        self._in_frame = False
-        self._pending = b""
-        self._buf = bytearray()
-        self._eof = False
-
-    def read(self, n: int = -1, /) -> bytes:
-        want = READ_SIZE if n < 0 else n
-        while len(self._buf) < want and not self._eof:
-            if not self._pending:
-                self._pending = self._raw.read(64 << 10)
-                if not self._pending:
-                    if self._in_frame:
-                        raise zstandard.ZstdError("stream ends inside a frame")
-                    self._eof = True
-                    break
-            piece, self._pending = self._pending[:_ZSTD_FEED], self._pending[_ZSTD_FEED:]
-            while piece:
-                self._in_frame = True
-                self._buf += self._obj.decompress(piece)
-                if self._obj.eof:
-                    piece = self._obj.unused_data
-                    self._obj = self._dctx.decompressobj()
-                    self._in_frame = False
-                else:
-                    piece = b""
-        out = bytes(self._buf[:want])
-        del self._buf[:want]
-        return out
-
-
-def open_decompressed(stream: Reader, *, name: str) -> tuple[Reader, str]:
-    """The decompressed content of `stream` and the codec's name, chosen by magic bytes."""
-    head = b""
-    while len(head) < 6:
-        more = stream.read(6 - len(head))
-        if not more:
-            break
-        head += more
-    src = _Prefixed(head, stream)
-    if head.startswith(b"\x1f\x8b"):
-        return gzip.GzipFile(fileobj=src, mode="rb"), "gzip"  # type: ignore[arg-type]
-    if head.startswith(b"\x28\xb5\x2f\xfd"):
-        return _ZstdReader(src), "zstd"
-    if head.startswith(b"\xfd7zXZ\x00"):
-        return lzma.LZMAFile(src), "xz"  # type: ignore[arg-type]
-    if head.startswith(b"BZh"):
-        return bz2.BZ2File(src), "bzip2"  # type: ignore[arg-type]
-    return src, "tar"
 
 
 # -- low-level input --------------------------------------------------------------------------
@@ -154,7 +72,7 @@ class _Input:
         while len(out) < n:
             try:
                 more = self.raw.read(min(n - len(out), READ_SIZE))
-            except (OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, ValueError) as e:
+            except DECODE_ERRORS as e:
                 raise BadInput(f"{self.name}: corrupt {self.codec} stream at tar offset "
                                f"{self.offset + len(out)}: {e}") from None
             if not more:
