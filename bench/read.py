@@ -48,7 +48,7 @@ see loadavg).
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full. quick: 256 MiB of large
 files, 3 rounds, S3 with 128 MiB (about 3 minutes; results in bench/results/read-quick.json);
-full: 1 GiB, 5 rounds, S3 with 512 MiB (about 10 minutes; bench/results/read.json).
+full: 1 GiB, 7 rounds, S3 with 512 MiB (about 10 minutes; bench/results/read.json).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ DAEMON_ARGS: list[str] = []  # --daemon-arg: extra `layerctl daemon` arguments f
 RESULTS = ROOT / "bench" / "results"
 SIZES: dict[str, dict[str, int]] = {
     "quick": {"big_mib": 256, "reps": 3, "s3_mib": 128},
-    "full": {"big_mib": 1024, "reps": 5, "s3_mib": 512},
+    "full": {"big_mib": 1024, "reps": 7, "s3_mib": 512},
 }
 SMALL_SOURCE = Path(f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}")
 REFERENCE = "erofs_local"

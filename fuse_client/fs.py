@@ -304,8 +304,8 @@ class BlobFS(pyfuse3.Operations):
                 lu[i] = now
             e.use_dirty = True
             if not e.is_meta[first]:  # metadata reads interleave with a stream; they do not end it
-                if last > e.ra_mark:  # a sequential reader entered the readahead window: extend it
-                    self._extend_readahead(e)
+                if last > e.ra_mark and 0 <= off - e.seq_end <= SEQ_SLACK:
+                    self._extend_readahead(e, last)  # a sequential reader moved on: slide its window
                 e.seq_end = end
             elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
                 self._push_metadata(e, first)
@@ -340,8 +340,7 @@ class BlobFS(pyfuse3.Operations):
                 # miss and the window never got ahead.
                 if not last <= e.ra_end <= last + 2 * self.readahead:
                     e.ra_end = last
-                if e.ra_end - last < self.readahead:
-                    self._extend_readahead(e)
+                self._extend_readahead(e, last)
             else:
                 e.ra_mark = len(e.present)
             e.seq_end = end
@@ -424,11 +423,17 @@ class BlobFS(pyfuse3.Operations):
             for k in idxs:
                 self._pushing.discard((e.blob, k))
 
-    def _extend_readahead(self, e: BlobEntry) -> None:
+    def _extend_readahead(self, e: BlobEntry, pos: int) -> None:
+        """Keep the window `readahead` chunks ahead of a sequential reader now at chunk `pos`,
+        and slide it again once the reader has moved a quarter window on. A sliding window
+        keeps the fetch slots busy; a window requested in bulk whenever the reader reached its
+        start let the fetches drain to nothing between windows."""
         n = len(e.present)
-        start = e.ra_end
-        stop = min(start + self.readahead, n)
-        e.ra_mark = start if start < n else n
+        start = max(e.ra_end, pos)
+        stop = min(pos + self.readahead, n)
+        e.ra_mark = min(pos + max(1, self.readahead // 4), n)
+        if stop <= start:
+            return
         e.ra_end = stop
         busy = self.cache.busy
         # Chunks in flight already need no prefetch task (it would hold a token just to wait).
