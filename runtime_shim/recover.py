@@ -8,9 +8,10 @@ Desired state = every sandbox in the state database, plus every sandbox whose re
 0. if the database belongs to an earlier boot (power loss, kernel crash, reboot: every mount is
    gone and the unsynced database may have lost its last transactions), forgets it and rebuilds
    from the record files;
-1. settles the operations a crash interrupted (`pending` entries: only dead processes leave them,
-   since every operation holds the node lock from its first write to its last): an unfinished
-   mount is rolled back (the caller never got an answer), an unfinished teardown is finished;
+1. settles the operations a crash interrupted (`pending` entries whose process, pid + start time,
+   is gone): an unfinished mount is rolled back (the caller never got an answer), an unfinished
+   teardown is finished. An entry of a live process is an operation in flight (a teardown
+   unmounts its root outside the lock): that sandbox is counted but not touched;
 2. adopts record files the database does not know; finishes every teardown whose directory is
    already in NODE/sandboxes/.trash, then empties the trash;
 3. makes the blob source healthy: a killed daemon leaves a dead FUSE mount (ENOTCONN), which is
@@ -42,7 +43,7 @@ from layerstore.errors import CorruptObject, LayerstoreError
 
 from . import mountinfo, records
 from .overlay import detach, mount_overlay, rmdir_quiet
-from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, boot_id
+from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, Sandbox, boot_id
 
 if TYPE_CHECKING:
     from .shim import Shim
@@ -88,10 +89,14 @@ def _forget_earlier_boot(shim: Shim, rep: RecoverReport) -> None:
         rep.rebooted = True
 
 
-def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.MountEntry]) -> None:
+def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.MountEntry]) -> dict[str, Sandbox]:
+    """Settle the operations of dead processes; returns the sandboxes live processes are working
+    on (a teardown unmounting its root outside the lock), which recovery leaves alone."""
     with shim.state.read() as t:
-        pending = t.pending()
-        sbs = {sid: t.sandbox(sid) for sid in pending}
+        every = t.pending()
+        pending = t.dead_pending()
+        sbs = {sid: t.sandbox(sid) for sid in every}
+    inflight = {sid: sb for sid, sb in sbs.items() if sid not in pending and sb is not None}
     for sid, op in sorted(pending.items()):
         sb = sbs[sid]
         if sb is None:
@@ -106,18 +111,19 @@ def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.
         ours = m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
         shim._undo_mount(sb, overlay=ours, layers=[], created_dir=True)
         rep.rolled_back.append(sid)
+    return inflight
 
 
 def recover(shim: Shim) -> RecoverReport:
     """Caller holds the node lock."""
     paths, rep = shim.paths, RecoverReport()
     _forget_earlier_boot(shim, rep)
-    _settle_pending(shim, rep, mountinfo.read())
+    inflight = _settle_pending(shim, rep, mountinfo.read())
     in_trash = records.trashed_ids(paths)
 
     with shim.state.read() as t:
-        known = {sb.id: sb for sb in t.sandboxes()}
-    lost = [sb for sb in records.scan(paths) if sb.id not in known]
+        known = {sb.id: sb for sb in t.sandboxes() if sb.id not in inflight}
+    lost = [sb for sb in records.scan(paths) if sb.id not in known and sb.id not in inflight]
     if lost:
         with shim.state.write() as t:
             for sb in lost:
@@ -135,7 +141,8 @@ def recover(shim: Shim) -> RecoverReport:
     rep.trash_emptied = records.empty_trash(paths, only_dead=True)
 
     live = list(known.values())
-    needed: set[str] = {blob for sb in live for blob in sb.layers}
+    busy = list(inflight.values())  # counted (their layers stay), never touched
+    needed: set[str] = {blob for sb in live + busy for blob in sb.layers}
     mounts = mountinfo.read()
     with shim.state.read() as t:
         layer_recs = {lm.blob: lm for lm in t.layers()}
@@ -166,7 +173,7 @@ def recover(shim: Shim) -> RecoverReport:
     for blob in stale:
         detach(paths.layer_mount(blob))
 
-    refs = Counter(blob for sb in live for blob in sb.layers)
+    refs = Counter(blob for sb in live + busy for blob in sb.layers)
     fresh: dict[str, LayerMount] = {}
     failed: dict[str, str] = {}
     for blob in sorted(stale):
@@ -213,7 +220,7 @@ def recover(shim: Shim) -> RecoverReport:
 
     # Orphans: mounts under the node directory (or overlays on its uppers) that nobody owns.
     mounts = mountinfo.read()
-    live_targets = {sb.target for sb in live}
+    live_targets = {sb.target for sb in live + busy}
     layer_points = {lm.mountpoint for lm in layer_now.values()}
     node_sb = str(paths.sandboxes) + "/"
     node_roots = str(paths.roots) + "/"
@@ -230,10 +237,10 @@ def recover(shim: Shim) -> RecoverReport:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
 
-    if not live:
+    if not live and not busy:
         shim._release_roots()
-    rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live})
-    rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live})
+    rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live + busy})
+    rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live + busy})
     with shim.state.write() as t:
         t.put_boot(boot_id())
     return rep

@@ -2,11 +2,12 @@
 filesystem on this node, with the picture persisted (`state`) and rebuilt by `recover()`.
 
 A sandbox = a private upper + work directory + an overlay of the environment's layers, each of
-which is a shared, reference-counted EROFS mount (`layers`). Every state change happens under
-the node lock and is bracketed by a `pending` entry in the state (written first, cleared by the
-transaction that completes the change), so a crash mid-change is found in O(1) and undone or
-finished by recovery; see docs/runtime-shim.md for the order of steps and what a crash at each
-leaves. Nothing on the path of one mount or teardown costs O(sandboxes) or O(mounts).
+which is a shared, reference-counted EROFS mount (`layers`). Every state change is decided under
+the node lock and bracketed by a `pending` entry in the state (written first, cleared by the
+transaction that completes the change; it names its process by pid and start time), so a crash
+mid-change is found in O(1) and undone or finished by recovery; see docs/runtime-shim.md for the
+order of steps and what a crash at each leaves. Nothing on the path of one mount or teardown
+costs O(sandboxes) or O(mounts).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .layers import LayerMounts
 from .lock import NodeLock
 from .overlay import detach, mount_overlay, rmdir_quiet
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
-from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
+from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id, owner_alive
 
 Resolver = Callable[[str], EnvSpec]
 MS_BIND, MS_PRIVATE = 4096, 1 << 18
@@ -186,7 +187,7 @@ class Shim:
         with self.lock:
             gen = self.blobs.ensure()
             with self.state.read() as t:
-                stale = t.count("pending") > 0 or any(lm.generation != gen for lm in t.layers())
+                stale = bool(t.dead_pending()) or any(lm.generation != gen for lm in t.layers())
             if stale:
                 self._recover_locked()
             return self._mount_locked(spec, target, sid, upper, gen, utab_entry)
@@ -326,30 +327,55 @@ class Shim:
     def unmount(self, sandbox_or_target: str) -> Sandbox:
         """Tear a sandbox down: stop its container if one is left, unmount its root, release its
         layers (the last user unmounts a layer), delete the upper and work the shim created. An
-        explicit upper is kept. The deletion of an owned upper happens after the node lock is
-        released: a sandbox that wrote a million files does not hold up every other mount."""
+        explicit upper is kept.
+
+        Three things happen outside the node lock: deleting a leftover container (the runtime may
+        take a while), unmounting the root (overlayfs syncs its upper's filesystem at unmount: a
+        journal commit of the node disk, which concurrent teardowns share when they are not
+        serialised) and deleting an owned upper (a sandbox that wrote a million files must not
+        hold up every other mount). The `pending` entry written first marks the sandbox as being
+        torn down by this process meanwhile."""
         sb = self.find(sandbox_or_target)
-        self.delete_containers(sb.id)  # outside the lock: the runtime may take a while
+        self.delete_containers(sb.id)
         with self.lock:
-            sb = self.find(sandbox_or_target)
-            trashed = self._teardown(sb)
+            sb = self._begin_teardown(self.find(sandbox_or_target))
+        detach(sb.target)
+        with self.lock:
+            trashed = self._end_teardown(sb)
         if trashed is not None:
             shutil.rmtree(trashed, ignore_errors=True)
         return sb
 
     def _teardown(self, sb: Sandbox) -> Path | None:
-        """Caller holds the lock. Order matters for recovery: a `pending` unmount first (a crash
-        from here on is finished by recovery), detach the root, move an owned sandbox's directory
-        to the trash (its record goes with it) or delete a caller-upper sandbox's record file, then
-        drop the record and the layer references in one transaction. Returns the trashed
-        directory, for the caller to delete (outside the lock)."""
+        """All of a teardown, under the lock the caller holds (recovery). Returns the trashed
+        directory, for the caller to delete."""
+        self._begin_teardown(sb, force=True)
+        detach(sb.target)
+        return self._end_teardown(sb)
+
+    def _begin_teardown(self, sb: Sandbox, *, force: bool = False) -> Sandbox:
+        """Caller holds the lock. A `pending` unmount (from here on, a crash is finished by
+        recovery) and the status `unmounting`. Refused while another live process tears the
+        same sandbox down (unless `force`: recovery, settling a dead one's)."""
         with self.state.write() as t:
             cur = t.sandbox(sb.id)
-            if cur is not None:
-                cur.status = UNMOUNTING
-                t.put_sandbox(cur, old=cur)
-                t.put_pending(sb.id, "unmount")
-        detach(sb.target)
+            if cur is None:
+                if force:
+                    return sb
+                raise SandboxNotFound(f"no sandbox {sb.id!r} on node {self.paths.root}")
+            busy = t.pending().get(sb.id) if t.count("pending") else None
+            if busy is not None and not force and owner_alive(busy):
+                raise SandboxExists(f"sandbox {sb.id} is being {busy.get('op')}ed by process {busy.get('pid')}")
+            cur.status = UNMOUNTING
+            t.put_sandbox(cur, old=cur)
+            t.put_pending(sb.id, "unmount")
+            return cur
+
+    def _end_teardown(self, sb: Sandbox) -> Path | None:
+        """Caller holds the lock; the root is detached. Move an owned sandbox's directory to the
+        trash (its record goes with it) or delete a caller-upper sandbox's record file, then drop
+        the record and the layer references in one transaction. Returns the trashed directory."""
+        detach(sb.target)  # (again: a no-op unless something was mounted there meanwhile)
         if sb.target == str(self.paths.rootfs(sb.id)):
             rmdir_quiet(sb.target)
         if sb.utab:
@@ -460,7 +486,7 @@ class Shim:
 
         try:
             with self.state.read() as t:
-                boot, pending, layers = t.boot(), t.count("pending"), t.layers()
+                boot, pending, layers = t.boot(), len(t.dead_pending()), t.layers()
         except (lmdb.Error, CorruptObject) as e:
             return f"the state database is unreadable ({e})"
         if boot != boot_id():

@@ -21,9 +21,10 @@ Records are JSON objects:
     layers/<blob>      LayerMount (`refs` = sandboxes on the node that stack it)
     targets/<path>     sandbox id mounted at that path (for `umount TARGET`)
     uppers/<path>      sandbox id using that upper directory (uniqueness without a scan)
-    pending/<id>       an operation in flight on a sandbox ({"op": "mount"|"unmount", "pid": ...}):
+    pending/<id>       an operation in flight on a sandbox ({"op": "mount"|"unmount", "pid", "start"}):
                        written first, deleted in the transaction that completes the operation, so
-                       a crash mid-operation is found without looking at every sandbox
+                       a crash mid-operation is found without looking at every sandbox; an entry
+                       whose process (pid + start time) still runs is in flight, not a crash
     meta/daemon        DaemonRecord
     meta/boot          {"boot_id": ...} of the boot the picture belongs to
 """
@@ -59,6 +60,36 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def start_time(pid: int) -> int | None:
+    """/proc/<pid>/stat field 22 of a live (non-zombie) process, else None: with the pid, it names
+    one process for the life of the boot (a reused pid has another start time)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+_self: tuple[int, int | None] = (0, None)
+
+
+def _self_start_time() -> int | None:
+    global _self
+    if _self[0] != os.getpid():  # (re)computed after a fork
+        _self = (os.getpid(), start_time(os.getpid()))
+    return _self[1]
+
+
+def owner_alive(info: dict[str, Any]) -> bool:
+    """Does the process that wrote a `pending` entry still run?"""
+    pid, start = info.get("pid"), info.get("start")
+    return isinstance(pid, int) and start is not None and start_time(pid) == start
 
 
 def _known(cls: type, obj: dict[str, Any]) -> dict[str, Any]:
@@ -240,7 +271,14 @@ class Txn:
         return dict(self._items("pending"))
 
     def put_pending(self, sandbox: str, op: str, **info: Any) -> None:
-        self._put("pending", sandbox, {"op": op, "pid": os.getpid(), **info})
+        self._put("pending", sandbox, {"op": op, "pid": os.getpid(), "start": _self_start_time(), **info})
+
+    def dead_pending(self) -> dict[str, dict[str, Any]]:
+        """Pending operations whose process is gone (a crash): recovery's to settle. O(operations
+        in flight): zero reads of the table when it is empty."""
+        if self.count("pending") == 0:
+            return {}
+        return {sid: info for sid, info in self._items("pending") if not owner_alive(info)}
 
     def clear_pending(self, sandbox: str) -> None:
         if self._txn.get(sandbox.encode(), db=self._dbs["pending"]) is not None:

@@ -447,3 +447,58 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
         shim.unmount(b.id)
         assert not mountinfo.is_mount_root(roots)  # gone with the last sandbox
         assert mountinfo.under(mountinfo.read(), str(node)) == []
+
+
+INFLIGHT = """
+import os, sys, time
+from pathlib import Path
+from runtime_shim import shim as shim_module
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.paths import NodePaths
+
+node, blobs, marker, go = sys.argv[1:5]
+real = shim_module.detach
+def slow(path):
+    Path(marker).write_text(str(os.getpid()))
+    while not os.path.exists(go):
+        time.sleep(0.02)
+    return real(path)
+shim_module.detach = slow
+with shim_module.Shim(NodePaths(Path(node)), DirBlobs(blobs)) as s:
+    s.unmount("victim")
+"""
+
+
+def test_recovery_leaves_a_teardown_in_flight_alone(node: Path, images: dict[str, object], tmp_path: Path) -> None:
+    """A teardown unmounts the root outside the node lock; meanwhile another process's recovery
+    must neither finish it nor mount it again."""
+    import subprocess
+    import sys
+    import time
+
+    with open_shim(node, images) as shim:
+        other = shim.mount(env2(images))
+        shim.mount(env2(images), sandbox="victim")
+    marker, go = tmp_path / "in-detach", tmp_path / "go"
+    child = subprocess.Popen([sys.executable, "-c", INFLIGHT, str(node), str(images["blobs"]), str(marker), str(go)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), "the teardown did not start"
+        with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
+            assert shim.recover_if_needed() is None  # an operation in flight is not a crash
+            rep = shim.recover()
+            assert "victim" not in rep.finished_teardowns + rep.remounted_sandboxes + rep.rolled_back
+            assert shim.find("victim").status == "unmounting"
+            assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 2}
+            go.write_text("")
+            assert child.wait(timeout=60) == 0
+            assert [s.id for s in shim.sandboxes()] == [other.id]
+            assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
+            shim.unmount(other.id)
+    finally:
+        go.write_text("")
+        if child.poll() is None:
+            child.kill()
+            child.wait()
