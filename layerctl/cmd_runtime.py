@@ -160,11 +160,16 @@ def recover_cmd(node_dir: str | None, as_json: bool) -> None:
     if as_json:
         emit_json(rep.to_json())
         return
+    if rep.rebooted:
+        click.echo("the state belonged to an earlier boot: rebuilt from the sandboxes' record files")
     click.echo(f"recovered: {len(rep.remounted_sandboxes)} sandbox(es) and {len(rep.remounted_layers)} layer(s) "
-               f"remounted, {len(rep.finished_teardowns)} teardown(s) finished, {len(rep.orphan_mounts)} orphan "
-               f"mount(s) removed, {len(rep.adopted)} sandbox(es) rebuilt from records")
+               f"remounted, {len(rep.finished_teardowns)} teardown(s) finished, {len(rep.rolled_back)} interrupted "
+               f"mount(s) rolled back, {len(rep.orphan_mounts)} orphan mount(s) removed, {len(rep.adopted)} "
+               f"sandbox(es) rebuilt from records, {len(rep.deleted_containers)} leftover container(s) deleted")
     for sid, why in sorted(rep.broken.items()):
         click.echo(f"broken: {sid}: {why}")
+    for sid in rep.unrecorded:
+        click.echo(f"unrecorded: {sid}: a sandbox directory without a readable record (left as it is)")
 
 
 @click.group("node")
