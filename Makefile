@@ -19,7 +19,6 @@ lint: deps
 # Every benchmark in bench/, at SIZE=quick (default; the whole run stays under ~10 minutes) or SIZE=full.
 SIZE ?= quick
 bench: deps
-	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
 	@set -e; for b in bench/*.py; do echo "== $$b (SIZE=$(SIZE))"; BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); done
 
 deps: system-deps $(STAMP)
@@ -29,7 +28,7 @@ system-deps:
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
 	touch $(STAMP)
 
 clean:
