@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import blake3
@@ -81,26 +81,29 @@ class Inode:
                 or (self.kind in (Kind.REG, Kind.SYMLINK) and self.size > len(self.inline)))
 
 
-def walk(root: Inode) -> Iterator[tuple[Inode, Inode, bytes]]:
+def walk(root: Inode) -> list[tuple[Inode, Inode, bytes]]:
     """(inode, parent directory, path) with each directory followed by its non-directory
     entries, then its subdirectories in turn; names sorted bytewise; each inode once (a hard
     link is reached under its first path in this order)."""
+    out: list[tuple[Inode, Inode, bytes]] = []
     seen: set[int] = set()
     stack = [(root, root)]
     while stack:
         d, parent = stack.pop()
-        yield d, parent, d.path
+        out.append((d, parent, d.path))
         subdirs = []
         children = d.children
         assert children is not None
+        prefix = d.path + b"/" if d.path else b""
         for name in sorted(children):
             child = children[name]
             if child.children is not None:
                 subdirs.append(child)
             elif id(child) not in seen:
                 seen.add(id(child))
-                yield child, d, d.path + b"/" + name if d.path else name
+                out.append((child, d, prefix + name))
         stack.extend((sub, d) for sub in reversed(subdirs))
+    return out
 
 
 def build_time_of(nodes: list[Inode]) -> tuple[int, int]:
@@ -290,7 +293,7 @@ def plan(root: Inode, parent: ParentMeta | None = None, max_dead: float = MAX_DE
     where they can (see the module docstring). The parent's area is set aside (the metadata
     laid out afresh) if the root cannot keep its nid, or if fewer than 1 - `max_dead` of its
     blocks would still hold a record."""
-    triples = list(walk(root))
+    triples = walk(root)
     nodes = [n for n, _p, _path in triples]
     for n in nodes:
         if n.children is not None:
@@ -376,7 +379,7 @@ class Metadata:
     """What `pack` produces: the metadata area (written at `meta_start`), the superblock's
     block (block 0), the metadata segments and the cuts inherited from a parent (absolute)."""
 
-    meta: bytes
+    meta: bytes | bytearray
     block0: bytes
     segments: tuple[MetaSegment, ...]
     inherited: tuple[Cut, ...]
@@ -413,4 +416,4 @@ def pack(p: Plan, *, dir_addr: dict[int, int], xattr_blkaddr: int, meta_start: i
     block0[fmt.SUPER_OFFSET:fmt.SUPER_OFFSET + len(sb)] = sb
     inherited = tuple(Cut(meta_start + off, n, METADATA) for off, n in p.parent.cuts) if p.parent else ()
     segments = tuple(MetaSegment(meta_start + s.offset, s.length, s.stable) for s in p.segments)
-    return Metadata(meta=bytes(meta), block0=bytes(block0), segments=segments, inherited=inherited)
+    return Metadata(meta=meta, block0=bytes(block0), segments=segments, inherited=inherited)
