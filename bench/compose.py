@@ -12,8 +12,9 @@ the sandbox's overlay. Contenders:
   overlay mount(2) of the three layer directories, no bookkeeping;
 * layerstore-api: `Shim.mount("compose:1")` in a long-lived process (tag resolution, node lock, state
   transactions, record file, shared EROFS layers) — what a node agent calls;
-* layerstore-api-fsync (1,000 only): the same with an fsync per state transaction, the durability the
-  shim used before (what it costs);
+* durability A/B: the shim API with and without an fsync per state transaction (the durability the
+  shim used before), in alternating blocks of 100 sandboxes in one process, so that both variants
+  see the same disk and the same load from elsewhere;
 * layerstore-cli: `layerctl mount` / `layerctl umount` as processes, a smaller sample at the start and
   at 10,000 mounted (Python start-up, imports, a store client, the start-up recovery check per call).
 
@@ -35,8 +36,8 @@ device, no process, no namespace, no directory.
     python bench/compose.py [--size quick|full] [--scales 1000,10000] [--clients 1,4] [--out FILE]
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 1,000 and 10,000, 1 client,
-20 CLI calls per point, one round (~4 minutes, most of it teardown: see docs/benchmarks-compose.md);
-full: 1 and 4 clients, two rounds, 50 CLI calls per point (medians of the rounds are reported, and
+20 CLI calls per point, 6 A/B blocks, one round (~4 minutes, most of it teardown: see docs/benchmarks-compose.md);
+full: 1 and 4 clients, two rounds, 50 CLI calls per point, 20 A/B blocks (medians of the rounds are reported, and
 each round's headline figures with the machine's load while it ran).
 Needs root, mkfs.erofs and busybox-static.
 """
@@ -66,8 +67,8 @@ if str(ROOT) not in sys.path:
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "compose.json"
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"scales": [1000, 10000], "clients": [1], "cli": 20, "rounds": 1, "fsync_scale": 1000},
-    "full": {"scales": [1000, 10000], "clients": [1, 4], "cli": 50, "rounds": 2, "fsync_scale": 1000},
+    "quick": {"scales": [1000, 10000], "clients": [1], "cli": 20, "rounds": 1, "ab_blocks": 6},
+    "full": {"scales": [1000, 10000], "clients": [1, 4], "cli": 50, "rounds": 2, "ab_blocks": 20},
 }
 GOALS = {"rate_per_s": 200, "p99_ms": 50, "mounted": 10000}
 INNER_ENV = "LAYERSTORE_COMPOSE_INNER"
@@ -531,6 +532,51 @@ def cli_round(cfg: dict[str, Any], n: int, tag: str) -> dict[str, Any]:
     return {"mount": stats(ml), "umount": stats(ul), "bare_python_start_ms": round(bare * 1000, 1)}
 
 
+AB_BLOCK = 100
+
+
+def durability_ab(cfg: dict[str, Any], blocks: int) -> dict[str, Any]:
+    """The shim with (`fsync`) and without (`nosync`) a flush after each state transaction, in
+    alternating blocks of AB_BLOCK mounts then AB_BLOCK teardowns, in one process: both see the
+    same disk and the same load from elsewhere. About 1,000 sandboxes stay mounted meanwhile."""
+    variants = {"nosync": Api(Path(cfg["node"]), cfg["store"]), "fsync": Api(Path(cfg["node"]), cfg["store"],
+                                                                               fsync=True)}
+    for c in variants.values():
+        c.open()
+    lat: dict[str, dict[str, list[float]]] = {v: {"mount": [], "unmount": []} for v in variants}
+    wall: dict[str, dict[str, float]] = {v: {"mount": 0.0, "unmount": 0.0} for v in variants}
+    background = [variants["nosync"].mount(f"ab-bg-{i}")[0] for i in range(1000)]
+    try:
+        for b in range(blocks):
+            name = ("nosync", "fsync")[b % 2]
+            c = variants[name]
+            handles = []
+            t0 = time.perf_counter()
+            for i in range(AB_BLOCK):
+                t = time.perf_counter()
+                h, target = c.mount(f"ab-{b}-{i}")
+                usable(target)
+                lat[name]["mount"].append(time.perf_counter() - t)
+                handles.append(h)
+            t1 = time.perf_counter()
+            for h in handles:
+                t = time.perf_counter()
+                c.unmount(h)
+                lat[name]["unmount"].append(time.perf_counter() - t)
+            wall[name]["mount"] += t1 - t0
+            wall[name]["unmount"] += time.perf_counter() - t1
+    finally:
+        for h in background:
+            variants["nosync"].unmount(h)
+        for c in variants.values():
+            c.close()
+    out: dict[str, Any] = {"blocks": blocks, "block": AB_BLOCK, "mounted_meanwhile": 1000}
+    for name in variants:
+        out[name] = {op: {"rate_per_s": round(len(lat[name][op]) / wall[name][op], 1), **stats(lat[name][op])}
+                     for op in ("mount", "unmount")}
+    return out
+
+
 # -- the run -------------------------------------------------------------------------------------
 def limits() -> dict[str, Any]:
     def read(p: str) -> str | None:
@@ -616,10 +662,9 @@ def inner(args: argparse.Namespace) -> int:
                 log(f"round {rnd + 1}: {kind}, {clients} client(s)")
                 res = run_contender(kind, cfg, args.scales, clients, rnd, cli)
                 rounds.setdefault(f"{kind}/clients={clients}", []).append(res)
-            if args.fsync_scale:
-                log(f"round {rnd + 1}: layerstore-api-fsync at {args.fsync_scale}")
-                res = run_contender("layerstore-api-fsync", cfg, [args.fsync_scale], 1, rnd, 0)
-                rounds.setdefault("layerstore-api-fsync/clients=1", []).append(res)
+        if args.ab_blocks:
+            log(f"durability A/B: {args.ab_blocks} blocks of {AB_BLOCK}")
+            doc["durability_ab"] = durability_ab(cfg, args.ab_blocks)
         if args.cli:
             doc["cli_at_1_mounted"] = cli_round(cfg, args.cli, "start")
         doc["results"] = {k: median_results(v) for k, v in rounds.items()}
@@ -740,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", help="comma-separated client counts")
     ap.add_argument("--cli", type=int, help="layerctl calls per CLI point (0: none)")
     ap.add_argument("--rounds", type=int)
-    ap.add_argument("--fsync-scale", type=int, help="scale of the fsync-per-transaction variant (0: none)")
+    ap.add_argument("--ab-blocks", type=int, help=f"blocks of {100} sandboxes for the fsync A/B (0: none)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", default="/var/tmp", help="where the run's store, node and trees live")
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
@@ -750,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [int(x) for x in args.clients.split(",")] if args.clients else size["clients"]
     args.cli = size["cli"] if args.cli is None else args.cli
     args.rounds = size["rounds"] if args.rounds is None else args.rounds
-    args.fsync_scale = size["fsync_scale"] if args.fsync_scale is None else args.fsync_scale
+    args.ab_blocks = size["ab_blocks"] if args.ab_blocks is None else args.ab_blocks
     if os.geteuid() != 0:
         raise SystemExit("compose: needs root (mounts)")
     if os.environ.get(INNER_ENV):
@@ -791,6 +836,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(doc: dict[str, Any]) -> None:
+    ab = doc.get("durability_ab")
+    if ab:
+        for name in ("nosync", "fsync"):
+            m, u = ab[name]["mount"], ab[name]["unmount"]
+            log(f"durability A/B {name:6s}: mount {m['rate_per_s']:7.1f}/s p50 {m['p50_ms']:6.2f} "
+                f"p99 {m['p99_ms']:6.2f} ms | unmount {u['rate_per_s']:7.1f}/s p99 {u['p99_ms']:6.2f} ms")
     for name, per in doc.get("results", {}).items():
         for scale, r in per.items():
             m, u, mem = r["mount"], r["unmount"], r["memory_per_sandbox"]
