@@ -61,6 +61,7 @@ import json
 import mmap
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -521,7 +522,39 @@ def hit_path_handler(store_url: str, cache_dir: Path, blob: str, size: int) -> l
 
 
 # -- S3 -----------------------------------------------------------------------------------------------------------
-def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path) -> dict[str, float]:
+def system_busy_s() -> float:
+    """CPU time spent by the whole machine (all CPUs, everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / CLK_TCK
+
+
+def own_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class CpuMeter:
+    """CPU seconds per GB moved, split by who spent them: this process (the GET client or the
+    reader), the daemon, the Ceph daemons (RGW, OSD, ...), and the machine as a whole."""
+
+    def __init__(self, ceph_pids: dict[str, int], daemon_pid: int | None = None) -> None:
+        self.ceph_pids, self.daemon_pid = ceph_pids, daemon_pid
+
+    def sample(self) -> dict[str, float]:
+        out = {"self": own_cpu_s(), "ceph": sum(process_cpu_s(p) for p in self.ceph_pids.values()),
+               "machine": system_busy_s()}
+        if self.daemon_pid is not None:
+            out["daemon"] = process_cpu_s(self.daemon_pid)
+        return out
+
+    @staticmethod
+    def per_gb(a: dict[str, float], b: dict[str, float], nbytes: int) -> dict[str, float]:
+        return {k: (b[k] - a[k]) / nbytes * 1e9 for k in a}
+
+
+def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path,
+                 ceph_pids: dict[str, int]) -> dict[str, Any]:
     """A fresh daemon with an empty node cache on the S3 store: sequential read of the image."""
     cache = work / "cache-s3"
     shutil.rmtree(cache, ignore_errors=True)
@@ -529,12 +562,14 @@ def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path) -> dict[s
         with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log", env) as d, \
                 erofs_mount(d.blob(blob), work) as m:
             drop_caches()
-            c0 = d.counters(blob)
+            meter = CpuMeter(ceph_pids, d.pid)
+            c0, m0 = d.counters(blob), meter.sample()
             secs, nbytes = timed(seq_read, m)
-            c1 = d.counters(blob)
+            c1, m1 = d.counters(blob), meter.sample()
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    return {"fuse_cold_s3_MBps": nbytes / secs / 1e6, "fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6}
+    return {"fuse_cold_s3_MBps": nbytes / secs / 1e6, "fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6,
+            "cold_cpu_s_per_GB": CpuMeter.per_gb(m0, m1, nbytes)}
 
 
 def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -557,22 +592,25 @@ def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             push_layer(store, layer)
         shutil.rmtree(src)
         digests = sorted({r.digest for r in layer.refs})
-        rounds: list[dict[str, float]] = []
+        rounds: list[dict[str, Any]] = []
+        ceph_pids = {name: dm.pid for name, dm in ceph.daemons.items()}
         with Store.open(url) as store, ThreadPoolExecutor(DEFAULT_CONCURRENCY) as pool:
             keys = [store.chunk_key(dg) for dg in digests]
 
-            def get_pass(fn: Callable[[str], bytes], items: list[str]) -> float:
-                t0 = time.perf_counter()
+            def get_pass(fn: Callable[[str], bytes], items: list[str]) -> tuple[float, dict[str, float]]:
+                meter = CpuMeter(ceph_pids)
+                m0, t0 = meter.sample(), time.perf_counter()
                 n = sum(len(b) for b in pool.map(fn, items))
-                return n / (time.perf_counter() - t0)
+                secs, m1 = time.perf_counter() - t0, meter.sample()
+                return n / secs, CpuMeter.per_gb(m0, m1, n)
 
             get_pass(store.backend.load, keys)  # clients and connections set up, untimed
             for _ in range(args.reps):
                 # The backend's own rate: the better of two passes of raw GETs of every chunk object.
-                get_bps = max(get_pass(store.backend.load, keys) for _ in range(2))
-                get_chunk_bps = get_pass(store.get_chunk, digests)
+                get_bps, get_cpu = max((get_pass(store.backend.load, keys) for _ in range(2)), key=lambda x: x[0])
+                get_chunk_bps, _ = get_pass(store.get_chunk, digests)
                 r = {"parallel_get_MBps": get_bps / 1e6, "parallel_get_chunk_MBps": get_chunk_bps / 1e6,
-                     **cold_s3_read(url, env, layer.blob, work)}
+                     "get_cpu_s_per_GB": get_cpu, **cold_s3_read(url, env, layer.blob, work, ceph_pids)}
                 r["ratio"] = r["fuse_cold_s3_MBps"] / r["parallel_get_MBps"]
                 rounds.append(r)
                 print(f"s3: parallel GET {r['parallel_get_MBps']:.0f} MB/s "
@@ -580,7 +618,11 @@ def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       f"fuse_cold_s3 seq {r['fuse_cold_s3_MBps']:.0f} MB/s ({r['ratio']:.2f}x)", flush=True)
         return {
             "image_bytes": layer.size, "chunks": len(digests), "get_threads": DEFAULT_CONCURRENCY,
-            "rounds": [{k: round(v, 3 if k == "ratio" else 1) for k, v in r.items()} for r in rounds],
+            "rounds": [{k: ({kk: round(vv, 2) for kk, vv in v.items()} if isinstance(v, dict)
+                            else round(v, 3 if k == "ratio" else 1)) for k, v in r.items()} for r in rounds],
+            "cpu_s_per_GB_median": {
+                phase: {k: round(statistics.median(r[phase][k] for r in rounds), 2) for k in rounds[0][phase]}
+                for phase in ("get_cpu_s_per_GB", "cold_cpu_s_per_GB")},
             "parallel_get_MBps_best": round(max(r["parallel_get_MBps"] for r in rounds), 1),
             "fuse_cold_s3_MBps_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds), 1),
             "ratio_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds)
