@@ -67,6 +67,18 @@ def test_erofs_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer,
         assert read_errno(d.blob("b3:" + "1" * 64)) == errno.ENOENT
 
 
+def test_erofs_directio_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer, tmp_path: Path) -> None:
+    """`-o directio` (what docs/benchmarks-read.md recommends to the shim): every EROFS page-cache
+    miss is a FUSE request, metadata still goes through the pushed page cache; cold, then again
+    over the filled cache with a fresh mount."""
+    with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt") as d:
+        for _ in range(2):
+            with mounted_erofs(d.blob(layer.blob), "directio") as mnt:
+                assert_trees_equal(snapshot_tree(src, root_meta=False), snapshot_tree(mnt, root_meta=False))
+        st = d.stats()["blobs"][layer.blob]
+        assert st["fetched_bytes"] <= layer.size and st["hits"] > 0
+
+
 def _fuse_bdi(mountpoint: Path) -> Path:
     with open("/proc/self/mountinfo") as f:
         (dev,) = [line.split()[2] for line in f if line.split()[4] == str(mountpoint)]
