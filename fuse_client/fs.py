@@ -389,6 +389,14 @@ class BlobFS(pyfuse3.Operations):
         self.cache.pin(e, idxs)  # no eviction while the kernel copies from the mapping
         self._push_nursery.start_soon(self._push, e, ino, idxs)
 
+    async def stop_pushes(self, timeout: float = 5.0) -> None:
+        """No new metadata pushes; wait for those under way (before the FUSE session is closed:
+        a notify_store on a closed session would touch freed memory)."""
+        self._push_nursery = None
+        with trio.move_on_after(timeout):
+            while self._pushing:
+                await trio.sleep(0.01)
+
     async def _push(self, e: BlobEntry, ino: int, idxs: list[int]) -> None:
         chunks = e.cmap.chunks
         # Contiguous chunks go in one notify_store.
