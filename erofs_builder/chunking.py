@@ -27,6 +27,8 @@ from layerstore.chunkmap import METADATA
 
 from .format import BLOCK_SIZE
 
+SLICE = 1 << 20  # the default `max_chunk`: data runs are hashed in pieces this long as they are written
+
 
 @dataclass(frozen=True, slots=True)
 class DataExtent:
@@ -34,6 +36,7 @@ class DataExtent:
     length: int
     hint: int  # 32-bit hash used for group boundaries (of the file's name)
     meta: bool = False  # blocks of a large directory, or the shared xattrs: chunked as metadata
+    slices: tuple[bytes, ...] = ()  # blake3 of each SLICE piece from `offset`, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,7 @@ class ChunkPolicy:
     """Chunk sizes; docs/erofs-builder.md has the measured trade-off between chunk count and
     deduplication behind the defaults."""
 
-    max_chunk: int = 1 << 20  # big files are cut this far apart, from their own start
+    max_chunk: int = SLICE  # big files are cut this far apart, from their own start
     big: int = 64 << 10  # a run at least this long is chunked alone
     min_group: int = 32 << 10
     target_group: int = 128 << 10

@@ -11,22 +11,59 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import blake3
 
 from layerstore.errors import BadInput
 
 from . import format as fmt
-from .chunking import DataExtent
+from .chunking import SLICE, DataExtent
 from .metadata import Inode
-from .parent import ParentImage
 from .reuse import keep_blocks
 from .tree import Data, Hole
+
+if TYPE_CHECKING:
+    from .parent import ParentImage
 
 BS = fmt.BLOCK_SIZE
 _FLUSH = 1 << 20
 _ZEROS = bytes(BS)
+
+
+class RunHasher:
+    """A run's identity, hashed as it is written: the blake3 of each `SLICE` piece from the
+    run's start, and the blake3 of those. The chunker cuts big runs at the same offsets, so
+    their chunks' digests are already known (build.hash_image does not read them again)."""
+
+    __slots__ = ("_done", "_cur", "_n")
+
+    def __init__(self) -> None:
+        self._done: list[bytes] = []
+        self._cur = blake3.blake3()
+        self._n = 0
+
+    def update(self, buf: bytes | bytearray | memoryview) -> None:
+        view = memoryview(buf)
+        while len(view):
+            take = min(len(view), SLICE - self._n)
+            self._cur.update(view[:take])
+            self._n += take
+            view = view[take:]
+            if self._n == SLICE:
+                self._done.append(self._cur.digest())
+                self._cur = blake3.blake3()
+                self._n = 0
+
+    def slices(self) -> tuple[bytes, ...]:
+        return (*self._done, self._cur.digest()) if self._n else tuple(self._done)
+
+    def key(self) -> bytes:
+        return run_key(self.slices())
+
+
+def run_key(slices: tuple[bytes, ...] | list[bytes]) -> bytes:
+    return blake3.blake3(b"".join(slices)).digest()
 
 
 class DataArea:
@@ -35,7 +72,7 @@ class DataArea:
         self.pos = BS
         self.extents: list[DataExtent] = []
         self.digests: list[bytes] = []  # one per extent
-        self._cur = blake3.blake3()  # digest of the run being written
+        self._cur = RunHasher()  # the run being written
         # (blake3, length) of every stored run -> its image offset
         self._runs: dict[tuple[bytes, int], int] = {}
         self._parent = parent
@@ -53,7 +90,7 @@ class DataArea:
     def commit_run(self, offset: int, length: int, path: bytes, meta: bool = False) -> int:
         """End the run just written at `offset` like `end_extent`, unless the same bytes are
         already stored: then forget it (later data overwrites it) and return their offset."""
-        key = (self._cur.digest(), length)
+        key = (self._cur.key(), length)
         have = self._runs.get(key)
         if have is not None:
             self.rewind(offset)
@@ -65,7 +102,7 @@ class DataArea:
     def rewind(self, offset: int) -> None:
         self.out.seek(offset)
         self.pos = offset
-        self._cur = blake3.blake3()
+        self._cur = RunHasher()
 
     def settle(self, node: Inode, path: bytes, start: int, length: int, tail: bytes) -> None:
         """Place a file stored as the one run just written at `start` (its inline `tail`, if
@@ -74,7 +111,7 @@ class DataArea:
         becomes chunk-based, see reuse.py); else keep the new run."""
         if not length:
             return
-        key = (self._cur.digest(), length)
+        key = (self._cur.key(), length)
         have = self._runs.get(key)
         if have is not None:
             self.rewind(start)
@@ -84,7 +121,7 @@ class DataArea:
         kept = keep_blocks(self.out, start, length // BS, old, tail) if old and _readable(self.out) else None
         if kept is not None:
             self.pos = kept.end
-            self._cur = blake3.blake3()
+            self._cur = RunHasher()
             if kept.end > start:
                 self.digests.append(kept.digest)
                 self.extents.append(DataExtent(start, kept.end - start, _hint(path)))
@@ -108,10 +145,11 @@ class DataArea:
         """Record the data run just written (its digest feeds the UUID). Its grouping hint
         comes from the file's name, not its content: an edited file then leaves the chunk
         boundaries where they were, and the same files under another prefix group alike."""
-        digest = self._cur.digest()
-        self._cur = blake3.blake3()
+        digest = self._cur.key()
+        slices = self._cur.slices()
+        self._cur = RunHasher()
         self.digests.append(digest)
-        self.extents.append(DataExtent(offset, length, _hint(path), meta))
+        self.extents.append(DataExtent(offset, length, _hint(path), meta, slices))
 
     def store_file(self, node: Inode, data: Data, path: bytes, tail_room: int) -> None:
         """Stream a regular file that does not fit inline; a tail of at most `tail_room` bytes

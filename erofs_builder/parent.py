@@ -35,7 +35,8 @@ from layerstore.chunkmap import ChunkRef
 from layerstore.errors import BadInput, ConfigError
 
 from . import format as fmt
-from .chunking import Cut
+from .chunking import SLICE, Cut
+from .dataarea import run_key
 from .metadata import ParentMeta, Slot
 
 if TYPE_CHECKING:
@@ -160,12 +161,11 @@ class _Reader:
     def data(self, blkaddr: int, length: int) -> bytes:
         return self.read(self.check(blkaddr, length), length)
 
-    def digest(self, blkaddr: int, length: int) -> bytes:
+    def run_key(self, blkaddr: int, length: int) -> bytes:
+        """The run's identity as the writer computes it (dataarea.RunHasher)."""
         start = self.check(blkaddr, length)
-        h = blake3.blake3()
-        for off in range(0, length, _READ):
-            h.update(self.read(start + off, min(_READ, length - off)))
-        return h.digest()
+        return run_key([blake3.blake3(self.read(start + off, min(SLICE, length - off))).digest()
+                        for off in range(0, length, SLICE)])
 
     def dirents(self, ino: _Ino) -> Iterator[tuple[bytes, int, int]]:
         if ino.layout == fmt.LAYOUT_FLAT_INLINE:
@@ -220,7 +220,7 @@ def _read(fd: int, size: int, path: Path, refs: Sequence[ChunkRef | Cut]) -> Par
 
     def share(blkaddr: int, length: int) -> None:
         if length:
-            runs.setdefault((r.digest(blkaddr, length), length), blkaddr * BS)
+            runs.setdefault((r.run_key(blkaddr, length), length), blkaddr * BS)
             live.append((blkaddr * BS, length))
 
     def visit(ino: _Ino, where: bytes) -> None:
