@@ -80,11 +80,16 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
                 writer.add(entry, data)
                 if progress is not None:
                     progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
-            layout = writer.finish()
-            f.flush()
-            with ThreadPoolExecutor(1) as syncer:  # hashing reads the page cache: no need to wait for the disk
+            with ThreadPoolExecutor(1) as syncer:
+                # the data area goes to disk while the metadata is laid out, and the rest while the
+                # image is hashed (from the page cache); both calls release the GIL
+                f.flush()
+                early = syncer.submit(os.fdatasync, f.fileno())
+                layout = writer.finish()
+                f.flush()
                 synced = syncer.submit(os.fsync, f.fileno())
                 blob, refs = hash_image(f.fileno(), layout, policy)
+                early.result()
                 synced.result()
             # mkstemp made it 0600; the published image gets what a plain create would give
             os.fchmod(f.fileno(), IMAGE_MODE & ~current_umask())
