@@ -33,7 +33,7 @@ class LayerMounts:
         detach(mp)
         source = self.blobs.path(blob)
         try:
-            sysmount.mount_erofs(source, mp)
+            sysmount.mount_erofs(source, mp, self.blobs.erofs_options)
         except sysmount.MountError as e:
             rmdir_quiet(mp)
             if not os.path.exists(source):
