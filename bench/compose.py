@@ -422,6 +422,7 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
     each checkpoint, then tear everything down. Each step's figures are for the sandboxes mounted in
     that step (e.g. the 9,000 that take the node from 1,000 to 10,000)."""
     tag = f"r{rnd}-{kind}-{clients}"
+    settle()
     load_start = os.getloadavg()[0]
     base = snapshot()
     results: dict[str, Any] = {}
@@ -457,6 +458,19 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
     for r in results.values():
         r["loadavg_1min"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]  # at start, at end
     return results
+
+
+SETTLE_S = 6.0
+
+
+def settle() -> None:
+    """Let the node disk forget the previous contender's teardown. ext4 does not hand out an inode
+    freed in the last 5 s (300 s while its inode-table block is still dirty: `recently_deleted`),
+    so right after 10,000 sandboxes were deleted every mkdir scans past their inodes; measured,
+    that made the next contender's mounts up to 5x slower. A sync and a pause put each contender
+    on the same footing (the effect itself is real on a node with heavy churn: see the doc)."""
+    os.sync()
+    time.sleep(SETTLE_S)
 
 
 def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) -> dict[str, Any]:
@@ -539,6 +553,7 @@ def durability_ab(cfg: dict[str, Any], blocks: int) -> dict[str, Any]:
     """The shim with (`fsync`) and without (`nosync`) a flush after each state transaction, in
     alternating blocks of AB_BLOCK mounts then AB_BLOCK teardowns, in one process: both see the
     same disk and the same load from elsewhere. About 1,000 sandboxes stay mounted meanwhile."""
+    settle()
     variants = {"nosync": Api(Path(cfg["node"]), cfg["store"]), "fsync": Api(Path(cfg["node"]), cfg["store"],
                                                                                fsync=True)}
     for c in variants.values():
