@@ -470,7 +470,7 @@ def settle() -> None:
     0.29 ms after 10,000 sandboxes' directories were deleted, still after a sync and 6 s. That is
     part of the spread between rounds; the round-robin order gives each contender both states.)"""
     os.sync()
-    time.sleep(SETTLE_S)
+    time.sleep(float(os.environ.get("LAYERSTORE_COMPOSE_SETTLE_S", SETTLE_S)))
 
 
 def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) -> dict[str, Any]:

@@ -95,6 +95,14 @@ class DaemonSupervisor:
     def start(self, store: str) -> DaemonRecord:
         """Start a daemon for `store` and wait until its mount answers. A dead mount left by a
         killed daemon is detached first (a new FUSE mount cannot go over it usefully)."""
+        from fuse_client.control import socket_path  # (imports trio: only when a daemon starts)
+
+        sock = socket_path(self.paths.cache)
+        if len(os.fsencode(sock)) >= 108:
+            # The daemon would mount its FUSE file system and then die binding the socket: say why
+            # here, instead of failing later on a blob that cannot be found.
+            raise DaemonError(f"the node directory's path is too long: the daemon's control socket {sock} must fit "
+                              f"a Unix socket address (107 bytes); use a shorter --node-dir")
         self.clear_dead_mount()
         self.paths.fuse.mkdir(mode=0o700, exist_ok=True)
         self.paths.cache.mkdir(mode=0o700, exist_ok=True)

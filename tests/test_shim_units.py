@@ -271,3 +271,16 @@ def test_environments_are_cached_by_manifest_digest(tmp_path: Path) -> None:
         moved = res("e:1")
         assert moved.manifest == two != one and moved.blobs == [blobs[1]]
         assert (res.hits, res.misses) == (2, 2)
+
+
+def test_a_node_directory_too_long_for_the_daemons_socket_is_refused_up_front(tmp_path: Path) -> None:
+    from runtime_shim.errors import DaemonError
+    from runtime_shim.shim import Shim
+    from tests.cli_helpers import layerctl
+
+    store = str(tmp_path / "store")
+    assert layerctl("store", "init", "--store", store).code == 0
+    with Shim.for_node(tmp_path / ("n" * 100), store) as shim, shim.lock, \
+            pytest.raises(DaemonError, match="too long"):
+        shim.blobs.ensure()
+    assert not (tmp_path / ("n" * 100) / "daemon.log").exists()  # nothing was started
