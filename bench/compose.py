@@ -645,13 +645,14 @@ def inner(args: argparse.Namespace) -> int:
     if lim["fs.mount-max"] is not None and int(lim["fs.mount-max"]) < need:
         raise SystemExit(f"compose: fs.mount-max is {lim['fs.mount-max']}; {need} needed "
                          f"(sysctl -w fs.mount-max={need * 2})")
-    work = Path(tempfile.mkdtemp(prefix="layerstore-compose-", dir=args.workdir))
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     doc: dict[str, Any] = {"benchmark": "compose", "when": when,
                            "machine": machine(), "limits": lim, "goals": GOALS,
-                           "mount_namespace": os.readlink("/proc/self/ns/mnt"), "workdir": str(work)}
+                           "mount_namespace": os.readlink("/proc/self/ns/mnt")}
     anchor: Any = None
     shim: Any = None
+    work = Path(tempfile.mkdtemp(prefix="layerstore-compose-", dir=args.workdir))
+    doc["workdir"] = str(work)
     try:
         log(f"building the environment in {work}")
         trees = make_trees(work)
