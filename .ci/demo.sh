@@ -30,15 +30,16 @@ say "base layer: a Debian bookworm userland (mmdebstrap from this machine's apt 
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/layerstore/demo
 BASE_TAR=$CACHE/debian-bookworm-minbase.tar
 mkdir -p "$CACHE"
-if [ ! -s "$BASE_TAR" ]; then
-    if mmdebstrap --quiet --variant=minbase bookworm "$BASE_TAR.part" 2>"$WORK/mmdebstrap.log"; then
+if [ ! -f "$BASE_TAR" ] || [ ! -s "$BASE_TAR" ]; then
+    rm -rf "$BASE_TAR" "$BASE_TAR.part"
+    if mmdebstrap --quiet --variant=minbase --format=tar bookworm "$BASE_TAR.part" 2>"$WORK/mmdebstrap.log"; then
         mv "$BASE_TAR.part" "$BASE_TAR"
     else
-        rm -f "$BASE_TAR.part"
+        rm -rf "$BASE_TAR.part"
         echo "mmdebstrap failed ($(tail -1 "$WORK/mmdebstrap.log")); using a busybox base instead"
     fi
 fi
-if [ -s "$BASE_TAR" ]; then
+if [ -f "$BASE_TAR" ] && [ -s "$BASE_TAR" ]; then
     ls -l "$BASE_TAR"
     BASE=$($LAYERCTL build "$BASE_TAR" --push --role base --json | tee /dev/stderr | field blob)
 else
