@@ -37,10 +37,10 @@ import trio
 
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import CorruptObject
+from layerstore.errors import BadInput, CorruptObject, LayerstoreError
 
 from . import cache_index as ci
-from .cache_files import BlobFiles, data_extents, punch_hole, pwrite_all
+from .cache_files import BlobFiles, CacheIOError, data_extents, punch_hole, pwrite_all
 from .eviction import Budget, Candidate, choose_victims
 from .limiter import DEMAND
 
@@ -49,6 +49,35 @@ log = logging.getLogger("layerstore.fuse.cache")
 TOUCH_INTERVAL = 30.0
 SETTLE = 0.5  # seconds without commits that end an eviction episode
 RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
+PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning per this many seconds
+MAX_HOLDER = 256  # bytes of a pin holder's name (utf-8)
+
+
+class BlobIncomplete(LayerstoreError):
+    """A pin was asked for a blob whose chunks are not all committed in the node cache."""
+
+    exit_code = 3
+    http_status = 409
+
+    def __init__(self, message: str, missing_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+
+    def details(self) -> dict[str, object]:
+        return {"complete": False, "missing_bytes": self.missing_bytes}
+
+
+class BlobPinned(LayerstoreError):
+    """An explicit eviction of a blob that a holder has pinned (its data file is in use as an image)."""
+
+    exit_code = 2
+    http_status = 409
+
+
+def check_holder(holder: object) -> str:
+    if not isinstance(holder, str) or not holder or len(holder.encode()) > MAX_HOLDER:
+        raise BadInput(f"a pin holder is a non-empty string of at most {MAX_HOLDER} bytes, got {holder!r}")
+    return holder
 
 
 class Flight:
@@ -120,6 +149,10 @@ class BlobEntry:
         chunks = self.cmap.chunks
         return sum(chunks[i].length for i, p in enumerate(self.present) if p)
 
+    def missing_bytes(self) -> int:
+        chunks = self.cmap.chunks
+        return sum(chunks[i].length for i, p in enumerate(self.present) if not p)
+
     def map(self) -> memoryview | None:
         """The read-only view of the whole data file, mapped on first use; None if it cannot be
         mapped (e.g. vm.max_map_count reached): then reads fall back to pread."""
@@ -169,6 +202,10 @@ class NodeCache:
         self.budget = budget
         self.clock = clock
         self.entries: dict[str, BlobEntry] = {}
+        # Durable pins (LMDB "pins"): blob -> {holder: since}. A pinned blob's data file is an
+        # image some holder mounted directly: nothing here modifies it (no eviction, no punch).
+        self.pins: dict[str, dict[str, float]] = {}
+        self._pin_log_at = float("-inf")
         self.busy: dict[tuple[str, int], Flight] = {}
         self.usage = 0
         self.evicted_chunks = 0
@@ -191,6 +228,7 @@ class NodeCache:
         without a map are removed."""
         cache = cls(root, files, index, **kw)  # type: ignore[arg-type]
         committed = index.committed()
+        pins = cache.pins = index.pins()
         ops: list[ci.Op] = []
         dropped = punched = 0
         for blob, data in index.maps():
@@ -199,7 +237,8 @@ class NodeCache:
             except CorruptObject as e:
                 log.warning("cache: dropping blob %s with a corrupt chunk map: %s", blob, e)
                 ops.append(ci.DelBlob(blob))
-                files.remove(blob)
+                if blob not in pins:  # a pinned file stays until its last holder unpins
+                    files.remove(blob)
                 committed.pop(blob, None)
                 continue
             recs = committed.pop(blob, {})
@@ -216,6 +255,13 @@ class NodeCache:
                 entry.present[idx] = 1
                 entry.last_use[idx] = last_use
                 cache.usage += ref.length
+            if blob in pins:
+                # Never touch the bytes of a pinned file: a holder mounted it as an image.
+                if not all(entry.present):
+                    log.error("cache recovery: pinned blob %s lacks %d byte(s) of committed chunks; its "
+                              "direct mounts read zeros there until they are fetched again", blob,
+                              entry.missing_bytes())
+                extents = []
             for s, e in extents:
                 for idx in cmap.span(s, e - s):
                     if not entry.present[idx]:
@@ -227,7 +273,7 @@ class NodeCache:
         for blob in committed:  # records without a map
             ops.append(ci.DelBlob(blob))
         for blob in list(files.blobs()):
-            if blob not in cache.entries:
+            if blob not in cache.entries and blob not in pins:
                 files.remove(blob)
         if ops:
             index.apply(ops)
@@ -270,6 +316,67 @@ class NodeCache:
                 del pins[i]
         if self._episode:
             self._evict_kick.set()
+
+    # -- durable pins (direct mounts of complete blobs) ----------------------------------------
+    async def pin_blob(self, blob: str, holder: str) -> Path:
+        """Record that `holder` uses the blob's data file as an image, and return the file's
+        path. Only a complete blob (every chunk committed) can be pinned: `BlobIncomplete`
+        otherwise, and nothing is recorded. When this returns, the pin and every chunk record
+        of the blob are committed (the data synced before them), so the file is the image,
+        durably; from then on eviction, `verify` and recovery leave the file's bytes alone."""
+        check_holder(holder)
+        e = self.entries.get(blob)
+        if e is None:
+            raise BlobIncomplete(f"blob {blob} is not in the node cache", None)
+        missing = e.missing_bytes()
+        if missing:
+            raise BlobIncomplete(f"blob {blob} is not complete in the node cache: {missing} byte(s) missing",
+                                 missing)
+        # No await between the check and this: no eviction can start on the blob in between.
+        holders = self.pins.setdefault(blob, {})
+        before = holders.get(holder)
+        holders[holder] = self.clock()
+        await self._commit_pin_change(ci.PutPin(blob, holder, holders[holder]),
+                                      lambda: self._restore_pin(blob, holder, before))
+        return self.files.path(blob).absolute()
+
+    async def unpin_blob(self, blob: str, holder: str) -> bool:
+        """Drop `holder`'s pin (durably); False if it had none (idempotent). The blob's chunks
+        become evictable again once no holder is left."""
+        check_holder(holder)
+        holders = self.pins.get(blob)
+        if not holders or holder not in holders:
+            return False
+        before = holders.pop(holder)
+        if not holders:
+            del self.pins[blob]
+        await self._commit_pin_change(ci.DelPin(blob, holder), lambda: self._restore_pin(blob, holder, before))
+        if self.budget is not None and self.usage > self.budget.high:
+            self._evict_kick.set()
+        return True
+
+    def _restore_pin(self, blob: str, holder: str, since: float | None) -> None:
+        if since is None:
+            holders = self.pins.get(blob, {})
+            holders.pop(holder, None)
+            if not holders:
+                self.pins.pop(blob, None)
+        else:
+            self.pins.setdefault(blob, {})[holder] = since
+
+    async def _commit_pin_change(self, op: ci.Op, undo: Callable[[], None]) -> None:
+        """Queue a pin op and wait for its batch (with every chunk record queued before it);
+        if a journal batch failed meanwhile, undo the change in memory and fail."""
+        failures = self._journal_failures
+        self._enqueue([op])
+        with trio.CancelScope(shield=True):
+            await self.flush()
+        if self._journal_failures != failures:
+            undo()
+            raise CacheIOError(f"cannot record the pin change of blob {op.blob} in the cache index (see the log)")
+
+    def pinned_bytes(self) -> int:
+        return sum(e.cached_bytes() for b, e in self.entries.items() if b in self.pins)
 
     # -- writers ---------------------------------------------------------------------------
     @staticmethod
@@ -414,6 +521,8 @@ class NodeCache:
         out = []
         busy = self.busy
         for blob, e in self.entries.items() if only is None else [(only, self.entries[only])]:
+            if blob in self.pins:
+                continue  # a holder mounted its data file: never modified
             meta = set(e.metadata) if e.open_count else ()
             chunks = e.cmap.chunks
             pins = e.pins
@@ -426,9 +535,22 @@ class NodeCache:
         """Drop least recently used chunks until usage <= target (as far as unpinned chunks
         allow). Returns (chunks, bytes) dropped."""
         victims = choose_victims(self._candidates(), self.usage, target)
-        return await self.drop([(v.blob, v.index) for v in victims])
+        res = await self.drop([(v.blob, v.index) for v in victims])
+        if self.usage > target and self.pins:
+            pinned = self.pinned_bytes()
+            now = time.monotonic()
+            if pinned and now - self._pin_log_at >= PIN_LOG_INTERVAL:
+                self._pin_log_at = now
+                log.warning("cache: usage %d stays above the target %d: %d byte(s) of %d pinned blob(s) cannot "
+                            "be evicted (their files are mounted directly)", self.usage, target, pinned,
+                            len(self.pins))
+        return res
 
     async def drop_blob(self, blob: str) -> tuple[int, int]:
+        holders = self.pins.get(blob)
+        if holders:
+            raise BlobPinned(f"blob {blob} is pinned by {', '.join(sorted(holders))} (its cache file is "
+                             f"mounted directly): unpin it first")
         if blob not in self.entries:
             return 0, 0
         return await self.drop([(c.blob, c.index) for c in self._candidates(blob)])
@@ -442,7 +564,7 @@ class NodeCache:
         nbytes = 0
         for blob, i in victims:
             e = self.entries.get(blob)
-            if e is None or not e.present[i] or i in e.pins or (blob, i) in self.busy:
+            if e is None or not e.present[i] or i in e.pins or (blob, i) in self.busy or blob in self.pins:
                 continue
             ref = e.cmap.chunks[i]
             e.present[i] = 0  # from here on no reader starts on it
@@ -470,7 +592,10 @@ class NodeCache:
 
     # -- maintenance ---------------------------------------------------------------------------
     async def verify(self) -> dict[str, object]:
-        """Re-hash every committed chunk; drop the bad ones. Chunks are pinned while checked."""
+        """Re-hash every committed chunk; drop the bad ones. Chunks are pinned while checked.
+        A bad chunk of a pinned blob is reported and loses its record (the FUSE path never
+        serves it; a read there fetches it again and rewrites the verified bytes in place), but
+        its bytes are not punched: a holder mounted the file."""
         checked = 0
         bad: list[dict[str, object]] = []
         for blob, e in list(self.entries.items()):
@@ -483,13 +608,29 @@ class NodeCache:
             finally:
                 self.unpin(e, idxs)
             checked += len(idxs)
-            if wrong:
-                for i in wrong:
-                    log.error("cache verify: blob %s chunk %d (%s) does not match its digest; dropped",
-                              blob, i, e.cmap.chunks[i].digest)
-                    bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest})
+            if not wrong:
+                continue
+            pinned = blob in self.pins
+            for i in wrong:
+                log.error("cache verify: blob %s chunk %d (%s) does not match its digest; %s", blob, i,
+                          e.cmap.chunks[i].digest, "unrecorded, not punched (the blob is pinned)" if pinned
+                          else "dropped")
+                bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": pinned})
+            if pinned:
+                self._unrecord(e, wrong)
+                await self.flush()
+            else:
                 await self.drop([(blob, i) for i in wrong])
         return {"checked": checked, "bad": bad}
+
+    def _unrecord(self, e: BlobEntry, idxs: Sequence[int]) -> None:
+        """Mark chunks absent and queue the deletion of their records, without punching."""
+        chunks = e.cmap.chunks
+        for i in idxs:
+            if e.present[i]:
+                e.present[i] = 0
+                self.usage -= chunks[i].length
+        self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
 
     def ls(self) -> dict[str, object]:
         blobs = []
@@ -499,8 +640,11 @@ class NodeCache:
             alloc = self.files.allocated_bytes(blob)
             disk += alloc
             blobs.append({"blob": blob, "size": e.size, "chunks": len(e.present), "cached_chunks": n,
-                          "cached_bytes": e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count})
-        return {"used_bytes": self.usage, "disk_bytes": disk,
+                          "cached_bytes": e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count,
+                          "complete": n == len(e.present), "pinned_by": sorted(self.pins.get(blob, ()))})
+        pins = [{"blob": blob, "holder": h, "since": since, "path": str(self.files.path(blob).absolute())}
+                for blob, holders in sorted(self.pins.items()) for h, since in sorted(holders.items())]
+        return {"used_bytes": self.usage, "disk_bytes": disk, "pinned_bytes": self.pinned_bytes(), "pins": pins,
                 "budget": self.budget.to_json() if self.budget else None,
                 "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes,
                 "journal": {"batches": self.journal_batches, "chunk_records": self.journal_chunk_records,

@@ -3,7 +3,11 @@ each was last used, and the chunk map of every blob the node has seen.
 
     db "maps"    blob (32 raw bytes)            -> encoded chunk map (self-checking, see chunkmap)
     db "chunks"  blob (32 raw) + index (u32 BE) -> last use (f64, seconds since the epoch)
+    db "pins"    blob (32 raw) + holder (utf-8)  -> pinned since (f64, seconds since the epoch)
     db "meta"    b"format"                      -> b"1"
+
+A pin says that a holder (e.g. the runtime shim, for one direct EROFS mount) uses the blob's data
+file as an image: the daemon then never modifies that file (see `NodeCache.pin_blob`).
 
 A record in "chunks" is the commit point of a chunk: it is written only after the chunk's bytes
 are in the data file and synced, and it is deleted before those bytes are punched out. All writes
@@ -61,17 +65,34 @@ class PutMap:
 
 
 @dataclass(frozen=True, slots=True)
+class PutPin:
+    blob: str
+    holder: str
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class DelPin:
+    blob: str
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
 class DelBlob:
     """Forget a blob entirely: its chunk records and its map."""
 
     blob: str
 
 
-Op = PutChunk | DelChunk | Touch | PutMap | DelBlob
+Op = PutChunk | DelChunk | Touch | PutMap | DelBlob | PutPin | DelPin
 
 
 def chunk_key(blob: str, index: int) -> bytes:
     return digestmod.raw_of(blob) + _IDX.pack(index)
+
+
+def pin_key(blob: str, holder: str) -> bytes:
+    return digestmod.raw_of(blob) + holder.encode()
 
 
 class CacheIndex:
@@ -79,11 +100,12 @@ class CacheIndex:
         path = Path(path)
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), subdir=True, max_dbs=4, map_size=map_size, readonly=readonly,
+        self.env = lmdb.open(str(path), subdir=True, max_dbs=8, map_size=map_size, readonly=readonly,
                              sync=True, metasync=True, lock=True, create=not readonly)
         self._maps = self.env.open_db(b"maps", create=not readonly)
         self._chunks = self.env.open_db(b"chunks", create=not readonly)
         self._meta = self.env.open_db(b"meta", create=not readonly)
+        self._pins = self.env.open_db(b"pins", create=not readonly)
         if not readonly:
             with self.env.begin(write=True) as txn:
                 fmt = txn.get(b"format", db=self._meta)
@@ -116,6 +138,15 @@ class CacheIndex:
                 out.setdefault(blob, {})[_IDX.unpack(key[32:])[0]] = _USE.unpack(bytes(val))[0]
         return out
 
+    def pins(self) -> dict[str, dict[str, float]]:
+        """Every pin: blob -> {holder: pinned since}."""
+        out: dict[str, dict[str, float]] = {}
+        with self.env.begin() as txn:
+            for key, val in txn.cursor(db=self._pins):
+                key = bytes(key)
+                out.setdefault(digestmod.from_raw(key[:32]), {})[key[32:].decode()] = _USE.unpack(bytes(val))[0]
+        return out
+
     def committed_of(self, blob: str) -> dict[int, float]:
         raw = digestmod.raw_of(blob)
         out: dict[int, float] = {}
@@ -143,7 +174,11 @@ class CacheIndex:
                         txn.put(key, _USE.pack(op.last_use), db=self._chunks)
                 elif isinstance(op, PutMap):
                     txn.put(digestmod.raw_of(op.blob), op.data, db=self._maps)
-                elif isinstance(op, DelBlob):
+                elif isinstance(op, PutPin):
+                    txn.put(pin_key(op.blob, op.holder), _USE.pack(op.since), db=self._pins)
+                elif isinstance(op, DelPin):
+                    txn.delete(pin_key(op.blob, op.holder), db=self._pins)
+                elif isinstance(op, DelBlob):  # a blob's pins are its holders': they stay
                     raw = digestmod.raw_of(op.blob)
                     cur = txn.cursor(db=self._chunks)
                     if cur.set_range(raw):

@@ -6,9 +6,12 @@
     POST /cache/verify   re-hash committed chunks, drop bad ones
     POST /cache/evict    {"blob": D} | {"all": true} | {"to_bytes": N} | {} (down to the low watermark)
     POST /prefetch       {"blob": D, "chunks": [i...] | "ranges": [[off, len]...] | "all": true, "wait": bool}
+    POST /pin            {"blob": D, "holder": H} -> {"blob", "complete": true, "path"} | 409 BlobIncomplete
+    POST /unpin          {"blob": D, "holder": H} -> {"blob", "holder", "removed": bool} (idempotent)
 
 HTTP keeps the socket scrapeable (a Prometheus sidecar or `curl --unix-socket`). One request per
-connection. The server runs on the daemon's trio thread; the client is blocking, for the CLI.
+connection. The server runs on the daemon's trio thread; the client is blocking, for the CLI and
+the runtime shim (`pin`, `unpin`: through the daemon, or offline when none runs).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import trio
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, StoreUnavailable
 
-from .cache import NodeCache
+from .cache import BlobIncomplete, BlobPinned, NodeCache, check_holder
+from .cache_files import CacheIOError
 from .fetcher import Fetcher
 from .stats import Stats
 
@@ -37,8 +41,8 @@ log = logging.getLogger("layerstore.fuse.control")
 SOCKET_NAME = "control.sock"
 MAX_HEADER = 64 * 1024
 MAX_BODY = 16 << 20
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error",
-            502: "Bad Gateway", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
+            500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 class DaemonNotRunning(LayerstoreError):
@@ -70,6 +74,8 @@ class ControlAPI:
             ("POST", "/cache/verify"): self.post_verify,
             ("POST", "/cache/evict"): self.post_evict,
             ("POST", "/prefetch"): self.post_prefetch,
+            ("POST", "/pin"): self.post_pin,
+            ("POST", "/unpin"): self.post_unpin,
         }
 
     async def get_stats(self, req: dict[str, Any]) -> tuple[str, bytes]:
@@ -97,6 +103,30 @@ class ControlAPI:
         self._nursery.start_soon(self.fetcher.prefetch, entry, idxs)
         return _json({"blob": blob, "queued": len(idxs)})
 
+    async def post_pin(self, req: dict[str, Any]) -> tuple[str, bytes]:
+        blob, holder = _pin_args(req)
+        if self.cache.get(blob) is None:
+            await self.fetcher.entry(blob)  # NotFound if the store lacks it; else its size tells what is missing
+        return _json(await pin_blob(self.cache, blob, holder))
+
+    async def post_unpin(self, req: dict[str, Any]) -> tuple[str, bytes]:
+        return _json(await unpin_blob(self.cache, *_pin_args(req)))
+
+
+def _pin_args(req: dict[str, Any]) -> tuple[str, str]:
+    return digestmod.parse(str(req.get("blob"))), check_holder(req.get("holder"))
+
+
+async def pin_blob(cache: NodeCache, blob: str, holder: str) -> dict[str, Any]:
+    """Shared by the control route and the offline client."""
+    path = await cache.pin_blob(blob, holder)
+    return {"blob": blob, "holder": holder, "complete": True, "path": os.fspath(path)}
+
+
+async def unpin_blob(cache: NodeCache, blob: str, holder: str) -> dict[str, Any]:
+    removed = await cache.unpin_blob(blob, holder)
+    return {"blob": blob, "holder": holder, "removed": removed, "holders": sorted(cache.pins.get(blob, ()))}
+
 
 async def evict(cache: NodeCache, req: dict[str, Any]) -> dict[str, Any]:
     """Shared by the control route and the offline CLI."""
@@ -110,7 +140,7 @@ async def evict(cache: NodeCache, req: dict[str, Any]) -> dict[str, Any]:
         n, b = await cache.evict_to(cache.budget.low)
     else:
         raise ConfigError("no cache budget set: say which blob, --all or --to BYTES")
-    return {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": cache.usage}
+    return {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": cache.usage, "pinned_bytes": cache.pinned_bytes()}
 
 
 def prefetch_order(cmap: Any, metadata: list[int], req: dict[str, Any]) -> list[int]:
@@ -196,7 +226,8 @@ class ControlServer:
         except ValueError as e:
             return 400, *_json({"error": f"bad request: {e}", "kind": "BadInput"})
         except LayerstoreError as e:
-            return e.http_status, *_json({"error": str(e), "kind": type(e).__name__})
+            details = e.details() if isinstance(e, BlobIncomplete) else {}
+            return e.http_status, *_json({"error": str(e), "kind": type(e).__name__, **details})
         except Exception as e:
             log.exception("control: %s %s failed", method, path)
             return 500, *_json({"error": f"{type(e).__name__}: {e}", "kind": "LayerstoreError"})
@@ -243,7 +274,7 @@ async def _read_request(stream: trio.SocketStream) -> tuple[str, str, bytes]:
 # -- client (blocking, for the CLI) --------------------------------------------------------------
 _ERRORS: dict[str, type[LayerstoreError]] = {
     "NotFound": NotFound, "ConfigError": ConfigError, "BadInput": BadInput, "BadDigest": ConfigError,
-    "StoreUnavailable": StoreUnavailable,
+    "StoreUnavailable": StoreUnavailable, "BlobPinned": BlobPinned, "CacheIOError": CacheIOError,
 }
 
 
@@ -292,6 +323,8 @@ def request(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None
             msg, kind = err.get("error", payload.decode()), err.get("kind", "")
         except ValueError:
             msg, kind = payload.decode(errors="replace"), ""
+        if kind == "BlobIncomplete":
+            raise BlobIncomplete(msg, err.get("missing_bytes"))
         raise _ERRORS.get(kind, LayerstoreError)(msg)
     return ctype, payload
 
@@ -299,3 +332,31 @@ def request(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None
 def request_json(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None = None,
                  timeout: float | None = 60.0) -> Any:
     return json.loads(request(cache_dir, method, path, body, timeout)[1])
+
+
+# -- pins: the runtime shim's direct mounts of complete blobs (docs/fuse-client.md) ---------------
+def pin(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60.0) -> Path | None:
+    """Pin a blob for `holder` and return the absolute path of its cache data file, which is
+    then a complete EROFS image that the daemon never modifies until `unpin`; None (and no pin)
+    when some chunk of the blob is not in the node cache. Goes through the daemon of
+    `cache_dir`, or, when none runs, opens the cache itself (`maintenance.pin_offline`)."""
+    try:
+        res = request_json(cache_dir, "POST", "/pin", {"blob": blob, "holder": holder}, timeout)
+    except BlobIncomplete:
+        return None
+    except DaemonNotRunning:
+        from .maintenance import pin_offline
+
+        return pin_offline(cache_dir, blob, holder)
+    return Path(res["path"])
+
+
+def unpin(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60.0) -> bool:
+    """Drop `holder`'s pin of a blob (durably); False if there was none. Through the daemon, or
+    offline when none runs (e.g. after the daemon died)."""
+    try:
+        return bool(request_json(cache_dir, "POST", "/unpin", {"blob": blob, "holder": holder}, timeout)["removed"])
+    except DaemonNotRunning:
+        from .maintenance import unpin_offline
+
+        return unpin_offline(cache_dir, blob, holder)

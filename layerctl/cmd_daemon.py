@@ -155,7 +155,44 @@ def cache_ls_cmd(cache_dir: Path, as_json: bool) -> None:
     for b in res["blobs"]:
         click.echo(f"{b['blob']}  {b['cached_chunks']}/{b['chunks']} chunks, "
                    f"{human_bytes(b['cached_bytes'])} of {human_bytes(b['size'])}"
-                   + (f", open {b['open']}" if b["open"] else ""))
+                   + (f", open {b['open']}" if b["open"] else "")
+                   + (f", pinned by {', '.join(b['pinned_by'])}" if b.get("pinned_by") else ""))
+
+
+@cache_group.command("pin")
+@cache_dir_option
+@click.argument("digest")
+@click.option("--holder", required=True, help="Who holds the pin (e.g. the mount that uses the file).")
+@json_option
+def cache_pin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> None:
+    """Pin a complete blob: print the path of its cache file, an EROFS image the daemon will not
+    modify until unpinned (mount it file-backed). Exit 3 if the blob is not complete."""
+    from fuse_client.cache import BlobIncomplete
+    from fuse_client.control import pin
+
+    path = pin(cache_dir, digestmod.parse(digest), holder)
+    if path is None:
+        raise BlobIncomplete(f"blob {digest} is not complete in the node cache {cache_dir}: not pinned")
+    if as_json:
+        emit_json({"blob": digest, "holder": holder, "complete": True, "path": str(path)})
+    else:
+        click.echo(str(path))
+
+
+@cache_group.command("unpin")
+@cache_dir_option
+@click.argument("digest")
+@click.option("--holder", required=True, help="The holder given to `cache pin`.")
+@json_option
+def cache_unpin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> None:
+    """Drop a pin (idempotent); works without a daemon."""
+    from fuse_client.control import unpin
+
+    removed = unpin(cache_dir, digestmod.parse(digest), holder)
+    if as_json:
+        emit_json({"blob": digest, "holder": holder, "removed": removed})
+    else:
+        click.echo(f"{digest}: {'unpinned' if removed else 'was not pinned'} by {holder}")
 
 
 @cache_group.command("verify")
