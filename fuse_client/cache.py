@@ -43,6 +43,7 @@ from . import cache_index as ci
 from .cache_files import BlobFiles, CacheIOError, data_extents, punch_hole, pwrite_all
 from .eviction import Budget, Candidate, choose_victims
 from .limiter import DEMAND
+from .readahead import Streams
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -96,7 +97,7 @@ class BlobEntry:
     """The cache's picture of one blob. Mutated only on the trio thread."""
 
     __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
-                 "is_meta", "use_dirty", "seq_end", "ra_mark", "ra_end", "_positions", "view", "mapped",
+                 "is_meta", "use_dirty", "streams", "_positions", "view", "mapped",
                  "_map", "_map_failed", "io_lock", "closed")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
@@ -111,11 +112,7 @@ class BlobEntry:
         self.metadata = [i for i, c in enumerate(cmap.chunks) if c.metadata]
         self.is_meta = bytearray(1 if c.metadata else 0 for c in cmap.chunks)
         self.use_dirty = False
-        # Sequential readahead state (see fs.BlobFS): where the last read ended, the chunk whose
-        # first access starts the next readahead window, and where the current window ends.
-        self.seq_end = -1
-        self.ra_mark = n
-        self.ra_end = 0
+        self.streams = Streams()  # sequential readers of this blob (readahead)
         self._positions: dict[str, list[int]] | None = None
         # The data file mapped read-only (on first read): `view[off:end]` is a cache hit's answer.
         self.view: memoryview | None = None

@@ -57,8 +57,7 @@ FIRST_BLOB_INODE = 3
 BLOBS_DIR = b"blobs"
 ATTR_TIMEOUT = 86400.0  # blobs are immutable: let the kernel cache entries and attributes
 BLKSIZE = 128 * 1024
-DEFAULT_READAHEAD = 16  # chunks fetched ahead of a sequential reader
-SEQ_SLACK = 256 * 1024  # a read starting this close after the previous one continues a stream
+DEFAULT_READAHEAD = 16  # chunks: the largest readahead window of a sequential stream
 PUSH_THREADS = 2  # concurrent metadata pushes (notify_store) to the kernel
 METADATA_PUSH_WINDOW = 4 << 20  # a metadata push also takes the following metadata chunks, up to this
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
@@ -303,10 +302,10 @@ class BlobFS(pyfuse3.Operations):
             for i in range(first, last):
                 lu[i] = now
             e.use_dirty = True
-            if not e.is_meta[first]:  # metadata reads interleave with a stream; they do not end it
-                if last > e.ra_mark and 0 <= off - e.seq_end <= SEQ_SLACK:
-                    self._extend_readahead(e, last)  # a sequential reader moved on: slide its window
-                e.seq_end = end
+            if not e.is_meta[first]:  # metadata reads interleave with streams; they neither start nor end one
+                w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now)
+                if w is not None:
+                    self._readahead(e, w)
             elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
                 self._push_metadata(e, first)
             st = h.stats
@@ -332,18 +331,9 @@ class BlobFS(pyfuse3.Operations):
         if self.trace is not None:
             self.trace.record(e.blob, len(e.present), first, last)
         if not e.is_meta[first]:
-            if self.readahead and e.seq_end >= 0 and 0 <= off - e.seq_end <= SEQ_SLACK:
-                # A sequential stream missed: make sure a readahead window runs ahead of it, so
-                # that the store fetches of the next chunks overlap with this one. A window that
-                # is already just ahead (the reader caught up with chunks still in flight) is
-                # kept, not pulled back: pulling it back re-requested the same chunks at every
-                # miss and the window never got ahead.
-                if not last <= e.ra_end <= last + 2 * self.readahead:
-                    e.ra_end = last
-                self._extend_readahead(e, last)
-            else:
-                e.ra_mark = len(e.present)
-            e.seq_end = end
+            w = e.streams.on_read(off, end, last, len(e.present), self.readahead, self._clock())
+            if w is not None:
+                self._readahead(e, w)  # started before this read waits: the fetches overlap
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)
@@ -431,21 +421,12 @@ class BlobFS(pyfuse3.Operations):
             for k in idxs:
                 self._pushing.discard((e.blob, k))
 
-    def _extend_readahead(self, e: BlobEntry, pos: int) -> None:
-        """Keep the window `readahead` chunks ahead of a sequential reader now at chunk `pos`,
-        and slide it again once the reader has moved a quarter window on. A sliding window
-        keeps the fetch slots busy; a window requested in bulk whenever the reader reached its
-        start let the fetches drain to nothing between windows."""
-        n = len(e.present)
-        start = max(e.ra_end, pos)
-        stop = min(pos + self.readahead, n)
-        e.ra_mark = min(pos + max(1, self.readahead // 4), n)
-        if stop <= start:
-            return
-        e.ra_end = stop
+    def _readahead(self, e: BlobEntry, window: tuple[int, int]) -> None:
+        """Fetch a stream's new window (see `readahead.Streams`) in the background, at prefetch
+        priority, leaving out chunks present or in flight (a prefetch task for a chunk in flight
+        would hold a token just to wait)."""
         busy = self.cache.busy
-        # Chunks in flight already need no prefetch task (it would hold a token just to wait).
-        todo = [i for i in range(start, stop) if not e.present[i] and (e.blob, i) not in busy]
+        todo = [i for i in range(*window) if not e.present[i] and (e.blob, i) not in busy]
         if todo:
             self.fetcher.readahead(e, todo)
 

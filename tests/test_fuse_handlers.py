@@ -534,3 +534,29 @@ async def test_sequential_reader_of_a_cold_blob_keeps_the_fetch_slots_busy(store
         assert state["max"] >= 6  # 3/4 of 8 slots for readahead, plus the demand fetch
         assert r.stats.blobs[cmap.blob].fetched_bytes == len(data)  # each chunk once
         await r.fs.release(fh)
+
+
+@pytest.mark.trio
+async def test_interleaved_readers_of_one_blob_do_not_open_readahead_windows(store: Store, tmp_path: Path) -> None:
+    """Sandboxes reading different small files of one image: their requests interleave on the
+    blob, near but not contiguous; readahead must fetch nothing beyond what they read (issue 6:
+    one stream per blob fetched twice the data). Then one sequential reader still gets it."""
+    data = random.Random(3).randbytes(64 * CHUNK)
+    cmap = put_blob(store, data)
+    async with rig(store, tmp_path / "cache") as r:
+        fh = await r.open_blob(cmap.blob)
+        # Four readers, each reading one page of every fourth chunk, one chunk further each
+        # round, so each read starts a little after where another reader's read ended.
+        for k in range(0, 32, 4):
+            for j in range(4):
+                await r.read(fh, (k + j) * CHUNK + 8192 * j, 4096)
+        await r.cache.flush()
+        st = r.stats.blobs[cmap.blob]
+        assert st.fetched_bytes == 32 * CHUNK and st.fetches == 32
+        # A sequential reader of the rest: its window ramps up and runs ahead of it.
+        for off in range(32 * CHUNK, 40 * CHUNK, 16384):
+            assert await r.read(fh, off, 16384) == data[off:off + 16384]
+        with trio.fail_after(10):
+            while r.stats.blobs[cmap.blob].fetches < 32 + 8 + 8:
+                await trio.sleep(0.01)
+        assert r.stats.blobs[cmap.blob].misses < 32 + 8

@@ -1,5 +1,5 @@
 """Pure units of the FUSE client: the priority limiter, eviction policy, traces, prefetch
-ordering, size parsing, the LMDB index and the sparse data files."""
+ordering, size parsing, the LMDB index, the sparse data files and the readahead streams."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fuse_client.cache_index import CacheIndex, DelBlob, DelChunk, PutChunk, Put
 from fuse_client.control import prefetch_order
 from fuse_client.eviction import Budget, Candidate, choose_victims
 from fuse_client.limiter import DEMAND, PREFETCH, PriorityLimiter
+from fuse_client.readahead import MAX_STREAMS, Streams
 from fuse_client.trace import TraceRecorder, parse_trace, write_trace
 from layerctl.cmd_daemon import parse_size
 from layerstore import digest as digestmod
@@ -189,3 +190,117 @@ def test_sparse_files_punch_and_extents(tmp_path: Path) -> None:
     assert list(files.blobs()) == [BLOB]
     files.remove(BLOB)
     assert list(files.blobs()) == []
+
+
+# -- readahead streams ---------------------------------------------------------------------------------
+RA_CHUNK = 1 << 20
+RA_MAX = 16
+
+
+def _run_streams(requests: list[tuple[int, int]], nchunks: int) -> tuple[set[int], set[int], list[tuple[int, int]]]:
+    """Feed (offset, length) data reads to one blob's streams: (chunks read, chunks read ahead,
+    windows)."""
+    streams = Streams()
+    read: set[int] = set()
+    ahead: set[int] = set()
+    windows = []
+    for off, length in requests:
+        end = off + length
+        first, last = off // RA_CHUNK, (end - 1) // RA_CHUNK + 1
+        read.update(range(first, last))
+        w = streams.on_read(off, end, last, nchunks, RA_MAX, 0.0)
+        if w is not None:
+            windows.append(w)
+            ahead.update(range(*w))
+        assert len(streams) <= MAX_STREAMS
+    return read, ahead, windows
+
+
+def test_a_sequential_reader_ramps_its_window_up_to_the_maximum() -> None:
+    n = 200
+    read, ahead, windows = _run_streams([(off, 128 << 10) for off in range(0, n * RA_CHUNK, 128 << 10)], n)
+    sizes = [b - a for a, b in windows]
+    assert sizes[:6] == [1, 2, 4, 8, 16, 16]
+    assert ahead == set(range(1, n))  # everything after the first chunk was read ahead, once
+    assert sum(sizes) == n - 1
+
+
+def test_near_but_not_contiguous_reads_never_read_ahead() -> None:
+    reqs = [(k * (RA_CHUNK + 4096), 64 << 10) for k in range(50)]  # each a little after the last
+    reqs += [(k * RA_CHUNK + (128 << 10) + 4096, 4096) for k in range(50)]
+    assert _run_streams(reqs, 100)[1] == set()
+
+
+def test_a_stream_is_forgotten_when_stale() -> None:
+    s = Streams()
+    assert s.on_read(0, 4096, 1, 10, RA_MAX, 0.0) is None
+    assert s.on_read(4096, 8192, 1, 10, RA_MAX, 100.0) is None  # too late: a new stream
+    assert s.on_read(8192, 12288, 1, 10, RA_MAX, 100.5) == (1, 2)
+
+
+@st.composite
+def interleaved_readers(draw: st.DrawFn, max_readers: int) -> tuple[list[tuple[int, int]], list[int], int]:
+    """Readers of distinct files (with gaps between them, so no reader continues another's
+    stream), each reading its file front to back in requests of random sizes, interleaved at
+    random. Returns the requests, the reader of each, and the blob's chunk count."""
+    nreaders = draw(st.integers(1, max_readers))
+    pos = 0
+    files = []
+    for _ in range(nreaders):
+        pos += draw(st.integers(1, 3 * RA_CHUNK // 4096)) * 4096  # a gap
+        length = draw(st.integers(1, 24 * RA_CHUNK // 4096)) * 4096
+        files.append((pos, length))
+        pos += length
+    queues = []
+    for start, length in files:
+        reqs, off = [], start
+        while off < start + length:
+            n = min(draw(st.sampled_from([4096, 16384, 128 << 10, 1 << 20])), start + length - off)
+            reqs.append((off, n))
+            off += n
+        queues.append(reqs)
+    order = draw(st.permutations([r for r, q in enumerate(queues) for _ in q]))
+    requests, owners = [], []
+    for r in order:
+        requests.append(queues[r].pop(0))
+        owners.append(r)
+    return requests, owners, pos // RA_CHUNK + 2
+
+
+def _wasted_bound(requests: list[tuple[int, int]], owners: list[int], per_stream_cap: bool) -> tuple[int, int]:
+    touched: dict[int, set[int]] = {}
+    for (off, length), r in zip(requests, owners, strict=True):
+        touched.setdefault(r, set()).update(range(off // RA_CHUNK, (off + length - 1) // RA_CHUNK + 1))
+    total = sum(3 * len(t) for t in touched.values())
+    capped = sum(min(3 * len(t), 2 * RA_MAX) for t in touched.values())
+    return total, capped if per_stream_cap else total
+
+
+@given(interleaved_readers(MAX_STREAMS))
+def test_interleaved_readers_read_ahead_at_most_a_bound_they_never_read(case: tuple) -> None:
+    """At most MAX_STREAMS readers: each one's stream is tracked, and what it was given ahead
+    and never read is at most its last two windows: min(3 x what it read, 2 x the maximum)."""
+    requests, owners, n = case
+    read, ahead, _ = _run_streams(requests, n)
+    _, capped = _wasted_bound(requests, owners, True)
+    assert len(ahead - read) <= capped
+
+
+@given(interleaved_readers(4 * MAX_STREAMS))
+def test_many_interleaved_readers_read_ahead_at_most_three_times_what_they_read(case: tuple) -> None:
+    requests, owners, n = case
+    read, ahead, _ = _run_streams(requests, n)
+    total, _ = _wasted_bound(requests, owners, False)
+    assert len(ahead - read) <= total
+
+
+@given(st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 64)), max_size=200))
+def test_random_reads_that_never_continue_one_another_never_read_ahead(reqs: list[tuple[int, int]]) -> None:
+    ends: set[int] = set()
+    kept = []
+    for page, pages in reqs:
+        off, end = page * 4096, (page + pages) * 4096
+        if off not in ends:
+            kept.append((off, end - off))
+            ends.add(end)
+    assert _run_streams(kept, 4000 * 4096 // RA_CHUNK + 2)[1] == set()
