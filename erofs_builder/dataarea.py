@@ -104,6 +104,24 @@ class DataArea:
         self.pos = offset
         self._cur = RunHasher()
 
+    def store_whole(self, node: Inode, buf: bytes | bytearray | memoryview, path: bytes, tail_room: int) -> None:
+        """`store_file` for a file whose whole content is in `buf` (what `FileSink` does with
+        one piece of data, without streaming it)."""
+        size = len(buf)
+        tail = size % BS
+        start = self.pos
+        if 0 < tail <= tail_room:  # size >= BS here: smaller files went inline whole
+            view = memoryview(buf)
+            node.inline = packed = bytes(view[size - tail:])
+            node.layout = fmt.LAYOUT_FLAT_INLINE
+            self.write(view[:size - tail])
+        else:
+            packed = b""
+            self.write(buf)
+            if tail:
+                self.write(_ZEROS[:BS - tail])
+        self.settle(node, path, start, self.pos - start, packed)
+
     def settle(self, node: Inode, path: bytes, start: int, length: int, tail: bytes) -> None:
         """Place a file stored as the one run just written at `start` (its inline `tail`, if
         any, is already in `node`): share identical bytes stored before; else keep the blocks

@@ -57,6 +57,8 @@ _DIRENT = struct.Struct("<QHBx")
 _XATTR_ENTRY = struct.Struct("<BBH")
 _IBODY = struct.Struct("<IB7x")
 
+COMPACT_INODE, EXTENDED_INODE = _COMPACT, _EXTENDED  # for callers that pack many inodes
+
 assert _SUPER.size == 128 and _COMPACT.size == 32 and _EXTENDED.size == 64 and _DIRENT.size == 12
 
 

@@ -99,7 +99,9 @@ def walk(root: Inode) -> list[tuple[Inode, Inode, bytes]]:
             child = children[name]
             if child.children is not None:
                 subdirs.append(child)
-            elif id(child) not in seen:
+            elif child.nlink == 1:
+                out.append((child, d, prefix + name))
+            elif id(child) not in seen:  # hard links: the first name in this order
                 seen.add(id(child))
                 out.append((child, d, prefix + name))
         stack.extend((sub, d) for sub in reversed(subdirs))
@@ -108,7 +110,7 @@ def walk(root: Inode) -> list[tuple[Inode, Inode, bytes]]:
 
 def build_time_of(nodes: list[Inode]) -> tuple[int, int]:
     """The most common (mtime, nsec): those inodes can be compact. Ties go to the earliest."""
-    counts = Counter((n.mtime, n.nsec) for n in nodes)
+    counts = Counter([(n.mtime, n.nsec) for n in nodes])
     best = max(counts.values())
     return min(k for k, v in counts.items() if v == best)
 
@@ -150,7 +152,7 @@ class _Rec:
 def _shared_xattrs(nodes: list[Inode], parent: ParentMeta | None) -> tuple[bytes, dict[tuple[bytes, bytes], int]]:
     """(name, value) pairs that more than one inode carries go to the shared area once. A
     parent's area is kept as it is (its ids stay valid) and new pairs are appended."""
-    counts = Counter((k, v) for n in nodes for k, v in n.xattrs.items())
+    counts = Counter([kv for n in nodes if n.xattrs for kv in n.xattrs.items()])
     area = bytearray(parent.xattr_area if parent else b"")
     ids = dict(parent.xattr_ids) if parent else {}
     for (k, v) in sorted(kv for kv, c in counts.items() if c > 1 and kv not in ids):
@@ -179,29 +181,41 @@ class _Packer:
 
     def __init__(self, start: int) -> None:
         self.end = start  # block aligned: end of the blocks handed out so far
-        self.open: list[list[int]] = []  # [block start, bytes used (32-aligned)]
+        self.open: list[list[int]] = []  # the last OPEN blocks: [block start, bytes used (32-aligned)]
+        self.room: list[list[int]] = []  # those of them not full yet, in the same order
 
     def place(self, total: int) -> int:
         if total > BS:
             pos = self.end
             self.end += fmt.align(total, BS)
             if total % BS:
-                self.open.append([self.end - BS, fmt.align(total % BS, fmt.ISLOT)])
+                self._open([self.end - BS, fmt.align(total % BS, fmt.ISLOT)], trim=False)
             return pos
-        for blk in self.open:
-            if blk[1] + total <= BS:
+        limit = BS - total
+        for blk in self.room:
+            if blk[1] <= limit:
                 pos = blk[0] + blk[1]
-                blk[1] = fmt.align(blk[1] + total, fmt.ISLOT)
+                blk[1] = used = (blk[1] + total + fmt.ISLOT - 1) & -fmt.ISLOT
+                if used >= BS:
+                    self.room.remove(blk)
                 return pos
         pos = self.end
         self.end += BS
-        self.open.append([pos, fmt.align(total, fmt.ISLOT)])
-        if len(self.open) > self.OPEN:
-            self.open.pop(0)
+        self._open([pos, fmt.align(total, fmt.ISLOT)])
         return pos
+
+    def _open(self, blk: list[int], trim: bool = True) -> None:
+        self.open.append(blk)
+        if blk[1] < BS:
+            self.room.append(blk)
+        if trim and len(self.open) > self.OPEN:
+            old = self.open.pop(0)
+            if self.room and self.room[0] is old:
+                self.room.pop(0)
 
     def close(self) -> int:
         self.open.clear()
+        self.room.clear()
         return self.end
 
 
@@ -210,22 +224,24 @@ def _pack(rec: _Rec, nid_of: dict[int, int], i_u: int) -> bytes:
     derives inode numbers from nids, and a position would change the bytes whenever anything
     before the record moves."""
     n = rec.node
-    if n.layout == fmt.LAYOUT_CHUNK_BASED:
-        extra = b"".join(x.to_bytes(4, "little") for x in n.blockmap)
-    elif n.kind is Kind.DIR:
-        extra = b""
-        if n.layout == fmt.LAYOUT_FLAT_INLINE:
-            extra = dir_bytes(rec, nid_of)
+    layout = n.layout
+    if layout == fmt.LAYOUT_CHUNK_BASED:
+        extra = b"".join([x.to_bytes(4, "little") for x in n.blockmap])
+    elif n.children is not None:
+        extra = dir_bytes(rec, nid_of) if layout == fmt.LAYOUT_FLAT_INLINE else b""
     else:
         extra = n.inline
-    raw = bytearray(fmt.pack_inode(extended=rec.extended, layout=n.layout,
-                                   xattr_icount=fmt.xattr_icount(len(rec.xbody)), mode=n.kind.value | n.mode,
-                                   nlink=n.nlink, size=n.size, i_u=i_u, ino=0, uid=n.uid, gid=n.gid, mtime=n.mtime,
-                                   mtime_nsec=n.nsec))
-    raw += rec.xbody
-    raw += extra
-    raw[fmt.INO_OFFSET:fmt.INO_OFFSET + 4] = zlib.crc32(raw).to_bytes(4, "little")
-    return bytes(raw)
+    xbody = rec.xbody
+    icount = fmt.xattr_icount(len(xbody)) if xbody else 0
+    mode = n.kind.value | n.mode
+    if rec.extended:  # i_ino (0 here) is filled in below, as a CRC of the rest
+        head = fmt.EXTENDED_INODE.pack(fmt.VERSION_EXTENDED | (layout << 1), icount, mode, 0, n.size, i_u, 0,
+                                       n.uid, n.gid, n.mtime, n.nsec, n.nlink)
+    else:
+        head = fmt.COMPACT_INODE.pack(layout << 1, icount, mode, n.nlink, n.size, 0, i_u, 0, n.uid, n.gid, 0)
+    tail = xbody + extra if xbody else extra
+    crc = zlib.crc32(tail, zlib.crc32(head))
+    return b"".join((head[:fmt.INO_OFFSET], crc.to_bytes(4, "little"), head[fmt.INO_OFFSET + 4:], tail))
 
 
 def dir_bytes(rec: _Rec, nid_of: dict[int, int]) -> bytes:
@@ -268,23 +284,26 @@ class Plan:
     kept: int = 0  # records that kept the parent's nid
 
 
+_COMPACT_UID_MAX = 0xFFFF
+
+
 def _record(node: Inode, parent: Inode, path: bytes, bt: tuple[int, int], ids: dict[tuple[bytes, bytes], int]) -> _Rec:
     rec = _Rec(node, parent, path)
-    rec.extended = (node.size >= 1 << 32 or node.uid > 0xFFFF or node.gid > 0xFFFF or node.nlink > 0xFFFF
-                    or (node.mtime, node.nsec) != bt)
-    rec.xbody = _xattr_body(node, ids)
-    isize = fmt.EXTENDED_SIZE if rec.extended else fmt.COMPACT_SIZE
+    rec.extended = extended = (node.mtime != bt[0] or node.nsec != bt[1] or node.uid > _COMPACT_UID_MAX
+                               or node.gid > _COMPACT_UID_MAX or node.size >= 1 << 32 or node.nlink > 0xFFFF)
+    rec.xbody = xbody = _xattr_body(node, ids) if node.xattrs else b""
+    head = (fmt.EXTENDED_SIZE if extended else fmt.COMPACT_SIZE) + len(xbody)
     if node.children is not None:
-        rec.names = sorted([*node.children, b".", b".."])
-        node.size = fmt.dir_size(rec.names)
-        inline = isize + len(rec.xbody) + node.size <= BS
+        rec.names = names = sorted([*node.children, b".", b".."])
+        node.size = fmt.dir_size(names)
+        inline = head + node.size <= BS
         node.layout = fmt.LAYOUT_FLAT_INLINE if inline else fmt.LAYOUT_FLAT_PLAIN
         rec.extra = node.size if inline else 0
     elif node.layout == fmt.LAYOUT_CHUNK_BASED:
         rec.extra = 4 * len(node.blockmap)
     else:
         rec.extra = len(node.inline)
-    rec.total = isize + len(rec.xbody) + rec.extra
+    rec.total = head + rec.extra
     return rec
 
 
@@ -349,9 +368,17 @@ def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
     """Lay out records from `cursor` (block aligned): directories, then the other records that
     hold an address, first-fit in order; then the position-independent ones in content-defined
     stable groups. Returns the new end."""
-    volatile = ([r for r in recs if r.node.kind is Kind.DIR]
-                + [r for r in recs if r.node.kind is not Kind.DIR and r.node.has_address])
-    stable = [r for r in recs if not r.node.has_address]
+    dirs: list[_Rec] = []
+    addressed: list[_Rec] = []
+    stable: list[_Rec] = []
+    for r in recs:
+        if r.node.children is not None:
+            dirs.append(r)
+        elif r.node.has_address:
+            addressed.append(r)
+        else:
+            stable.append(r)
+    volatile = dirs + addressed
     packer = _Packer(cursor)
     for rec in volatile:
         rec.pos = packer.place(rec.total)

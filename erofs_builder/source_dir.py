@@ -73,40 +73,111 @@ def file_data(path: bytes, size: int, sparse: bool) -> Data:
         os.close(fd)
 
 
+SMALL_READ = 256 << 10  # regular files up to this size are read in one call when their entry is made
+
+
+def _fd_xattrs(fd: int) -> dict[bytes, bytes]:
+    """`read_xattrs` through an open descriptor (no second walk of the path)."""
+    try:
+        names = os.listxattr(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return {}
+        raise
+    if not names:
+        return {}
+    out = {}
+    for name in sorted(names):
+        try:
+            out[name.encode("utf-8", "surrogateescape")] = os.getxattr(fd, name)
+        except OSError as e:
+            if e.errno in (errno.ENODATA, errno.ENOTSUP):
+                continue
+            raise
+    return out
+
+
+def _read_all(fd: int, size: int, path: bytes) -> bytes:
+    buf = os.read(fd, size)
+    while len(buf) < size:  # short reads are legal
+        more = os.read(fd, size - len(buf))
+        if not more:
+            raise BadInput(f"{os.fsdecode(path)}: file shrank while it was read")
+        buf += more
+    return buf
+
+
 def dir_entries(root: Path, *, all_root: bool = False) -> Iterator[tuple[Entry, Data | None]]:
-    """Every path under `root` (root itself first, as b""), with its content for regular files."""
+    """Every path under `root` (root itself first, as b""), with its content for regular files.
+
+    Each directory is listed through one descriptor and its entries are looked up relative to it
+    (no walk of the whole path per entry); a small regular file is read in one call, and its
+    xattrs listed through the same descriptor, when its entry is made."""
     top = os.fsencode(root)
     first_path: dict[tuple[int, int], bytes] = {}
-    stack: list[tuple[bytes, bytes]] = [(b"", top)]  # (layer path, disk path)
+    st = os.lstat(top)
+    yield from _entry(b"", top, st, all_root, first_path)
+    if not stat.S_ISDIR(st.st_mode):
+        return
+    # depth first, names sorted: (layer path prefix, disk path, sorted names, next index)
+    stack: list[tuple[bytes, bytes, list[bytes], int]] = [(b"", top, sorted(os.listdir(top)), 0)]
     while stack:
-        rel, disk = stack.pop()
-        st = os.lstat(disk)
-        kind = _KINDS.get(stat.S_IFMT(st.st_mode))
-        if kind is None:
-            raise BadInput(f"{os.fsdecode(disk)}: unsupported file type")
-        if kind is not Kind.DIR and st.st_nlink > 1:
-            key = (st.st_dev, st.st_ino)
-            if key in first_path:
-                yield Entry(rel, kind, hardlink=first_path[key]), None
-                continue
-            first_path[key] = rel
-        entry = Entry(
-            path=rel, kind=kind, mode=stat.S_IMODE(st.st_mode),
-            uid=0 if all_root else st.st_uid, gid=0 if all_root else st.st_gid,
-            mtime=st.st_mtime_ns // 1_000_000_000, mtime_nsec=st.st_mtime_ns % 1_000_000_000,
-            xattrs=read_xattrs(disk),
-        )
-        data: Data | None = None
-        if kind is Kind.REG:
-            entry.size = st.st_size
-            sparse = st.st_blocks * 512 < st.st_size
-            data = file_data(disk, st.st_size, sparse)
-        elif kind is Kind.SYMLINK:
-            entry.symlink = os.readlink(disk)
-        elif kind in (Kind.CHR, Kind.BLK):
-            entry.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
-        yield entry, data
-        if kind is Kind.DIR:
-            names = sorted(os.listdir(disk))
-            for name in reversed(names):
-                stack.append((rel + b"/" + name if rel else name, disk + b"/" + name))
+        prefix, disk, names, i = stack.pop()
+        dfd = os.open(disk, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            while i < len(names):
+                name = names[i]
+                i += 1
+                path = prefix + name
+                st = os.lstat(name, dir_fd=dfd)
+                if (stat.S_ISREG(st.st_mode) and st.st_size <= SMALL_READ
+                        and (st.st_nlink == 1 or (st.st_dev, st.st_ino) not in first_path)
+                        and st.st_blocks * 512 >= st.st_size):
+                    if st.st_nlink > 1:
+                        first_path[(st.st_dev, st.st_ino)] = path
+                    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+                    try:
+                        xattrs = _fd_xattrs(fd)
+                        buf = _read_all(fd, st.st_size, disk + b"/" + name) if st.st_size else b""
+                    finally:
+                        os.close(fd)
+                    yield _make(path, Kind.REG, st, all_root, xattrs), (buf,)
+                    continue
+                sub = disk + b"/" + name
+                yield from _entry(path, sub, st, all_root, first_path)
+                if stat.S_ISDIR(st.st_mode):  # descend; come back to the next name afterwards
+                    stack.append((prefix, disk, names, i))
+                    stack.append((path + b"/", sub, sorted(os.listdir(sub)), 0))
+                    break
+        finally:
+            os.close(dfd)
+
+
+def _make(path: bytes, kind: Kind, st: os.stat_result, all_root: bool, xattrs: dict[bytes, bytes]) -> Entry:
+    mtime_ns = st.st_mtime_ns
+    return Entry(path=path, kind=kind, mode=stat.S_IMODE(st.st_mode), uid=0 if all_root else st.st_uid,
+                 gid=0 if all_root else st.st_gid, mtime=mtime_ns // 1_000_000_000,
+                 mtime_nsec=mtime_ns % 1_000_000_000, size=st.st_size if kind is Kind.REG else 0, xattrs=xattrs)
+
+
+def _entry(rel: bytes, disk: bytes, st: os.stat_result, all_root: bool,
+           first_path: dict[tuple[int, int], bytes]) -> Iterator[tuple[Entry, Data | None]]:
+    """The entry for one path (any type), its content read lazily."""
+    kind = _KINDS.get(stat.S_IFMT(st.st_mode))
+    if kind is None:
+        raise BadInput(f"{os.fsdecode(disk)}: unsupported file type")
+    if kind is not Kind.DIR and st.st_nlink > 1:
+        key = (st.st_dev, st.st_ino)
+        if key in first_path:
+            yield Entry(rel, kind, hardlink=first_path[key]), None
+            return
+        first_path[key] = rel
+    entry = _make(rel, kind, st, all_root, read_xattrs(disk))
+    data: Data | None = None
+    if kind is Kind.REG:
+        data = file_data(disk, st.st_size, st.st_blocks * 512 < st.st_size)
+    elif kind is Kind.SYMLINK:
+        entry.symlink = os.readlink(disk)
+    elif kind in (Kind.CHR, Kind.BLK):
+        entry.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    yield entry, data

@@ -230,6 +230,15 @@ class ImageWriter:
             _drain_empty(data, path)
             return
         room = self._inline_room(node)
+        if type(data) is tuple and len(data) == 1 and not isinstance(data[0], Hole) and len(data[0]) == size:
+            # the whole content in one buffer (small files from a directory): no streaming needed
+            buf = data[0]
+            if size < BS and size <= room:
+                node.inline = bytes(buf)
+                node.layout = fmt.LAYOUT_FLAT_INLINE
+                return
+            self._data.store_whole(node, buf, path, min(room, self._tail_max) if self._tail_max else -1)
+            return
         if size < BS and size <= room:
             buf = bytearray()
             for item in data:
