@@ -341,18 +341,33 @@ def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: An
     c = make_contender(kind, cfg, tag)
     c.open()
     lat, handles = [], []
+    lock = getattr(c, "lock", None)
+    # per operation: the sum of its lock acquisitions (a mount takes the lock twice, a teardown twice)
+    holds: list[float] = []
+    waits: list[float] = []
+
+    def lock_mark() -> tuple[int, int]:
+        return (len(lock.holds), len(lock.waits)) if lock else (0, 0)
+
+    def lock_add(mark: tuple[int, int]) -> None:
+        if lock:
+            holds.append(sum(lock.holds[mark[0]:]))
+            waits.append(sum(lock.waits[mark[1]:]))
+
     barrier.wait()
     t0, cpu0 = time.monotonic(), time.process_time()
     for i in ids:
         t = time.perf_counter()
+        mark = lock_mark()
         h, target = c.mount(i)
+        lock_add(mark)
         usable(target)
         lat.append(time.perf_counter() - t)
         handles.append(h)
     t1, cpu1 = time.monotonic(), time.process_time()
-    lock = getattr(c, "lock", None)
     res: dict[str, Any] = {"lat": lat, "start": t0, "end": t1, "cpu": cpu1 - cpu0, "rss": rss(os.getpid()),
-                           "lock_holds": lock.holds if lock else [], "lock_waits": lock.waits if lock else []}
+                           "lock_holds": holds, "lock_waits": waits}
+    holds, waits = [], []
     if lock:
         lock.holds, lock.waits = [], []
     out.put(("mounted", res))
@@ -362,10 +377,12 @@ def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: An
     t0, cpu0 = time.monotonic(), time.process_time()
     for h in handles:
         t = time.perf_counter()
+        mark = lock_mark()
         c.unmount(h)
+        lock_add(mark)
         ulat.append(time.perf_counter() - t)
     out.put(("unmounted", {"lat": ulat, "start": t0, "end": time.monotonic(), "cpu": time.process_time() - cpu0,
-                           "lock_holds": lock.holds if lock else []}))
+                           "lock_holds": holds}))
     c.close()
 
 

@@ -1,15 +1,22 @@
 """Per-node layer mounts, reference-counted: each layer blob's EROFS image is mounted once
 (file-backed, read-only) under NODE/layers/<hex> and shared by every sandbox that stacks it, so
-the kernel keeps one page cache per layer per node. `refs` counts the sandboxes in the state
-that use the layer; the mount goes away with the last one.
+the kernel keeps one page cache per layer per node. `refs` counts the sandboxes in the state that
+stack the layer, mounted or being mounted; the mount goes away with the last one.
 
-Callers hold the node lock and pass the open write transaction, so the count and the sandbox
-records change together.
+A cold layer mount waits for the node daemon to fetch the blob's chunk map and metadata, so it
+is not made under the node lock. The first mount of a sandbox that needs the layer *claims* it
+(`take`, in the transaction that records the sandbox, under the node lock: the layer's record
+says `mounting` and names the process) and takes the blob's lock file; it mounts outside the node
+lock and `settle`s the outcome under it. Everyone else who needs the layer meanwhile takes a
+reference in the same way and waits on the blob's lock file (`Shim._layers_ready`). A claim whose
+process died is taken over by the next one to look (or by recovery).
+
+Callers of `take`, `settle` and `release` hold the node lock and pass the open write transaction,
+so the counts and the sandbox records change together.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from layerstore import sysmount
@@ -18,7 +25,7 @@ from .blobs import BlobSource
 from .errors import ShimError
 from .overlay import detach, explain, rmdir_quiet
 from .paths import NodePaths
-from .state import LayerMount, Txn
+from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
 
 class LayerMounts:
@@ -45,26 +52,35 @@ class LayerMounts:
         detach(lm.mountpoint)
         rmdir_quiet(lm.mountpoint)
 
-    def acquire(self, t: Txn, blob: str, generation: str) -> LayerMount:
+    def take(self, t: Txn, blob: str, generation: str) -> bool:
+        """One more reference on the layer. True when the caller claimed its mount (nobody has
+        mounted it or is mounting it): it must mount it and `settle` the outcome."""
         lm = t.layer(blob)
+        claimed = lm is None or (lm.status == MOUNTING and not lm.in_flight)
         if lm is None:
-            lm = self.mount(blob, generation)
+            lm = LayerMount(blob, str(self.paths.layer_mount(blob)), str(self.blobs.path(blob)), 0, generation,
+                            MOUNTING)
+        if claimed:
+            lm.owner, lm.error, lm.generation = this_process(), "", generation
         lm.refs += 1
         t.put_layer(lm)
-        return lm
+        return claimed
 
-    def acquire_all(self, t: Txn, blobs: list[str], generation: str) -> list[LayerMount]:
-        """All or nothing: on failure the layers acquired so far are released again."""
-        done: list[LayerMount] = []
-        try:
-            for blob in blobs:
-                done.append(self.acquire(t, blob, generation))
-        except BaseException:
-            for lm in reversed(done):
-                with contextlib.suppress(Exception):
-                    self.release(t, lm.blob)
-            raise
-        return done
+    def settle(self, t: Txn, blob: str, mounted: LayerMount | None, error: str = "") -> None:
+        """Record the outcome of a claimed mount: `mounted`, or failed with `error` (the waiters
+        fail with it; the next mount that needs the layer claims it again), or (neither) never
+        tried."""
+        lm = t.layer(blob)
+        if lm is None:  # (recovery gave up on it meanwhile; nobody references our mount)
+            if mounted is not None:
+                self.unmount(mounted)
+            return
+        if mounted is not None:
+            lm.status, lm.source, lm.generation, lm.error = MOUNTED, mounted.source, mounted.generation, ""
+        else:
+            lm.error = error  # "" = abandoned before it was tried: a waiter takes it over
+        lm.owner = None
+        t.put_layer(lm)
 
     def release(self, t: Txn, blob: str) -> None:
         lm = t.layer(blob)

@@ -1,39 +1,86 @@
-"""The node lock: one flock(2) on NODE/lock held across every read-decide-mount-write sequence.
+"""The node lock: one flock(2) on NODE/lock held across every read-decide-write sequence, and the
+per-blob locks a layer mount is waited for on (`BlobLock`).
 
-The node directory is local disk, where flock is reliable. The lock is held for milliseconds
-(mount(2) of EROFS and overlayfs is sub-millisecond), never while a container runs; the kernel
-drops it when the holder dies, so a crashed shim never leaves the node locked.
+The node directory is local disk, where flock is reliable. The node lock is held for milliseconds
+(state transactions and the sub-millisecond mounts that must be atomic with them), never while a
+layer's image is read, nor while a container runs; the kernel drops a flock when its holder dies,
+so a crashed shim never leaves the node (or a blob) locked.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
+import time
 from pathlib import Path
 
 
 class NodeLock:
-    """Reentrant within one object (nested `with` blocks share the one flock)."""
+    """Reentrant per thread: nested `with` blocks of one thread share its flock; threads sharing
+    one object (a node agent's threads over one `Shim`) each open the lock file themselves, so
+    flock serialises them as it does processes. `waited` is the calling thread's total time spent
+    waiting for the lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+
+    @property
+    def waited(self) -> float:
+        return float(getattr(self._local, "waited", 0.0))
+
+    @property
+    def held(self) -> bool:
+        """Does the calling thread hold the lock?"""
+        return getattr(self._local, "depth", 0) > 0
+
+    def __enter__(self) -> NodeLock:
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            t = time.monotonic()
+            local.fd = _flock(self.path, fcntl.LOCK_EX)
+            local.waited = self.waited + time.monotonic() - t
+        local.depth = depth + 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        local = self._local
+        local.depth -= 1
+        if local.depth == 0:
+            fd, local.fd = local.fd, None
+            os.close(fd)  # closing the last descriptor releases the flock
+
+
+class BlobLock:
+    """The lock file of one layer blob (NODE/locks/<hex>). The process that claimed a layer's
+    mount holds it exclusively from the claim (taken under the node lock) until the outcome is in
+    the state; others wait for that outcome by taking it shared, without the node lock."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
-        self._depth = 0
 
-    def __enter__(self) -> NodeLock:
-        if self._depth == 0:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
-        self._depth += 1
+    def hold(self) -> BlobLock:
+        self._fd = _flock(self.path, fcntl.LOCK_EX)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)  # closing the last descriptor releases the flock
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def wait(self) -> None:
+        """Return once no one holds the lock exclusively."""
+        os.close(_flock(self.path, fcntl.LOCK_SH))
+
+
+def _flock(path: Path, how: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

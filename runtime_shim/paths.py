@@ -8,6 +8,7 @@ from reading the environment).
     NODE/cache/                     the daemon's chunk cache (its control socket lives here)
     NODE/fuse/                      the daemon's FUSE mount: fuse/blobs/<digest>
     NODE/layers/<hex>/              one read-only EROFS mount per layer blob, shared
+    NODE/locks/<hex>                flock(2) held by the process mounting that layer (others wait on it)
     NODE/sandboxes/<id>/upper       a sandbox's private writable layer
     NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
     NODE/roots/<id>                 where a sandbox's root is mounted unless the caller names a target;
@@ -95,6 +96,13 @@ class NodePaths:
     def layer_mount(self, blob: str) -> Path:
         return self.layers / digestmod.parse(blob).split(":", 1)[1]
 
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
+
+    def layer_lock(self, blob: str) -> Path:
+        return self.locks / digestmod.parse(blob).split(":", 1)[1]
+
     def sandbox_dir(self, sandbox: str) -> Path:
         return self.sandboxes / check_sandbox_id(sandbox)
 
@@ -118,5 +126,5 @@ class NodePaths:
     def create(self) -> None:
         """Make the node directory tree. The root is 0700: nothing under it is for other users."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (self.state, self.cache, self.fuse, self.layers, self.sandboxes, self.roots):
+        for d in (self.state, self.cache, self.fuse, self.layers, self.locks, self.sandboxes, self.roots):
             d.mkdir(mode=0o700, exist_ok=True)

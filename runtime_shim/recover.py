@@ -109,7 +109,7 @@ def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.
             continue
         m = mounts.get(sb.target)
         ours = m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
-        shim._undo_mount(sb, overlay=ours, layers=[], created_dir=True)
+        shim._undo_mount(sb, overlay=ours, created_dir=True)
         rep.rolled_back.append(sid)
     return inflight
 
@@ -152,14 +152,17 @@ def recover(shim: Shim) -> RecoverReport:
         gen = shim.blobs.ensure()  # restarts a dead daemon (detaching its dead mount first)
     rep.daemon_generation = gen
 
+    # Layer mounts live processes are making (claimed, outside the lock): theirs to finish.
+    claimed = {blob for blob, lm in layer_recs.items() if lm.in_flight}
+
     def layer_ok(blob: str) -> bool:
         lm = layer_recs.get(blob)
-        if lm is None or lm.generation != gen:
+        if lm is None or lm.status != MOUNTED or lm.generation != gen:
             return False
         m = mounts.get(lm.mountpoint)
         return m is not None and m.fstype == "erofs"
 
-    stale = {blob for blob in needed if not layer_ok(blob)}
+    stale = {blob for blob in needed if blob not in claimed and not layer_ok(blob)}
     redo = []
     for sb in live:
         m = mounts.get(sb.target)
@@ -191,7 +194,7 @@ def recover(shim: Shim) -> RecoverReport:
             lm.refs = refs[blob]
             t.put_layer(lm)
         for blob, lm in layer_recs.items():
-            if blob not in needed:
+            if blob not in needed and blob not in claimed:
                 detach(lm.mountpoint)
                 rmdir_quiet(lm.mountpoint)
                 t.delete_layer(blob)

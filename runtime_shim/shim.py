@@ -13,8 +13,10 @@ costs O(sandboxes) or O(mounts).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,12 +28,23 @@ from . import mountinfo, records, utab
 from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
 from .environment import EnvSpec
-from .errors import SandboxExists, SandboxNotFound
+from .errors import SandboxExists, SandboxNotFound, ShimError
 from .layers import LayerMounts
-from .lock import NodeLock
+from .lock import BlobLock, NodeLock
 from .overlay import detach, mount_overlay, rmdir_quiet
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
-from .state import BROKEN, MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id, owner_alive
+from .state import (
+    BROKEN,
+    MOUNTED,
+    MOUNTING,
+    UNMOUNTING,
+    LayerMount,
+    NodeState,
+    Sandbox,
+    boot_id,
+    owner_alive,
+    this_process,
+)
 
 Resolver = Callable[[str], EnvSpec]
 MS_BIND, MS_PRIVATE = 4096, 1 << 18
@@ -175,25 +188,66 @@ class Shim:
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
         exists is refused unless `upper` is passed explicitly (resume). An explicit upper is the
         caller's: it is never deleted, and it is refused while another sandbox uses it.
+        `eager`: every chunk of every layer is on the node before the root is mounted.
         `utab_entry`: record the root in /run/mount/utab so that `umount TARGET` tears the
-        sandbox down (see `utab`); for mount(8)-style callers."""
+        sandbox down (see `utab`); for mount(8)-style callers.
+
+        The node lock is held twice, for state changes only: to record the sandbox and take its
+        layer references (claiming the mounts of layers nobody has mounted), and to mark it
+        mounted. Layer mounts (a cold one waits for the daemon to fetch the blob's metadata),
+        the overlay and the sandbox's directories are made without it: see `layers`."""
         spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
         sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
         if eager:
             with self.lock:
-                self.blobs.ensure()
-            for blob in spec.blobs:  # outside the lock: other sandboxes keep mounting meanwhile
-                self.blobs.fetch_all(blob)
+                self._ready_locked()
+            # outside the lock, every layer at once, one fetch per blob on the node
+            error = _concurrently([functools.partial(self.blobs.fetch_all, blob) for blob in dict.fromkeys(spec.blobs)])
+            if error is not None:
+                raise error
         with self.lock:
-            gen = self.blobs.ensure()
-            with self.state.read() as t:
-                stale = bool(t.dead_pending()) or any(lm.generation != gen for lm in t.layers())
-            if stale:
-                self._recover_locked()
-            return self._mount_locked(spec, target, sid, upper, gen, utab_entry)
+            gen = self._ready_locked()
+            sb, claimed, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
+        mounted = False
+        try:
+            self._layers_ready(sb, claimed, gen, created_dir)
+            mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
+            mounted = True
+            if utab_entry:
+                mid = mountinfo.mount_id(sb.target)
+                if mid is not None:
+                    utab.add(mid, sb.target)
+            sb.status = MOUNTED
+            with self.lock, self.state.write() as t:
+                t.put_sandbox(sb, old=sb)
+                t.clear_pending(sid)
+        except BaseException:
+            sb.status = MOUNTING
+            self._abandon(claimed)
+            with contextlib.suppress(Exception):
+                self._undo_mount(sb, overlay=mounted, created_dir=created_dir)
+            raise
+        return sb
 
-    def _mount_locked(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
-                      upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool = False) -> Sandbox:
+    def _ready_locked(self) -> str:
+        """Caller holds the lock. The blob source runs (the daemon started if needed) and the
+        picture is usable (recovery run first if a crash left an operation or a layer mount of an
+        earlier daemon). Returns the blob source's generation."""
+        gen = self.blobs.ensure()
+        with self.state.read() as t:
+            stale = bool(t.dead_pending()) or any(lm.generation != gen and lm.status == MOUNTED for lm in t.layers())
+        if stale:
+            self._recover_locked()
+        return gen
+
+    def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
+                     upper: str | os.PathLike[str] | None, gen: str,
+                     utab_entry: bool) -> tuple[Sandbox, dict[str, BlobLock], bool]:
+        """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
+        directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
+        every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
+        locks are taken here, before the node lock is released, so that waiters find them held).
+        Returns the sandbox, the claimed layers' locks and whether the directory was created."""
         sdir = self.paths.sandbox_dir(sid)
         tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
         owned = upper is None
@@ -209,7 +263,6 @@ class Shim:
             other = t.sandbox_with_upper(up)
             if other is not None:
                 raise SandboxExists(f"upper {up} is in use by sandbox {other.id}")
-            known: dict[str, LayerMount | None] = {blob: t.layer(blob) for blob in spec.blobs}
         created_dir = False
         if owned:
             try:
@@ -229,92 +282,147 @@ class Shim:
                      target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
                      created=time.time(), utab=utab_entry)
         # From here on, a crash leaves a `pending` mount that recovery rolls back.
+        claims: list[str] = []
         try:
             with self.state.write() as t:
                 t.put_sandbox(sb, old=None)
                 t.put_pending(sid, "mount")
+                for blob in sb.layers:
+                    if self.layers.take(t, blob, gen):
+                        claims.append(blob)
         except BaseException:
             if owned:
                 shutil.rmtree(sdir, ignore_errors=True)
             elif created_dir:
                 rmdir_quiet(sdir)
             raise
-        fresh: dict[str, LayerMount] = {}
-        mounted = False
+        claimed: dict[str, BlobLock] = {}
         try:
-            if owned:
-                os.mkdir(up, 0o755)
-                os.mkdir(work, 0o700)
-            else:
-                Path(work).mkdir(mode=0o700, exist_ok=True)
+            for blob in claims:
+                claimed[blob] = BlobLock(self.paths.layer_lock(blob)).hold()
             if self._under_roots(tgt):
                 self._ensure_roots()
-            Path(tgt).mkdir(mode=0o755, parents=True, exist_ok=True)
-            # The record file says what should be (mounted): it is what recovery rebuilds from
-            # after a reboot, when the database is not trusted.
-            records.save(self.paths, Sandbox(**{**sb.to_json(), "status": MOUNTED}))
-            mps = []
-            for blob in spec.blobs:
-                lm = known[blob] or fresh.get(blob)
-                if lm is None:
-                    lm = fresh[blob] = self.layers.mount(blob, gen)
-                mps.append(lm.mountpoint)
-            mount_overlay(tgt, list(reversed(mps)), up, work)
-            mounted = True
-            if utab_entry:
-                mid = mountinfo.mount_id(tgt)
-                if mid is not None:
-                    utab.add(mid, tgt)
-            sb.status = MOUNTED
-            with self.state.write() as t:
-                for blob in sb.layers:
-                    lm = t.layer(blob) or fresh[blob]
-                    lm.refs += 1
-                    t.put_layer(lm)
-                t.put_sandbox(sb, old=sb)
-                t.clear_pending(sid)
         except BaseException:
-            sb.status = MOUNTING
-            with contextlib.suppress(Exception):
-                self._undo_mount(sb, overlay=mounted, layers=list(fresh.values()), created_dir=created_dir)
+            self._abandon(dict.fromkeys(claims, None) | claimed)
+            self._undo_mount(sb, overlay=False, created_dir=created_dir)
             raise
-        return sb
+        return sb, claimed, created_dir
 
-    def _undo_mount(self, sb: Sandbox, *, overlay: bool, layers: list[LayerMount], created_dir: bool) -> None:
-        """Take back a mount that did not complete (here on failure, or in recovery after a crash);
-        the caller's upper is never touched."""
-        if sb.utab:
-            with contextlib.suppress(OSError):
-                utab.remove(sb.target)
-        if overlay:
-            detach(sb.target)
-        if sb.target == str(self.paths.rootfs(sb.id)):
-            rmdir_quiet(sb.target)
-        with self.state.read() as t:
-            for lm in layers:
-                rec = t.layer(lm.blob)
-                if rec is None or rec.refs <= 0:
-                    self.layers.unmount(lm)
-        sdir = self.paths.sandbox_dir(sb.id)
-        if sb.owned and created_dir:
-            trashed = records.trash(self.paths, sb.id)
-            if trashed is not None:
-                shutil.rmtree(trashed, ignore_errors=True)
-        elif not sb.owned:
-            with contextlib.suppress(FileNotFoundError):
-                (sdir / records.RECORD).unlink()
-            shutil.rmtree(sb.work, ignore_errors=True)
-            if created_dir:
-                rmdir_quiet(sdir / "rootfs")
-                rmdir_quiet(sdir)
-        with self.state.write() as t:
-            cur = t.sandbox(sb.id)
-            if cur is not None and cur.status == MOUNTING:
-                t.delete_sandbox(sb.id)
-            t.clear_pending(sb.id)
-            last = t.count("sandboxes") == 0
-        if last:
-            self._release_roots()
+    def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], gen: str, created_dir: bool) -> None:
+        """Without the node lock: mount the layers this call claimed, wait for those others are
+        mounting, and make the sandbox's directories and record file, all at once. Raises the
+        first failure (after every claimed mount's outcome is recorded)."""
+        mine = dict(claimed)
+        claimed.clear()  # each claimed mount settles its own outcome from here on
+        fns: list[Callable[[], None]] = [functools.partial(self._mount_claimed, b, gen, lk) for b, lk in mine.items()]
+        fns += [functools.partial(self._await_layer, b, gen) for b in dict.fromkeys(sb.layers) if b not in mine]
+        fns.append(functools.partial(self._make_dirs, sb))
+        error = _concurrently(fns)
+        if error is not None:
+            raise error
+
+    def _make_dirs(self, sb: Sandbox) -> None:
+        if sb.owned:
+            os.mkdir(sb.upper, 0o755)
+            os.mkdir(sb.work, 0o700)
+        else:
+            Path(sb.work).mkdir(mode=0o700, exist_ok=True)
+        Path(sb.target).mkdir(mode=0o755, parents=True, exist_ok=True)
+        # The record file says what should be (mounted): it is what recovery rebuilds from
+        # after a reboot, when the database is not trusted.
+        records.save(self.paths, Sandbox(**{**sb.to_json(), "status": MOUNTED}))
+
+    def _mount_claimed(self, blob: str, gen: str, lock: BlobLock) -> None:
+        """Mount a layer this process claimed, record the outcome under the node lock, then let
+        the waiters go."""
+        mounted: LayerMount | None = None
+        error = ""
+        try:
+            mounted = self.layers.mount(blob, gen)
+        except Exception as e:
+            error = str(e) or type(e).__name__
+            raise
+        finally:
+            try:
+                with self.lock, self.state.write() as t:
+                    self.layers.settle(t, blob, mounted, error)
+            finally:
+                lock.release()
+
+    def _await_layer(self, blob: str, gen: str) -> None:
+        """Wait until the layer another mount claimed is mounted (its claimant releases the blob's
+        lock once the outcome is recorded); take the mount over if its claimant died or gave up."""
+        lock = BlobLock(self.paths.layer_lock(blob))
+        while True:
+            lock.wait()
+            with self.state.read() as t:
+                lm = t.layer(blob)
+            if lm is None:
+                raise ShimError(f"layer {blob}: its mount was given up by recovery")
+            if lm.status == MOUNTED:
+                return
+            if lm.in_flight:  # claimed again meanwhile: wait for that attempt
+                time.sleep(0.001)
+                continue
+            if lm.error:
+                raise ShimError(lm.error)
+            with self.lock:  # nobody is mounting it (its claimant died or gave up): take it over
+                with self.state.write() as t:
+                    cur = t.layer(blob)
+                    mine = cur is not None and cur.status == MOUNTING and not cur.in_flight and not cur.error
+                    if mine:
+                        cur.owner = this_process()
+                        t.put_layer(cur)
+                if mine:
+                    lock.hold()
+            if mine:
+                self._mount_claimed(blob, gen, lock)
+                return
+
+    def _abandon(self, claimed: dict[str, BlobLock | None]) -> None:
+        """Claimed layer mounts that were never attempted: nobody owns them now (a waiter takes
+        them over)."""
+        for blob, lock in list(claimed.items()):
+            with contextlib.suppress(Exception), self.lock, self.state.write() as t:
+                self.layers.settle(t, blob, None)
+            if lock is not None:
+                lock.release()
+        claimed.clear()
+
+    def _undo_mount(self, sb: Sandbox, *, overlay: bool, created_dir: bool) -> None:
+        """Take back a mount that did not complete (here on failure, or in recovery after a crash):
+        its layer references are released (the last one unmounts the layer); the caller's upper is
+        never touched."""
+        with self.lock:
+            if sb.utab:
+                with contextlib.suppress(OSError):
+                    utab.remove(sb.target)
+            if overlay:
+                detach(sb.target)
+            if sb.target == str(self.paths.rootfs(sb.id)):
+                rmdir_quiet(sb.target)
+            sdir = self.paths.sandbox_dir(sb.id)
+            if sb.owned and created_dir:
+                trashed = records.trash(self.paths, sb.id)
+                if trashed is not None:
+                    shutil.rmtree(trashed, ignore_errors=True)
+            elif not sb.owned:
+                with contextlib.suppress(FileNotFoundError):
+                    (sdir / records.RECORD).unlink()
+                shutil.rmtree(sb.work, ignore_errors=True)
+                if created_dir:
+                    rmdir_quiet(sdir / "rootfs")
+                    rmdir_quiet(sdir)
+            with self.state.write() as t:
+                cur = t.sandbox(sb.id)
+                if cur is not None and cur.status == MOUNTING:
+                    for blob in cur.layers:
+                        self.layers.release(t, blob)
+                    t.delete_sandbox(sb.id)
+                t.clear_pending(sb.id)
+                last = t.count("sandboxes") == 0
+            if last:
+                self._release_roots()
 
     def _work_for(self, upper: Path, sdir: Path) -> Path:
         # overlayfs wants work on the upper's filesystem: beside the sandbox when that is the same
@@ -498,6 +606,8 @@ class Shim:
             if gen is None:
                 return "the blob source (node daemon) is not healthy"
             for lm in layers:
+                if lm.status != MOUNTED:
+                    continue  # being mounted (or its claim settled by the next mount that needs it)
                 if lm.generation != gen:
                     return f"layer {lm.blob} reads from a previous daemon"
                 if not mountinfo.is_mount(lm.mountpoint):
@@ -508,6 +618,27 @@ class Shim:
         from .recover import recover
 
         return recover(self)
+
+
+def _concurrently(fns: list[Callable[[], None]]) -> BaseException | None:
+    """Run every function at once (the last one in the calling thread), wait for all, and return
+    the first exception raised (None if none was)."""
+    errors: list[BaseException | None] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            fns[i]()
+        except BaseException as e:  # handed to the caller
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), name="shim-layer") for i in range(len(fns) - 1)]
+    for th in threads:
+        th.start()
+    if fns:
+        run(len(fns) - 1)
+    for th in threads:
+        th.join()
+    return next((e for e in errors if e is not None), None)
 
 
 from .recover import RecoverReport  # noqa: E402  (recover imports Shim's pieces lazily)

@@ -127,17 +127,38 @@ class Sandbox:
         return cls(**_known(cls, obj))
 
 
+def this_process() -> dict[str, Any]:
+    """How a record names the calling process (see `owner_alive`)."""
+    return {"pid": os.getpid(), "start": _self_start_time()}
+
+
 @dataclass
 class LayerMount:
     blob: str
     mountpoint: str
     source: str  # the image file the EROFS mount reads
-    refs: int = 0
+    refs: int = 0  # sandboxes that stack it, mounted or being mounted
     generation: str = ""  # what served `source` when it was mounted (see blobs.BlobSource)
+    # `mounting`: claimed by `owner` (this_process()), which mounts it outside the node lock while
+    # holding NODE/locks/<hex>; others wait for the outcome. An owner of None (or a dead one) means
+    # nobody is mounting it: the next to look claims it. `error`: why the last attempt failed.
+    status: str = MOUNTED
+    owner: dict[str, Any] | None = None
+    error: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"blob": self.blob, "mountpoint": self.mountpoint, "source": self.source, "refs": self.refs,
-                "generation": self.generation}
+        out = {"blob": self.blob, "mountpoint": self.mountpoint, "source": self.source, "refs": self.refs,
+               "generation": self.generation, "status": self.status}
+        if self.owner is not None:
+            out["owner"] = self.owner
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    @property
+    def in_flight(self) -> bool:
+        """Being mounted by a live process (recovery leaves it alone)."""
+        return self.status == MOUNTING and self.owner is not None and owner_alive(self.owner)
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> LayerMount:

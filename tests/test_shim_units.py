@@ -284,3 +284,35 @@ def test_a_node_directory_too_long_for_the_daemons_socket_is_refused_up_front(tm
             pytest.raises(DaemonError, match="too long"):
         shim.blobs.ensure()
     assert not (tmp_path / ("n" * 100) / "daemon.log").exists()  # nothing was started
+
+
+def test_for_node_resolves_every_environment_through_one_store_client(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from layerstore.store import Store
+    from runtime_shim.shim import Shim
+    from tests.cli_helpers import layerctl
+
+    url = str(tmp_path / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    (tmp_path / "a").write_bytes(b"a" * 5000)
+    blob = layerctl("store", "put-blob", "--store", url, "--json", str(tmp_path / "a")).json()["blob"]
+    assert layerctl("env", "create", "--store", url, "--base", blob, "-t", "e:1", "--json").code == 0
+    opened: list[str | None] = []
+    real = Store.open.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[Store], u: str | None = None, **kw: object) -> Store:
+        opened.append(u)
+        return real(cls, u, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Store, "open", classmethod(counting))
+    with Shim.for_node(tmp_path / "node", url, auto_recover=False) as shim:
+        got: list[list[str]] = []
+        threads = [threading.Thread(target=lambda: got.append(shim.resolve("e:1").blobs)) for _ in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert got == [[blob]] * 8
+    assert len(opened) == 1  # one client for the shim's lifetime, shared by every thread
