@@ -9,14 +9,17 @@ must be remounted when it changes (a restarted daemon is a new FUSE mount).
 from __future__ import annotations
 
 import os
-import subprocess
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
 
 from layerstore import digest as digestmod
+from layerstore.errors import LayerstoreError
 
-from .daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive, layerctl_argv
+from .daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive
 from .errors import DaemonError
+from .lock import BlobLock
 from .paths import NodePaths
 from .state import NodeState
 
@@ -76,6 +79,9 @@ class DaemonBlobs:
         self.state = state
         self.store = store
         self.supervisor = DaemonSupervisor(paths, command)
+        self._mu = threading.Lock()
+        self._fetching: dict[str, Future[None]] = {}
+        self._complete: set[str] = set()
 
     def ensure(self) -> str:
         """Caller holds the node lock."""
@@ -103,11 +109,47 @@ class DaemonBlobs:
         return self.paths.fuse / "blobs" / digestmod.parse(blob)
 
     def fetch_all(self, blob: str) -> None:
-        argv = [*layerctl_argv(), "prefetch", "--cache", str(self.paths.cache), blob, "--all", "--wait", "--json"]
-        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        if p.returncode != 0:
-            msg = (p.stderr.strip().splitlines() or ["no message"])[-1]
-            raise DaemonError(f"eager fetch of {blob} failed: {msg}")
+        """Every chunk of the blob into the node cache, through the daemon's control socket,
+        waited for. One fetch per blob at a time in this process (concurrent callers wait for it
+        and share its outcome); a blob this process saw complete is not asked for again. Across
+        processes the daemon shares the fetches of chunks already in flight, and a complete blob
+        costs one request that fetches nothing."""
+        with self._mu:
+            if blob in self._complete:
+                return
+            flight = self._fetching.get(blob)
+            mine = flight is None
+            if mine:
+                flight = self._fetching[blob] = Future()
+        assert flight is not None
+        if not mine:
+            error = flight.exception()
+            if error is not None:
+                raise DaemonError(str(error))
+            return
+        lock = BlobLock(self.paths.fetch_lock(blob))
+        try:
+            from fuse_client.control import request_json  # (imports trio: only when eager)
+
+            lock.hold()  # one eager fetch of a blob at a time on the node, across processes too
+            try:
+                res = request_json(self.paths.cache, "POST", "/prefetch", {"blob": blob, "all": True, "wait": True},
+                                   timeout=None)
+            except LayerstoreError as e:
+                raise DaemonError(f"eager fetch of {blob} failed: {e}") from None
+            if res.get("failed"):
+                raise DaemonError(f"eager fetch of {blob} failed: {res['failed']} chunk(s) could not be fetched "
+                                  f"(see {self.paths.daemon_log})")
+            with self._mu:
+                self._complete.add(blob)
+            flight.set_result(None)
+        except BaseException as e:
+            flight.set_exception(e)
+            raise
+        finally:
+            lock.release()
+            with self._mu:
+                self._fetching.pop(blob, None)
 
     def stop(self) -> None:
         with self.state.read() as t:

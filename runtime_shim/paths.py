@@ -9,6 +9,7 @@ from reading the environment).
     NODE/fuse/                      the daemon's FUSE mount: fuse/blobs/<digest>
     NODE/layers/<hex>/              one read-only EROFS mount per layer blob, shared
     NODE/locks/<hex>                flock(2) held by the process mounting that layer (others wait on it)
+    NODE/locks/<hex>.all            flock(2) held by the process fetching that blob whole (--eager)
     NODE/sandboxes/<id>/upper       a sandbox's private writable layer
     NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
     NODE/roots/<id>                 where a sandbox's root is mounted unless the caller names a target;
@@ -102,6 +103,10 @@ class NodePaths:
 
     def layer_lock(self, blob: str) -> Path:
         return self.locks / digestmod.parse(blob).split(":", 1)[1]
+
+    def fetch_lock(self, blob: str) -> Path:
+        """Held while the blob is fetched whole (eager mode)."""
+        return self.locks / (digestmod.parse(blob).split(":", 1)[1] + ".all")
 
     def sandbox_dir(self, sandbox: str) -> Path:
         return self.sandboxes / check_sandbox_id(sandbox)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -316,3 +317,56 @@ def test_for_node_resolves_every_environment_through_one_store_client(tmp_path: 
             th.join()
     assert got == [[blob]] * 8
     assert len(opened) == 1  # one client for the shim's lifetime, shared by every thread
+
+
+def test_eager_fetches_a_blob_once_for_every_concurrent_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import fuse_client.control as control
+    from runtime_shim.blobs import DaemonBlobs
+    from runtime_shim.errors import DaemonError
+    from runtime_shim.paths import NodePaths
+    from runtime_shim.state import NodeState
+
+    paths = NodePaths(tmp_path / "node")
+    paths.create()
+    blob, bad = "b3:" + "a" * 64, "b3:" + "b" * 64
+    calls: list[tuple[str, dict[str, Any]]] = []
+    entered, go = threading.Event(), threading.Event()
+
+    def fake(cache_dir: Path, method: str, path: str, body: dict[str, Any], timeout: float | None = 60.0) -> Any:
+        calls.append((path, body))
+        entered.set()
+        assert go.wait(30)
+        assert timeout is None and method == "POST" and path == "/prefetch" and body["all"] and body["wait"]
+        return {"blob": body["blob"], "queued": 3, "done": 3 if body["blob"] == blob else 1,
+                "failed": 0 if body["blob"] == blob else 2}
+
+    monkeypatch.setattr(control, "request_json", fake)
+    with NodeState(paths.state) as state:
+        blobs = DaemonBlobs(paths, state, "unused")
+        errors: list[BaseException] = []
+
+        def fetch(b: str) -> None:
+            try:
+                blobs.fetch_all(b)
+            except BaseException as e:  # noqa: BLE001 - collected for the test
+                errors.append(e)
+
+        threads = [threading.Thread(target=fetch, args=(blob,)) for _ in range(6)]
+        for th in threads:
+            th.start()
+        try:
+            assert entered.wait(30)
+        finally:
+            go.set()
+            for th in threads:
+                th.join(30)
+        assert errors == [] and len(calls) == 1  # six callers, one fetch
+        blobs.fetch_all(blob)
+        assert len(calls) == 1  # complete: not asked for again
+        with pytest.raises(DaemonError, match="2 chunk"):
+            blobs.fetch_all(bad)
+        with pytest.raises(DaemonError):
+            blobs.fetch_all(bad)  # a failure is not remembered as complete
+        assert len(calls) == 3
