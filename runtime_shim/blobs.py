@@ -43,6 +43,10 @@ class BlobSource(Protocol):
         """Bring every chunk of the blob to the node (eager mode)."""
         ...
 
+    def prefetch(self, blob: str, chunks: list[int]) -> None:
+        """Ask for these chunks in the background (prefetch hints); returns once they are queued."""
+        ...
+
 
 class DirBlobs:
     """Blob image files in a directory, named by digest."""
@@ -63,6 +67,9 @@ class DirBlobs:
         return self.directory / digestmod.parse(blob)
 
     def fetch_all(self, blob: str) -> None:
+        pass
+
+    def prefetch(self, blob: str, chunks: list[int]) -> None:
         pass
 
 
@@ -150,6 +157,11 @@ class DaemonBlobs:
             lock.release()
             with self._mu:
                 self._fetching.pop(blob, None)
+
+    def prefetch(self, blob: str, chunks: list[int]) -> None:
+        from fuse_client.control import request_json  # (imports trio: only when there are hints)
+
+        request_json(self.paths.cache, "POST", "/prefetch", {"blob": blob, "chunks": chunks, "wait": False})
 
     def stop(self) -> None:
         with self.state.read() as t:

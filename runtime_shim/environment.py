@@ -29,6 +29,8 @@ class EnvSpec:
     layers: tuple[LayerSpec, ...]  # bottom first: base, toolkits, workspace
     config: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONFIG))
     ref: str = ""
+    # the manifest's prefetch hints: layer blob -> chunk indexes in first-access order
+    prefetch: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def blobs(self) -> list[str]:
@@ -46,7 +48,7 @@ def resolve(store: Store, ref: str, policy: Any = None) -> EnvSpec:
 
     env = resolve_environment(store, ref, policy)
     layers = tuple(LayerSpec(layer.blob, layer.size, layer.role) for layer in env.layers)
-    return EnvSpec(env.digest, layers, env.config.to_json(), ref)
+    return EnvSpec(env.digest, layers, env.config.to_json(), ref, {b: tuple(i) for b, i in env.prefetch.items()})
 
 
 class CachingResolver:

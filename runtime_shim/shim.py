@@ -47,6 +47,7 @@ from .state import (
 )
 
 Resolver = Callable[[str], EnvSpec]
+HINTS_TIMEOUT = 60.0  # how long closing a shim waits for prefetch hints still being sent
 MS_BIND, MS_PRIVATE = 4096, 1 << 18
 
 
@@ -77,6 +78,9 @@ class Shim:
         self.resolver = resolver
         self.store_url = store_url
         self._closers: list[Callable[[], None]] = []
+        self._hint_mu = threading.Lock()
+        self._hinting: set[str] = set()
+        self._hint_threads: list[threading.Thread] = []
         if auto_recover:
             self.recover_if_needed()
 
@@ -119,6 +123,8 @@ class Shim:
         return shim
 
     def close(self) -> None:
+        for th in self._hint_threads:
+            th.join(HINTS_TIMEOUT)
         for close in self._closers:
             with contextlib.suppress(Exception):
                 close()
@@ -201,6 +207,7 @@ class Shim:
         if eager:
             with self.lock:
                 self._ready_locked()
+            self._send_hints(spec)
             # outside the lock, every layer at once, one fetch per blob on the node
             error = _concurrently([functools.partial(self.blobs.fetch_all, blob) for blob in dict.fromkeys(spec.blobs)])
             if error is not None:
@@ -210,6 +217,8 @@ class Shim:
             sb, claimed, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
         mounted = False
         try:
+            if not eager:
+                self._send_hints(spec)
             self._layers_ready(sb, claimed, gen, created_dir)
             mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
             mounted = True
@@ -228,6 +237,43 @@ class Shim:
                 self._undo_mount(sb, overlay=mounted, created_dir=created_dir)
             raise
         return sb
+
+    def _send_hints(self, spec: EnvSpec) -> None:
+        """The environment's prefetch hints (from its manifest) to the blob source, in the
+        background (below demand reads in the daemon), so that a sandbox's first reads find their
+        chunks on the way: once per chunk per node (recorded in the state), one sender per blob in
+        this process at a time. Hints are an optimisation: a failure to send them is ignored."""
+        if not spec.prefetch:
+            return
+        wanted = {b: spec.prefetch[b] for b in dict.fromkeys(spec.blobs) if spec.prefetch.get(b)}
+        with self.state.read() as t:
+            todo = {}
+            for blob, idxs in wanted.items():
+                sent = t.hinted(blob)
+                new = [i for i in idxs if i not in sent]
+                if new:
+                    todo[blob] = new
+        with self._hint_mu:
+            todo = {b: c for b, c in todo.items() if b not in self._hinting}
+            self._hinting.update(todo)
+        if not todo:
+            return
+        th = threading.Thread(target=self._hint, args=(todo,), name="shim-hints")
+        th.start()
+        with self._hint_mu:
+            self._hint_threads = [t for t in self._hint_threads if t.is_alive()] + [th]
+
+    def _hint(self, todo: dict[str, list[int]]) -> None:
+        for blob, chunks in todo.items():
+            try:
+                self.blobs.prefetch(blob, chunks)
+                with self.state.write() as t:
+                    t.add_hinted(blob, chunks)
+            except Exception:  # noqa: BLE001, S112 - hints are an optimisation; the next mount tries again
+                continue
+            finally:
+                with self._hint_mu:
+                    self._hinting.discard(blob)
 
     def _ready_locked(self) -> str:
         """Caller holds the lock. The blob source runs (the daemon started if needed) and the

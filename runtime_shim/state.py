@@ -27,6 +27,7 @@ Records are JSON objects:
                        whose process (pid + start time) still runs is in flight, not a crash
     meta/daemon        DaemonRecord
     meta/boot          {"boot_id": ...} of the boot the picture belongs to
+    meta/hints/<blob>  {"chunks": [...]}: the blob's prefetch hints already sent to the daemon
 """
 
 from __future__ import annotations
@@ -330,6 +331,14 @@ class Txn:
                 self._delete("meta", "daemon")
         else:
             self._put("meta", "daemon", rec.to_json())
+
+    def hinted(self, blob: str) -> set[int]:
+        """Chunks of `blob` whose prefetch hints were sent to the daemon of this node."""
+        obj = self._get("meta", f"hints/{blob}")
+        return set(obj["chunks"]) if obj else set()
+
+    def add_hinted(self, blob: str, chunks: list[int]) -> None:
+        self._put("meta", f"hints/{blob}", {"chunks": sorted(self.hinted(blob).union(chunks))})
 
     def boot(self) -> str | None:
         obj = self._get("meta", "boot")

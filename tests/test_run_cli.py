@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,6 +193,32 @@ def test_eager_fetches_every_chunk_before_mounting(store: dict[str, str], nodes:
         assert got == total
     for node, t in ((nodes[0], lazy), (nodes[1], eager)):
         assert layerctl("umount", "--node-dir", str(node), str(t)).code == 0
+
+
+def test_a_manifests_prefetch_hints_are_fetched_when_the_environment_is_first_used(
+        store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
+    from layerstore.store import Store
+
+    with Store.open(store["url"]) as s:
+        n = len(s.get_chunk_map(store["toolkit"]).chunks)
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"version": 1, "blobs": {store["toolkit"]: list(range(n))}}))
+    assert layerctl("env", "create", "--store", store["url"], "--base", store["base"], "--toolkit", store["toolkit"],
+                    "--prefetch-trace", str(trace), "-t", "hinted:1").code == 0
+    target = tmp_path / "hinted"
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(nodes[0]), "hinted:1", str(target))
+    assert r.code == 0, r.err
+    cached = (0, 1)
+    for _ in range(3000):  # the hints are fetched in the background (a guard against a hang, not a timing)
+        r = layerctl("cache", "ls", "--cache", str(nodes[0] / "cache"), "--json")
+        cached = next((b["cached_chunks"], b["chunks"]) for b in r.json()["blobs"] if b["blob"] == store["toolkit"])
+        if cached[0] == cached[1]:
+            break
+        time.sleep(0.02)
+    assert cached == (n, n)  # nobody read the big file: the hints brought it
+    with NodeState(nodes[0] / "state") as st, st.read() as t:
+        assert t.hinted(store["toolkit"]) == set(range(n))
+    assert layerctl("umount", "--node-dir", str(nodes[0]), str(target)).code == 0
 
 
 def test_usage_errors_are_one_line(store: dict[str, str], nodes: list[Path]) -> None:

@@ -251,3 +251,48 @@ def test_the_node_lock_is_reentrant_per_thread_and_exclusive_between_threads(tmp
     b.join(WAIT)
     assert order.index("a-still-holds") < order.index("b-in")
     assert not lock.held
+
+
+class HintedBlobs(DirBlobs):
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.sent: list[tuple[str, list[int]]] = []
+        self.fail = False
+
+    def prefetch(self, blob: str, chunks: list[int]) -> None:
+        if self.fail:
+            raise OSError("no daemon")
+        self.sent.append((blob, list(chunks)))
+
+
+def hints_sent(shim: Shim) -> None:
+    for th in shim._hint_threads:
+        th.join(WAIT)
+
+
+def test_prefetch_hints_are_sent_once_per_chunk_per_node(node: Path, images: dict[str, object]) -> None:  # noqa: F811
+    from dataclasses import replace
+
+    base, tk = images["base"], images["toolkit"]
+    blobs = HintedBlobs(images["blobs"])  # type: ignore[arg-type]
+    one = replace(env2(images), prefetch={base: (3, 1, 2), tk: (0,), "b3:" + "c" * 64: (5,)})
+    two = replace(spec((base, "base")), prefetch={base: (2, 7)})  # type: ignore[arg-type]
+    with Shim(NodePaths(node), blobs) as shim:
+        a = shim.mount(one)
+        b = shim.mount(one)
+        hints_sent(shim)
+    assert sorted(blobs.sent) == sorted([(base, [3, 1, 2]), (tk, [0])])  # in order; other blobs ignored
+    blobs.sent.clear()
+    with Shim(NodePaths(node), blobs) as shim:  # another process, later: nothing is sent again
+        c = shim.mount(one)
+        blobs.fail = True
+        d = shim.mount(two)  # a failed send is not recorded ...
+        hints_sent(shim)
+        blobs.fail = False
+    assert blobs.sent == []
+    with Shim(NodePaths(node), blobs) as shim:
+        e = shim.mount(two)  # ... and is tried again; only the chunks not sent before
+        hints_sent(shim)
+        for sb in (a, b, c, d, e):
+            shim.unmount(sb.id)
+    assert blobs.sent == [(base, [7])]

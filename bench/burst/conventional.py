@@ -151,7 +151,15 @@ class ConventionalNode:
                 subprocess.run(["runc", "--root", str(self.runc_root), "delete", "--force", cid], capture_output=True)
 
     def facts(self) -> dict[str, object]:
-        return {"layers": self.layer_times}
+        from .lazy import process_write_bytes, tree_bytes
+
+        sandboxes = self.node_dir / "sandboxes"
+        uppers = sum(tree_bytes(d / "upper") for d in sandboxes.iterdir()) if sandboxes.exists() else 0
+        return {"layers": self.layer_times,
+                "disk_breakdown": {"content": tree_bytes(self.node_dir / "content"),
+                                   "snapshots": tree_bytes(self.node_dir / "snapshots"),
+                                   "uppers": uppers, "runc_state": tree_bytes(self.runc_root),
+                                   "agent_write_bytes": process_write_bytes(os.getpid())}}
 
     @staticmethod
     def sandbox_cgroups(tag: str) -> str:

@@ -19,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -129,56 +128,20 @@ class LayerstoreSetup:
                 "trace": self.trace_facts}
 
 
-class ThreadLocalNodeLock:
-    """The shim's node lock, one per thread. `NodeLock` is reentrant through a depth counter, which
-    threads sharing one object would share too (a second thread would walk in while the first holds
-    the flock); a lock object per thread gives each its own open file, and flock serialises them."""
-
-    def __init__(self, path: Path) -> None:
-        from runtime_shim.lock import NodeLock
-
-        self._make = lambda: NodeLock(path)
-        self._local = threading.local()
-
-    @property
-    def waited(self) -> float:
-        """Seconds the calling thread has spent waiting for the lock."""
-        return float(getattr(self._local, "waited", 0.0))
-
-    def _lock(self) -> Any:
-        lock = getattr(self._local, "lock", None)
-        if lock is None:
-            lock = self._local.lock = self._make()
-        return lock
-
-    def __enter__(self) -> ThreadLocalNodeLock:
-        t = time.monotonic()
-        self._lock().__enter__()
-        self._local.waited = self.waited + time.monotonic() - t
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock().__exit__(*exc)
-
-
 class LayerstoreNode:
     """One node: the daemon on an empty cache, started before the burst (a node service, like the
     conventional path's containerd), and a node agent that starts every sandbox of the burst at once.
 
     launcher "api" (default): the agent calls the shim in-process (the steps of `runtime_shim.runner.run`:
     mount the sandbox's root, write the bundle, runc, unmount), one thread per sandbox, as the
-    conventional runner does with its overlay and runc, and keeps one store client for the burst.
+    conventional runner does with its overlay and runc, over one `Shim.for_node` (one store client for
+    the burst; the node lock is per thread). A manifest's prefetch hints are applied by the shim.
     launcher "cli": one `layerctl run` process per sandbox (what a user types; pays a Python start and
-    a store client per sandbox).
-
-    Prefetch hints: the shim does not act on a manifest's hints yet, so with `apply_hints` the agent
-    sends them to the daemon (`POST /prefetch`, background, below demand reads; what `layerctl prefetch`
-    does) when an environment is first used on the node."""
+    a store client per sandbox)."""
 
     def __init__(self, node_dir: Path, *, store_url: str, env_refs: dict[str, str], eager: bool, layerctl: str,
-                 record_trace: Path | None = None, launcher: str = "api", apply_hints: bool = False,
-                 shared_store: bool = True, daemon_args: list[str] | None = None,
-                 parallel_metadata: bool = False) -> None:
+                 record_trace: Path | None = None, launcher: str = "api",
+                 daemon_args: list[str] | None = None) -> None:
         self.node_dir = node_dir
         self.store_url = store_url
         self.env_refs = env_refs
@@ -186,19 +149,11 @@ class LayerstoreNode:
         self.layerctl = layerctl
         self.record_trace = record_trace
         self.launcher = launcher
-        self.apply_hints = apply_hints
-        self.shared_store = shared_store
         self.daemon_args = list(daemon_args or [])
-        self.parallel_metadata = parallel_metadata
-        self._meta_lock = threading.Lock()
-        self._meta_ready: dict[str, threading.Event] = {}
-        self._store: Any = None
         self.tag = f"{os.getpid()}"
         self.daemon_start_s: float | None = None
         self.stats: dict[str, Any] = {}
-        self.hints_sent: dict[str, Any] = {}
-        self._hint_lock = threading.Lock()
-        self._hinted_envs: set[str] = set()
+        self.upper_bytes: list[int] = []
         self.shim: Any = None
         self._start_daemon()
 
@@ -215,99 +170,12 @@ class LayerstoreNode:
 
         t = time.monotonic()
         self.shim = Shim.for_node(self.node_dir, self.store_url, daemon_command=command)
-        self.shim.lock = ThreadLocalNodeLock(self.shim.paths.lock)
-        if self.shared_store:
-            self.shim.resolver = self._shared_resolver()
         with self.shim.lock:
             self.shim.blobs.ensure()
         self.daemon_start_s = round(time.monotonic() - t, 3)
 
-    def _shared_resolver(self) -> Any:
-        """The resolver of `Shim.for_node` opens a new store (a new boto3 client, ~70 ms of CPU, far
-        more when threads contend for the GIL) for every sandbox; a node agent keeps one. Same
-        resolution (tag -> manifest -> layers, trust policy), one client for the whole burst."""
-        from layerstore.store import Store
-        from runtime_shim.environment import EnvSpec, load_policy, resolve
-
-        store = Store.open(self.store_url)
-        store.check()
-        self._store = store
-        trust = load_policy(None)
-
-        def resolver(ref: str) -> EnvSpec:
-            return resolve(store, ref, trust)
-
-        return resolver
-
-    def _fetch_metadata(self, env: str) -> None:
-        """What-if: before the first mount of an environment, the metadata chunks of all its layers
-        are fetched at once (`POST /prefetch` without ranges = the blob's metadata, waited for), so that
-        the layer mounts under the node lock find them cached instead of fetching one layer after
-        another while every other sandbox waits for the lock."""
-        with self._meta_lock:
-            ready = self._meta_ready.get(env)
-            owner = ready is None
-            if owner:
-                ready = self._meta_ready[env] = threading.Event()
-        assert ready is not None
-        if not owner:
-            ready.wait()
-            return
-        try:
-            from fuse_client.control import request_json
-
-            blobs = self.shim.resolve(self.env_refs[env]).blobs
-            cache = self.node_dir / "cache"
-            threads = [threading.Thread(target=request_json, kwargs={"timeout": None},
-                                        args=(cache, "POST", "/prefetch", {"blob": b, "wait": True})) for b in blobs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            ready.set()
-
-    def _send_hints_quietly(self, env: str) -> None:
-        try:
-            self._send_hints(env)
-        except Exception as e:  # noqa: BLE001 - hints are an optimisation
-            log(f"prefetch hints for {env} failed: {e}")
-
-    def _send_hints(self, env: str) -> None:
-        """Once per environment on this node: its manifest's prefetch hints to the daemon."""
-        with self._hint_lock:
-            if env in self._hinted_envs:
-                return
-            self._hinted_envs.add(env)
-        from fuse_client.control import request_json
-        from layerstore.store import Store
-        from manifest import resolve_environment
-
-        t = time.monotonic()
-        if self._store is not None:
-            hints = dict(resolve_environment(self._store, self.env_refs[env]).prefetch)
-        else:
-            with Store.open(self.store_url) as store:
-                hints = dict(resolve_environment(store, self.env_refs[env]).prefetch)
-        sent = {}
-        for blob, chunks in hints.items():
-            with self._hint_lock:
-                if blob in self.hints_sent:
-                    continue
-                self.hints_sent[blob] = None
-            res = request_json(self.node_dir / "cache", "POST", "/prefetch",
-                               {"blob": blob, "chunks": list(chunks), "wait": False})
-            sent[blob] = self.hints_sent[blob] = res.get("queued", len(chunks))
-        log(f"prefetch hints for {env}: {sum(v or 0 for v in sent.values())} chunks queued in "
-            f"{time.monotonic() - t:.2f}s")
-
     def run_sandbox(self, index: int, env: str, command: list[str], result: SandboxResult) -> None:
         sid = f"lsb-{'e' if self.eager else 'l'}{self.tag}-{index}"
-        if self.apply_hints:
-            # in the background: the sandbox's own mount must not wait for the hints to be read
-            threading.Thread(target=self._send_hints_quietly, args=(env,), daemon=True).start()
-        if self.parallel_metadata:
-            self._fetch_metadata(env)
         t0 = time.time()
         if self.launcher == "cli":
             argv = [self.layerctl, "run", "--store", self.store_url, "--node-dir", str(self.node_dir),
@@ -351,6 +219,7 @@ class LayerstoreNode:
                 out, err = fout.read().decode(errors="replace"), ferr.read().decode(errors="replace")
         finally:
             t2 = time.time()
+            self.upper_bytes.append(tree_bytes(Path(sb.upper)))
             shim.unmount(sb.id)
             result.phases = {"resolve_s": tr - t0, "mount_s": t1 - tr, "lock_wait_s": lock_wait,
                              "unmount_s": time.time() - t2}
@@ -367,9 +236,6 @@ class LayerstoreNode:
                     self.shim.blobs.stop()
                 self.shim.close()
                 self.shim = None
-            if self._store is not None:
-                self._store.close()
-                self._store = None
         finally:
             sweep_mounts(self.node_dir)
 
@@ -377,12 +243,61 @@ class LayerstoreNode:
         with contextlib.suppress(Exception):
             self.stats = _layerctl_json("stats", "--cache", str(self.node_dir / "cache"), "--json")
         return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats, "launcher": self.launcher,
-                "daemon_args": self.daemon_args, "hints_sent_chunks": self.hints_sent}
+                "daemon_args": self.daemon_args, "disk_breakdown": self.disk_breakdown()}
+
+    def disk_breakdown(self) -> dict[str, int]:
+        """Bytes on the node disk by owner, read at the end of the burst (before teardown): the
+        daemon's cache (chunk data files, its LMDB index, its journal), the shim's state (LMDB) and
+        record files, the runc state, and the sandboxes' uppers (summed at each sandbox's end, since
+        a teardown deletes them). Allocated bytes (st_blocks), not bytes written."""
+        cache = self.node_dir / "cache"
+        out = {"uppers": sum(self.upper_bytes)}
+        index = 0
+        data = 0
+        for p in cache.rglob("*") if cache.exists() else ():
+            if p.is_file() and not p.is_symlink():
+                n = p.lstat().st_blocks * 512
+                if p.suffix == ".mdb" or "index" in p.parts or "journal" in p.name:
+                    index += n
+                else:
+                    data += n
+        out["cache_data"], out["cache_index"] = data, index
+        out["shim_state"] = tree_bytes(self.node_dir / "state") + tree_bytes(self.node_dir / "sandboxes")
+        out["runc_state"] = tree_bytes(self.node_dir / "oci")
+        # what the processes themselves wrote (page-cache writes, counted when dirtied)
+        out["agent_write_bytes"] = process_write_bytes(os.getpid())
+        with contextlib.suppress(Exception), self.shim.state.read() as t:
+            rec = t.daemon()
+            if rec is not None:
+                out["daemon_write_bytes"] = process_write_bytes(rec.pid)
+        return out
 
     @staticmethod
     def sandbox_cgroups(tag: str) -> str:
         """Where runc puts this node's sandboxes (the shim's cgroupsPath is /layerstore/<id>)."""
         return f"layerstore/lsb-[el]{tag}-*"
+
+
+def process_write_bytes(pid: int) -> int:
+    """/proc/<pid>/io write_bytes: bytes the process (all its threads) caused to be written to storage."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_bytes(root: Path) -> int:
+    """Allocated bytes of the regular files under `root` (0 if it is gone)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
 
 
 def sweep_mounts(root: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 BASELINE = "conventional"
 LAZY = "lazy"
-LAZY_VARIANTS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "lazy-parallel-meta", "lazy-cli")
+LAZY_VARIANTS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "lazy-cli")
 GOALS = {
     "all_started_speedup_min": 4.0,  # lazy >= 4x faster than the conventional path to all-started
     "disk_write_ratio_max": 0.10,  # lazy writes <= 1/10 of the conventional path's bytes

@@ -279,8 +279,6 @@ class Bench:
         }
         if self.lazy is not None:
             plan["env_refs"] = self.lazy.hinted_refs if name == "lazy-prefetch" else self.lazy.env_refs
-            if name == "lazy-prefetch" and not lazy_shim_applies_hints():
-                plan["apply_hints"] = True
         plan_file.write_text(json.dumps(plan))
         proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -385,16 +383,6 @@ def cpu_seconds() -> tuple[float, float]:
     hz = os.sysconf("SC_CLK_TCK")
     idle, iowait = f[3], f[4]
     return (sum(f[:8]) - idle - iowait) / hz, iowait / hz
-
-
-def lazy_shim_applies_hints() -> bool:
-    """Does the shim send a manifest's prefetch hints to the daemon when it mounts? (Not yet, when this
-    benchmark was written; the benchmark's node agent sends them itself until it does.)"""
-    import inspect
-
-    from runtime_shim import shim
-
-    return "prefetch" in inspect.getsource(shim)
 
 
 def _sandbox_cgroups(contender: str, runner_pid: int) -> str:

@@ -49,9 +49,7 @@ def make_contender(plan: dict[str, Any]) -> Contender:
         return LayerstoreNode(node_dir, store_url=plan["store_url"], env_refs=plan["env_refs"],
                               eager=kind == "eager", layerctl=plan["layerctl"],
                               launcher="cli" if kind == "lazy-cli" else "api",
-                              apply_hints=bool(plan.get("apply_hints")),
-                              daemon_args=list(spec.DAEMON_ARGS.get(kind, ())),
-                              parallel_metadata=kind == "lazy-parallel-meta")
+                              daemon_args=list(spec.DAEMON_ARGS.get(kind, ())))
     raise ValueError(f"unknown contender {kind!r}")
 
 

@@ -96,7 +96,7 @@ ENVIRONMENTS: dict[str, Environment] = {
 }
 
 
-LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "lazy-parallel-meta", "eager", "lazy-cli")
+LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "eager", "lazy-cli")
 # Extra `layerctl daemon` arguments per contender (what-if variants of the lazy path).
 DAEMON_ARGS = {"lazy-noreadahead": ("--readahead", "0")}
 
@@ -108,8 +108,7 @@ class Size:
     environments: tuple[str, ...]
     rounds: int = 2
     rate_mbit: int = 1000
-    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "lazy-parallel-meta",
-                                   "eager")
+    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "eager")
 
 
 SIZES: dict[str, Size] = {
