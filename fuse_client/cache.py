@@ -48,6 +48,7 @@ from .readahead import Streams
 log = logging.getLogger("layerstore.fuse.cache")
 
 TOUCH_INTERVAL = 30.0
+JOURNAL_GATHER = 0.05  # seconds a journal batch waits for more ops (group commit)
 SETTLE = 0.5  # seconds without commits that end an eviction episode
 RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
 PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning per this many seconds
@@ -451,8 +452,13 @@ class NodeCache:
             task_status.started()
 
     async def _journal_loop(self) -> None:
+        """Group commit: a batch goes out `JOURNAL_GATHER` seconds after the first op queued
+        since the last one (chunks are served from memory at once; only their durability
+        waits), so a stream of fetches costs one fdatasync + LMDB transaction per interval, not
+        per chunk. Callers that need durability now (pins, eviction) call `flush` themselves."""
         while True:
             await self._journal_kick.wait()
+            await trio.sleep(JOURNAL_GATHER)
             self._journal_kick = trio.Event()
             await self.flush()
 
