@@ -47,6 +47,19 @@ class BlobSource(Protocol):
         """Ask for these chunks in the background (prefetch hints); returns once they are queued."""
         ...
 
+    def pin(self, blob: str, holder: str) -> Path | None:
+        """If the blob is complete on the node: pin it for `holder` and return a local image file
+        that stays unmodified until `unpin` (a direct mount reads it). None: not complete (or the
+        source has no such files)."""
+        ...
+
+    def unpin(self, blob: str, holder: str) -> None:
+        ...
+
+    def pins(self, prefix: str) -> list[tuple[str, str]]:
+        """(blob, holder) of the pins whose holder starts with `prefix` ([] if unknown)."""
+        ...
+
 
 class DirBlobs:
     """Blob image files in a directory, named by digest."""
@@ -71,6 +84,15 @@ class DirBlobs:
 
     def prefetch(self, blob: str, chunks: list[int]) -> None:
         pass
+
+    def pin(self, blob: str, holder: str) -> Path | None:
+        return None  # the files are local already
+
+    def unpin(self, blob: str, holder: str) -> None:
+        pass
+
+    def pins(self, prefix: str) -> list[tuple[str, str]]:
+        return []
 
 
 class DaemonBlobs:
@@ -162,6 +184,25 @@ class DaemonBlobs:
         from fuse_client.control import request_json  # (imports trio: only when there are hints)
 
         request_json(self.paths.cache, "POST", "/prefetch", {"blob": blob, "chunks": chunks, "wait": False})
+
+    def pin(self, blob: str, holder: str) -> Path | None:
+        from fuse_client import control
+
+        return control.pin(self.paths.cache, blob, holder)
+
+    def unpin(self, blob: str, holder: str) -> None:
+        from fuse_client import control
+
+        control.unpin(self.paths.cache, blob, holder)
+
+    def pins(self, prefix: str) -> list[tuple[str, str]]:
+        from fuse_client.control import DaemonNotRunning, request_json
+
+        try:
+            pins = request_json(self.paths.cache, "GET", "/cache").get("pins", [])
+        except DaemonNotRunning:
+            return []
+        return [(p["blob"], p["holder"]) for p in pins if str(p.get("holder", "")).startswith(prefix)]
 
     def stop(self) -> None:
         with self.state.read() as t:

@@ -13,13 +13,22 @@ process died is taken over by the next one to look (or by recovery).
 
 Callers of `take`, `settle` and `release` hold the node lock and pass the open write transaction,
 so the counts and the sandbox records change together.
+
+A layer whose blob is complete in the node cache is mounted *directly* on the cache's data file
+(pinned for the mount's lifetime, holder `shim:<mountpoint>`, buffered): no FUSE hop, and a mount
+that survives the daemon (recovery does not redo it when the daemon restarts). The pin goes
+after the unmount, with the last reference; recovery unpins the shim's pins that no layer record
+holds (a crash between pin and record).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 from layerstore import sysmount
+from layerstore.errors import LayerstoreError
 
 from .blobs import BlobSource
 from .errors import ShimError
@@ -27,17 +36,34 @@ from .overlay import detach, explain, rmdir_quiet
 from .paths import NodePaths
 from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
+DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
+PIN_PREFIX = "shim:"
+
 
 class LayerMounts:
     def __init__(self, paths: NodePaths, blobs: BlobSource) -> None:
         self.paths = paths
         self.blobs = blobs
 
+    def holder(self, blob: str) -> str:
+        """The pin holder name of the layer's direct mount (names the mount it stands for)."""
+        return f"{PIN_PREFIX}{self.paths.layer_mount(blob)}"
+
+    @property
+    def holder_prefix(self) -> str:
+        """What every pin holder of this node's layer mounts starts with."""
+        return f"{PIN_PREFIX}{self.paths.layers}/"
+
     def mount(self, blob: str, generation: str) -> LayerMount:
-        """Mount one layer at its node path (detaching whatever a crash left there first)."""
+        """Mount one layer at its node path (detaching whatever a crash left there first):
+        directly on the blob's cache file when the blob is complete on the node (pinned, buffered:
+        a local file; independent of the daemon), else on the blob source's file."""
         mp = self.paths.layer_mount(blob)
         mp.mkdir(mode=0o755, exist_ok=True)
         detach(mp)
+        direct = self._mount_direct(blob, mp)
+        if direct is not None:
+            return direct
         source = self.blobs.path(blob)
         try:
             sysmount.mount_erofs(source, mp, self.blobs.erofs_options)
@@ -48,9 +74,32 @@ class LayerMounts:
             raise ShimError(f"layer {blob}: {explain(e)}") from None
         return LayerMount(blob, str(mp), str(source), 0, generation)
 
+    def _mount_direct(self, blob: str, mp: Path) -> LayerMount | None:
+        holder = self.holder(blob)
+        try:
+            local = self.blobs.pin(blob, holder)
+        except LayerstoreError:  # (the pin may or may not be recorded: take it back; else recovery does)
+            with contextlib.suppress(LayerstoreError):
+                self.blobs.unpin(blob, holder)
+            return None
+        if local is None:
+            return None
+        try:
+            sysmount.mount_erofs(local, mp, "")  # buffered: a local file keeps the disk's readahead
+        except sysmount.MountError:
+            with contextlib.suppress(LayerstoreError):
+                self.blobs.unpin(blob, holder)
+            return None
+        return LayerMount(blob, str(mp), str(local), 0, DIRECT, pin=holder)
+
     def unmount(self, lm: LayerMount) -> None:
+        """Unmount first, then drop the pin of a direct mount (never the other way round: the
+        cache may reuse an unpinned file)."""
         detach(lm.mountpoint)
         rmdir_quiet(lm.mountpoint)
+        if lm.pin:
+            with contextlib.suppress(LayerstoreError):  # (left for recovery's reconciliation)
+                self.blobs.unpin(lm.blob, lm.pin)
 
     def take(self, t: Txn, blob: str, generation: str) -> bool:
         """One more reference on the layer. True when the caller claimed its mount (nobody has
@@ -77,6 +126,7 @@ class LayerMounts:
             return
         if mounted is not None:
             lm.status, lm.source, lm.generation, lm.error = MOUNTED, mounted.source, mounted.generation, ""
+            lm.pin = mounted.pin
         else:
             lm.error = error  # "" = abandoned before it was tried: a waiter takes it over
         lm.owner = None

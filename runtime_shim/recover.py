@@ -31,6 +31,7 @@ Upper directories are never written or deleted here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections import Counter
@@ -157,7 +158,7 @@ def recover(shim: Shim) -> RecoverReport:
 
     def layer_ok(blob: str) -> bool:
         lm = layer_recs.get(blob)
-        if lm is None or lm.status != MOUNTED or lm.generation != gen:
+        if lm is None or lm.status != MOUNTED or not lm.current(gen):  # a direct mount needs no daemon
             return False
         m = mounts.get(lm.mountpoint)
         return m is not None and m.fstype == "erofs"
@@ -195,8 +196,7 @@ def recover(shim: Shim) -> RecoverReport:
             t.put_layer(lm)
         for blob, lm in layer_recs.items():
             if blob not in needed and blob not in claimed:
-                detach(lm.mountpoint)
-                rmdir_quiet(lm.mountpoint)
+                shim.layers.unmount(lm)  # (and its pin, for a direct mount)
                 t.delete_layer(blob)
                 rep.unmounted_layers.append(blob)
 
@@ -240,6 +240,7 @@ def recover(shim: Shim) -> RecoverReport:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
 
+    _reconcile_pins(shim, layer_now)
     if not live and not busy:
         shim._release_roots()
     rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live + busy})
@@ -247,6 +248,21 @@ def recover(shim: Shim) -> RecoverReport:
     with shim.state.write() as t:
         t.put_boot(boot_id())
     return rep
+
+
+def _reconcile_pins(shim: Shim, layers: dict[str, LayerMount]) -> None:
+    """Unpin the shim's pins of this node that no layer record holds (a crash between a pin and
+    the record of its mount, or an unpin that failed); a claimant still mounting keeps its pin."""
+    held = {lm.pin for lm in layers.values() if lm.pin}
+    busy = {shim.layers.holder(lm.blob) for lm in layers.values() if lm.in_flight}
+    try:
+        pins = shim.blobs.pins(shim.layers.holder_prefix)
+    except LayerstoreError:
+        return
+    for blob, holder in pins:
+        if holder not in held and holder not in busy:
+            with contextlib.suppress(LayerstoreError):
+                shim.blobs.unpin(blob, holder)
 
 
 def _leftover_containers(shim: Shim, live: set[str]) -> list[str]:

@@ -174,7 +174,7 @@ class Shim:
                 lm = t.layer(blob)
                 if lm is None or not mountinfo.is_mount(lm.mountpoint):
                     health.problems.append(f"layer {blob} is not mounted")
-                elif gen is not None and lm.generation != gen:
+                elif gen is not None and not lm.current(gen):
                     health.problems.append(f"layer {blob} reads from a previous daemon")
         return health
 
@@ -281,7 +281,7 @@ class Shim:
         earlier daemon). Returns the blob source's generation."""
         gen = self.blobs.ensure()
         with self.state.read() as t:
-            stale = bool(t.dead_pending()) or any(lm.generation != gen and lm.status == MOUNTED for lm in t.layers())
+            stale = bool(t.dead_pending()) or any(lm.status == MOUNTED and not lm.current(gen) for lm in t.layers())
         if stale:
             self._recover_locked()
         return gen
@@ -654,7 +654,7 @@ class Shim:
             for lm in layers:
                 if lm.status != MOUNTED:
                     continue  # being mounted (or its claim settled by the next mount that needs it)
-                if lm.generation != gen:
+                if not lm.current(gen):
                     return f"layer {lm.blob} reads from a previous daemon"
                 if not mountinfo.is_mount(lm.mountpoint):
                     return f"layer {lm.blob} is not mounted"

@@ -146,6 +146,9 @@ class LayerMount:
     status: str = MOUNTED
     owner: dict[str, Any] | None = None
     error: str = ""
+    # A direct mount: `source` is the blob's complete data file in the node cache, pinned by this
+    # holder (the daemon never modifies it meanwhile); it reads a local file, not the daemon's.
+    pin: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = {"blob": self.blob, "mountpoint": self.mountpoint, "source": self.source, "refs": self.refs,
@@ -154,7 +157,13 @@ class LayerMount:
             out["owner"] = self.owner
         if self.error:
             out["error"] = self.error
+        if self.pin:
+            out["pin"] = self.pin
         return out
+
+    def current(self, generation: str | None) -> bool:
+        """Does this mount read what the blob source serves now? (A direct mount always does.)"""
+        return bool(self.pin) or self.generation == generation
 
     @property
     def in_flight(self) -> bool:

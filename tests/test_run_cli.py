@@ -195,6 +195,35 @@ def test_eager_fetches_every_chunk_before_mounting(store: dict[str, str], nodes:
         assert layerctl("umount", "--node-dir", str(node), str(t)).code == 0
 
 
+def test_complete_layers_are_mounted_directly_and_survive_the_daemon(store: dict[str, str], nodes: list[Path],
+                                                                     tmp_path: Path) -> None:
+    from runtime_shim import mountinfo
+
+    node, target = nodes[0], tmp_path / "direct"
+    r = layerctl("mount", "--store", store["url"], "--node-dir", str(node), "--eager", "--sandbox", "d1", "big:1",
+                 str(target))
+    assert r.code == 0, r.err
+    with NodeState(node / "state") as st, st.read() as t:
+        layers = {lm.blob: lm for lm in t.layers()}
+    assert set(layers) == {store["base"], store["toolkit"]}
+    for lm in layers.values():  # on the cache's data file, not the daemon's FUSE file
+        assert lm.pin and lm.generation == "direct" and lm.source.startswith(str(node / "cache"))
+        m = mountinfo.read()[lm.mountpoint]
+        assert m.fstype == "erofs" and "directio" not in m.options
+    pins = layerctl("cache", "ls", "--cache", str(node / "cache"), "--json").json()["pins"]
+    assert sorted(p["holder"] for p in pins) == sorted(lm.pin for lm in layers.values())
+    old = daemon_pid(node)
+    os.kill(old, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(old, os.WNOHANG)
+    assert len((target / "opt" / "big").read_bytes()) == 6 << 20  # no daemon needed
+    rep = layerctl("recover", "--node-dir", str(node), "--json").json()
+    assert rep["remounted_layers"] == [] and rep["remounted_sandboxes"] == [] and rep["broken"] == {}
+    assert (target / "data" / "keep").read_text() == "keep\n"
+    assert layerctl("umount", "--node-dir", str(node), str(target)).code == 0
+    assert layerctl("cache", "ls", "--cache", str(node / "cache"), "--json").json()["pins"] == []  # unpinned
+
+
 def test_a_manifests_prefetch_hints_are_fetched_when_the_environment_is_first_used(
         store: dict[str, str], nodes: list[Path], tmp_path: Path) -> None:
     from layerstore.store import Store

@@ -296,3 +296,62 @@ def test_prefetch_hints_are_sent_once_per_chunk_per_node(node: Path, images: dic
         for sb in (a, b, c, d, e):
             shim.unmount(sb.id)
     assert blobs.sent == [(base, [7])]
+
+
+class PinningBlobs(DirBlobs):
+    """Every blob is 'complete': pin returns its image file (a local file, as the daemon's cache
+    data file is). Records the calls; the generation can change (a daemon restart)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.held: dict[str, str] = {}  # holder -> blob
+        self.calls: list[tuple[str, str]] = []
+        self.gen = "daemon:1"
+        self.mounted_at_unpin: list[bool] = []
+
+    def generation(self) -> str | None:
+        return self.gen
+
+    def ensure(self) -> str:
+        return self.gen
+
+    def pin(self, blob: str, holder: str) -> Path | None:
+        self.calls.append(("pin", holder))
+        self.held[holder] = blob
+        return self.path(blob)
+
+    def unpin(self, blob: str, holder: str) -> None:
+        from runtime_shim import mountinfo
+
+        self.calls.append(("unpin", holder))
+        self.mounted_at_unpin.append(mountinfo.is_mount(holder.split(":", 1)[1]))
+        self.held.pop(holder, None)
+
+    def pins(self, prefix: str) -> list[tuple[str, str]]:
+        return [(b, h) for h, b in self.held.items() if h.startswith(prefix)]
+
+
+def test_direct_mounts_need_no_daemon_and_are_unpinned_after_the_last_user(
+        node: Path, images: dict[str, object]) -> None:  # noqa: F811
+    base, tk = images["base"], images["toolkit"]
+    blobs = PinningBlobs(images["blobs"])  # type: ignore[arg-type]
+    with Shim(NodePaths(node), blobs) as shim:
+        a = shim.mount(env2(images))
+        b = shim.mount(spec((base, "base")))  # type: ignore[arg-type]
+        with shim.state.read() as t:
+            lms = {lm.blob: lm for lm in t.layers()}
+        assert {lm.pin for lm in lms.values()} == {shim.layers.holder(base), shim.layers.holder(tk)}  # type: ignore[arg-type]
+        assert all(lm.generation == "direct" for lm in lms.values())
+        assert sorted(blobs.calls) == sorted(("pin", lm.pin) for lm in lms.values())  # one pin per layer
+        blobs.gen = "daemon:2"  # the daemon restarted: direct mounts are not stale
+        assert shim.recover_if_needed() is None
+        rep = shim.recover()
+        assert rep.remounted_layers == [] and rep.remounted_sandboxes == [] and shim.check(a.id).ok
+        blobs.held["shim:" + str(node / "layers" / ("d" * 64))] = "b3:" + "d" * 64  # a pin no record holds
+        shim.recover()
+        assert set(blobs.held) == {lm.pin for lm in lms.values()}  # reconciled: the stray one is gone
+        shim.unmount(a.id)
+        assert blobs.held == {shim.layers.holder(base): base}  # type: ignore[arg-type]  (toolkit's last user left)
+        shim.unmount(b.id)
+        assert blobs.held == {} and erofs_mounts(node) == []
+        assert blobs.mounted_at_unpin == [False, False, False]  # always after the unmount
