@@ -44,6 +44,8 @@ class MetaSegment:
     offset: int
     length: int
     stable: bool  # a content-defined group of position-independent inode records
+    hint: int = 0  # stable groups: a 32-bit hash of the group's bytes (where merged chunks end)
+    dirs: bool = False  # volatile records that are mostly directories (the ones a parent build rewrites in place)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,10 @@ class ChunkPolicy:
     min_group: int = 32 << 10
     target_group: int = 128 << 10
     max_group: int = 256 << 10
-    meta_chunk: int = 64 << 10  # volatile metadata is cut at fixed offsets this far apart
+    # metadata (docs/erofs-builder.md: the fewer chunks, the fewer requests a cold mount makes)
+    meta_chunk: int = SLICE  # records that hold addresses are cut at fixed offsets this far apart
+    dir_chunk: int = 64 << 10  # ... the directories among them this far apart (a parent build rewrites them)
+    meta_target: int = 256 << 10  # stable groups merged into content-defined chunks this long (0: not merged)
 
 
 def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
@@ -87,6 +92,14 @@ def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
     # size about `target_group` whatever the file sizes are
     mixed = (ext.hint * 0x9E3779B1) & 0xFFFFFFFF
     return mixed < min(1.0, ext.length / span) * 0xFFFFFFFF
+
+
+def _meta_boundary_after(seg: MetaSegment, policy: ChunkPolicy) -> bool:
+    """Whether a merged chunk of stable groups ends after `seg`: a threshold on the group's hash,
+    proportional to its length, so chunks are ~`meta_target` long and resynchronise after a
+    changed group."""
+    mixed = (seg.hint * 0x9E3779B1) & 0xFFFFFFFF
+    return mixed < min(1.0, seg.length / max(1, policy.meta_target)) * 0xFFFFFFFF
 
 
 def _fixed(offset: int, length: int, step: int, flags: int) -> Iterable[Cut]:
@@ -153,15 +166,32 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
 
     for c in layout.inherited_meta:
         emit(c)
+    run_start = run_len = 0  # stable groups being merged into one chunk
+
+    def end_run() -> None:
+        nonlocal run_len
+        if run_len:
+            emit(Cut(run_start, run_len, METADATA))
+            run_len = 0
+
     for seg in layout.meta:
-        if seg.offset > pos:  # defensive: bytes between segments become their own chunk
+        if not (seg.stable and run_len and seg.offset == run_start + run_len):
+            end_run()
+        if not run_len and seg.offset > pos:  # defensive: bytes between segments become their own chunk
             emit(Cut(pos, seg.offset - pos, METADATA))
         if seg.stable and seg.length <= policy.max_chunk:
-            emit(Cut(seg.offset, seg.length, METADATA))
+            if run_len + seg.length > policy.max_chunk:
+                end_run()
+            if not run_len:
+                run_start = seg.offset
+            run_len += seg.length
+            if not policy.meta_target or _meta_boundary_after(seg, policy):
+                end_run()
         else:
-            step = policy.max_chunk if seg.stable else policy.meta_chunk
+            step = policy.max_chunk if seg.stable else policy.dir_chunk if seg.dirs else policy.meta_chunk
             for c in _fixed(seg.offset, seg.length, step, METADATA):
                 emit(c)
+    end_run()
     if layout.size > pos:
         for c in _fixed(pos, layout.size - pos, policy.max_chunk, METADATA):
             emit(c)

@@ -339,7 +339,7 @@ def plan(root: Inode, parent: ParentMeta | None = None, max_dead: float = MAX_DE
     if parent is None:
         recs[0].pos = 0  # the root alone in the first block
         start = fmt.align(recs[0].total, BS)
-        segments.append(MetaSegment(0, start, False))
+        segments.append(MetaSegment(0, start, False, dirs=True))
         rest = recs[1:]
     else:
         start = len(parent.area)
@@ -378,20 +378,25 @@ def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
             addressed.append(r)
         else:
             stable.append(r)
-    volatile = dirs + addressed
     packer = _Packer(cursor)
-    for rec in volatile:
+    for rec in dirs:
+        rec.pos = packer.place(rec.total)
+    dirs_end = packer.end  # the blocks that hold directories (and what first-fit put among them)
+    for rec in addressed:
         rec.pos = packer.place(rec.total)
     end = packer.close()
-    if end > cursor:
-        segments.append(MetaSegment(cursor, end - cursor, False))
+    if dirs_end > cursor:
+        segments.append(MetaSegment(cursor, dirs_end - cursor, False, dirs=True))
+    if end > dirs_end:
+        segments.append(MetaSegment(dirs_end, end - dirs_end, False))
     cursor = end
     group: list[_Rec] = []
-    glen = 0
+    glen = ghash = 0
     for i, rec in enumerate(stable):
         group.append(rec)
         glen += fmt.align(rec.total, fmt.ISLOT)
         crc = zlib.crc32(rec.raw)
+        ghash = zlib.crc32(crc.to_bytes(4, "little"), ghash)
         last = i == len(stable) - 1
         cut_here = glen >= GROUP_MIN and crc < len(rec.raw) / (GROUP_TARGET - GROUP_MIN) * (1 << 32)
         if last or glen >= GROUP_MAX or cut_here:
@@ -400,9 +405,9 @@ def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
             for r in sorted(group, key=lambda r: -r.total):
                 r.pos = packer.place(r.total)
             end = packer.close()
-            segments.append(MetaSegment(cursor, end - cursor, True))
+            segments.append(MetaSegment(cursor, end - cursor, True, ghash))
             cursor = end
-            group, glen = [], 0
+            group, glen, ghash = [], 0, 0
     return cursor
 
 
@@ -447,5 +452,5 @@ def pack(p: Plan, *, dir_addr: dict[int, int], xattr_blkaddr: int, meta_start: i
     block0 = bytearray(BS)
     block0[fmt.SUPER_OFFSET:fmt.SUPER_OFFSET + len(sb)] = sb
     inherited = tuple(Cut(meta_start + off, n, METADATA) for off, n in p.parent.cuts) if p.parent else ()
-    segments = tuple(MetaSegment(meta_start + s.offset, s.length, s.stable) for s in p.segments)
+    segments = tuple(MetaSegment(meta_start + s.offset, s.length, s.stable, s.hint, s.dirs) for s in p.segments)
     return Metadata(meta=meta, block0=bytes(block0), segments=segments, inherited=inherited)
