@@ -196,11 +196,13 @@ class DaemonBlobs:
         control.unpin(self.paths.cache, blob, holder)
 
     def pins(self, prefix: str) -> list[tuple[str, str]]:
-        from fuse_client.control import DaemonNotRunning, request_json
+        if self.generation() is None:
+            return []  # (no daemon: the next recovery with one reconciles)
+        from fuse_client.control import request_json
 
         try:
             pins = request_json(self.paths.cache, "GET", "/cache").get("pins", [])
-        except DaemonNotRunning:
+        except (LayerstoreError, OSError):
             return []
         return [(p["blob"], p["holder"]) for p in pins if str(p.get("holder", "")).startswith(prefix)]
 
