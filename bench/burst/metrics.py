@@ -64,7 +64,7 @@ def summarize(raw: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
 
 ROUND_KEYS = ("all_started_s", "all_finished_s", "p50_started_s", "p50_finished_s", "bytes_fetched",
               "disk_write_bytes", "mem_peak_bytes", "mem_peak_anon_bytes", "failed", "machine_cpu_busy_s",
-              "loadavg_before")
+              "loadavg_before", "loadavg_after")
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:

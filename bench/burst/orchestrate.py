@@ -166,6 +166,7 @@ class Bench:
             "machine": {"cpus": os.cpu_count(), "kernel": platform.release(),
                         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "code": code_version(),
         }
 
     def _write(self) -> None:
@@ -326,9 +327,21 @@ class Bench:
             "machine_cpu_busy_s": round(cpu1[0] - cpu0[0], 2),
             "machine_cpu_iowait_s": round(cpu1[1] - cpu0[1], 2),
             "loadavg_before": round(load0, 2),
+            "loadavg_after": round(os.getloadavg()[0], 2),
         }
         self.cleanup.pop(f"cgroup {name}")
         return metrics.summarize(raw, measured)
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the run measured, and the tracked files that differed from it (the work tree is
+    shared: others' uncommitted changes run too)."""
+    def git(*args: str) -> str:
+        p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        return p.stdout.strip() if p.returncode == 0 else ""
+
+    dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines() if ln]
+    return {"commit": git("rev-parse", "--short=12", "HEAD"), "modified": dirty}
 
 
 def remeasure_readset(results_file: Path) -> dict[str, Any]:
