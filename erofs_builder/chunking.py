@@ -45,7 +45,8 @@ class MetaSegment:
     length: int
     stable: bool  # a content-defined group of position-independent inode records
     hint: int = 0  # stable groups: a 32-bit hash of the group's bytes (where merged chunks end)
-    dirs: bool = False  # volatile records that are mostly directories (the ones a parent build rewrites in place)
+    dirs: bool = False  # directories (the records a parent build rewrites in place)
+    grouped: bool = False  # a content-defined group of records (stable or not): merged with its like
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +95,12 @@ def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
     return mixed < min(1.0, ext.length / span) * 0xFFFFFFFF
 
 
-def _meta_boundary_after(seg: MetaSegment, policy: ChunkPolicy) -> bool:
-    """Whether a merged chunk of stable groups ends after `seg`: a threshold on the group's hash,
-    proportional to its length, so chunks are ~`meta_target` long and resynchronise after a
+def _meta_boundary_after(seg: MetaSegment, target: int) -> bool:
+    """Whether a chunk of merged metadata groups ends after `seg`: a threshold on the group's
+    hash, proportional to its length, so chunks are ~`target` long and resynchronise after a
     changed group."""
     mixed = (seg.hint * 0x9E3779B1) & 0xFFFFFFFF
-    return mixed < min(1.0, seg.length / max(1, policy.meta_target)) * 0xFFFFFFFF
+    return mixed < min(1.0, seg.length / target) * 0xFFFFFFFF
 
 
 def _fixed(offset: int, length: int, step: int, flags: int) -> Iterable[Cut]:
@@ -166,7 +167,8 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
 
     for c in layout.inherited_meta:
         emit(c)
-    run_start = run_len = 0  # stable groups being merged into one chunk
+    run_start = run_len = 0  # consecutive groups of one kind being merged into one chunk
+    run_kind: tuple[bool, bool] = (False, False)
 
     def end_run() -> None:
         nonlocal run_len
@@ -175,20 +177,26 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
             run_len = 0
 
     for seg in layout.meta:
-        if not (seg.stable and run_len and seg.offset == run_start + run_len):
+        grouped = seg.stable or seg.grouped
+        kind = (seg.stable, seg.dirs)
+        # directories' chunks stay small (a parent build rewrites them in place); the others
+        # merge up to max_chunk
+        cap, target = (policy.dir_chunk, policy.dir_chunk) if seg.dirs else (policy.max_chunk, policy.meta_target)
+        mergeable = grouped and seg.length <= cap
+        if not (mergeable and run_len and kind == run_kind and seg.offset == run_start + run_len):
             end_run()
         if not run_len and seg.offset > pos:  # defensive: bytes between segments become their own chunk
             emit(Cut(pos, seg.offset - pos, METADATA))
-        if seg.stable and seg.length <= policy.max_chunk:
-            if run_len + seg.length > policy.max_chunk:
+        if mergeable:
+            if run_len + seg.length > cap:
                 end_run()
             if not run_len:
-                run_start = seg.offset
+                run_start, run_kind = seg.offset, kind
             run_len += seg.length
-            if not policy.meta_target or _meta_boundary_after(seg, policy):
+            if not target or _meta_boundary_after(seg, target):
                 end_run()
         else:
-            step = policy.max_chunk if seg.stable else policy.dir_chunk if seg.dirs else policy.meta_chunk
+            step = cap if grouped else policy.dir_chunk if seg.dirs else policy.meta_chunk
             for c in _fixed(seg.offset, seg.length, step, METADATA):
                 emit(c)
     end_run()

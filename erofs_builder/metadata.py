@@ -27,6 +27,7 @@ docs/erofs-builder.md.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -365,9 +366,14 @@ def plan(root: Inode, parent: ParentMeta | None = None, max_dead: float = MAX_DE
 
 
 def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
-    """Lay out records from `cursor` (block aligned): directories, then the other records that
-    hold an address, first-fit in order; then the position-independent ones in content-defined
-    stable groups. Returns the new end."""
+    """Lay out records from `cursor` (block aligned) in content-defined groups, each starting on
+    a block: first the records that hold an address, then the position-independent (stable)
+    ones, then the directories. Returns the new end.
+
+    A group's records are packed first-fit decreasing, so where a record lands depends on its
+    group alone, and a group keeps its blocks unless it outgrows them: a changed record moves
+    only the nids of its own group, and only the directories that name those change. The
+    directories go last because they change size most often (a file added or removed)."""
     dirs: list[_Rec] = []
     addressed: list[_Rec] = []
     stable: list[_Rec] = []
@@ -378,34 +384,43 @@ def _append(recs: list[_Rec], cursor: int, segments: list[MetaSegment]) -> int:
             addressed.append(r)
         else:
             stable.append(r)
-    packer = _Packer(cursor)
-    for rec in dirs:
-        rec.pos = packer.place(rec.total)
-    dirs_end = packer.end  # the blocks that hold directories (and what first-fit put among them)
-    for rec in addressed:
-        rec.pos = packer.place(rec.total)
-    end = packer.close()
-    if dirs_end > cursor:
-        segments.append(MetaSegment(cursor, dirs_end - cursor, False, dirs=True))
-    if end > dirs_end:
-        segments.append(MetaSegment(dirs_end, end - dirs_end, False))
-    cursor = end
+    cursor = _groups(addressed, cursor, segments, kind=_ADDRESSED)
+    cursor = _groups(stable, cursor, segments, kind=_STABLE)
+    return _groups(dirs, cursor, segments, kind=_DIRS)
+
+
+# group sizes (min, target, max) by kind; directory groups stay small (a parent build rewrites
+# directories in place, and a chunk is the unit it rewrites)
+_ADDRESSED, _STABLE, _DIRS = 0, 1, 2
+_GROUP_SIZES = {_ADDRESSED: (GROUP_MIN, GROUP_TARGET, GROUP_MAX), _STABLE: (GROUP_MIN, GROUP_TARGET, GROUP_MAX),
+                _DIRS: (8 << 10, 32 << 10, 64 << 10)}
+
+
+def _groups(recs: list[_Rec], cursor: int, segments: list[MetaSegment], kind: int) -> int:
+    """Place `recs` in content-defined groups from `cursor`. A group ends after a record whose
+    key hash falls under a threshold proportional to its size (so groups are about `target`
+    long whatever the record sizes): for stable records the key is the record itself, for the
+    others (whose bytes change when data or nids move) its path."""
+    gmin, target, gmax = _GROUP_SIZES[kind]
+    scale = (1 << 32) / (target - gmin)
     group: list[_Rec] = []
     glen = ghash = 0
-    for i, rec in enumerate(stable):
+    last = len(recs) - 1
+    for i, rec in enumerate(recs):
         group.append(rec)
-        glen += fmt.align(rec.total, fmt.ISLOT)
-        crc = zlib.crc32(rec.raw)
-        ghash = zlib.crc32(crc.to_bytes(4, "little"), ghash)
-        last = i == len(stable) - 1
-        cut_here = glen >= GROUP_MIN and crc < len(rec.raw) / (GROUP_TARGET - GROUP_MIN) * (1 << 32)
-        if last or glen >= GROUP_MAX or cut_here:
+        size = fmt.align(rec.total, fmt.ISLOT)
+        glen += size
+        key = zlib.crc32(rec.raw) if kind == _STABLE else (zlib.crc32(rec.path) * 0x9E3779B1) & 0xFFFFFFFF
+        ghash = zlib.crc32(key.to_bytes(4, "little"), ghash)
+        length = len(rec.raw) if kind == _STABLE else size
+        if i == last or glen >= gmax or (glen >= gmin and key < length * scale):
             # first-fit decreasing inside the group: dense, and still a function of the group alone
             packer = _Packer(cursor)
             for r in sorted(group, key=lambda r: -r.total):
                 r.pos = packer.place(r.total)
             end = packer.close()
-            segments.append(MetaSegment(cursor, end - cursor, True, ghash))
+            segments.append(MetaSegment(cursor, end - cursor, kind == _STABLE, ghash, dirs=kind == _DIRS,
+                                        grouped=True))
             cursor = end
             group, glen, ghash = [], 0, 0
     return cursor
@@ -452,5 +467,5 @@ def pack(p: Plan, *, dir_addr: dict[int, int], xattr_blkaddr: int, meta_start: i
     block0 = bytearray(BS)
     block0[fmt.SUPER_OFFSET:fmt.SUPER_OFFSET + len(sb)] = sb
     inherited = tuple(Cut(meta_start + off, n, METADATA) for off, n in p.parent.cuts) if p.parent else ()
-    segments = tuple(MetaSegment(meta_start + s.offset, s.length, s.stable, s.hint, s.dirs) for s in p.segments)
+    segments = tuple(dataclasses.replace(s, offset=meta_start + s.offset) for s in p.segments)
     return Metadata(meta=meta, block0=bytes(block0), segments=segments, inherited=inherited)
