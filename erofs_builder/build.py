@@ -14,7 +14,7 @@ import mmap
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,22 +95,24 @@ def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtim
             par = None
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
     try:
-        with os.fdopen(fd, "w+b") as f:
+        with os.fdopen(fd, "w+b", buffering=1 << 20) as f:
             writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails, parent=par,
                                  max_dead=max_dead)
             for entry, data in entries:
                 writer.add(entry, data)
                 if progress is not None:
                     progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
-            with ThreadPoolExecutor(1) as syncer:
-                # the data area goes to disk while the metadata is laid out, and the rest while the
-                # image is hashed (from the page cache); both calls release the GIL
+            with ThreadPoolExecutor(2) as syncer:
+                # the data area goes to disk, and its chunks are hashed, while the metadata is laid
+                # out; the rest goes to disk while the image is hashed (from the page cache);
+                # fsync and blake3 release the GIL
                 f.flush()
                 early = syncer.submit(os.fdatasync, f.fileno())
+                pre = _prehash(syncer, f.fileno(), writer.data_layout(), policy)
                 layout = writer.finish()
                 f.flush()
                 synced = syncer.submit(os.fsync, f.fileno())
-                blob, refs = hash_image(f.fileno(), layout, policy)
+                blob, refs = hash_image(f.fileno(), layout, policy, known=pre.result())
                 early.result()
                 synced.result()
             # mkstemp made it 0600; the published image gets what a plain create would give
@@ -125,18 +127,12 @@ def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtim
                       parent_used=par is not None)
 
 
-def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None) -> tuple[str, list[ChunkRef]]:
-    """The whole image's digest and its chunk refs (digests filled), hashed in threads."""
-    cuts = cut(layout, policy)
-    if not layout.size:
-        return digestmod.of(b""), []
-    known: dict[tuple[int, int], bytes] = {}  # digests the writer computed while writing
-    for e in layout.extents:
-        for i, d in enumerate(e.slices):
-            known[(e.offset + i * SLICE, min(SLICE, e.length - i * SLICE))] = d
+def _batches(cuts: Iterable[Cut], known: dict[tuple[int, int], bytes]) -> list[list[Cut]]:
+    """The cuts whose digests are not known, a few MiB per task (one future per chunk costs
+    more than small chunks' hashing)."""
     batches: list[list[Cut]] = [[]]
     size = 0
-    for c in cuts:  # a few MiB per task: one future per chunk costs more than small chunks' hashing
+    for c in cuts:
         if (c.offset, c.length) in known:
             continue
         if size >= HASH_BATCH:
@@ -144,17 +140,59 @@ def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None) 
             size = 0
         batches[-1].append(c)
         size += c.length
+    return batches
+
+
+def _digests(view: memoryview, cs: list[Cut]) -> list[bytes]:
+    return [blake3.blake3(view[c.offset:c.offset + c.length]).digest() for c in cs]
+
+
+def _known(layout: ImageLayout) -> dict[tuple[int, int], bytes]:
+    """Digests the writer computed while writing: big runs' `SLICE` pieces."""
+    known: dict[tuple[int, int], bytes] = {}
+    for e in layout.extents:
+        for i, d in enumerate(e.slices):
+            known[(e.offset + i * SLICE, min(SLICE, e.length - i * SLICE))] = d
+    return known
+
+
+def _prehash(pool: ThreadPoolExecutor, fd: int, data: ImageLayout,
+             policy: ChunkPolicy | None) -> Future[dict[tuple[int, int], bytes]]:
+    """Start hashing the data area's chunks in a thread (the writer's `data_layout`: its cuts do
+    not change when the metadata follows; nothing in it is written again). The future gives
+    their digests by (offset, length)."""
+    known = _known(data)
+    todo = [c for batch in _batches(cut(data, policy), known) for c in batch if not c.flags]
+
+    def run() -> dict[tuple[int, int], bytes]:
+        if not todo:
+            return {}
+        with mmap.mmap(fd, data.size, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            try:
+                return {(c.offset, c.length): d for c, d in zip(todo, _digests(view, todo), strict=True)}
+            finally:
+                view.release()
+
+    return pool.submit(run)
+
+
+def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None,
+               known: dict[tuple[int, int], bytes] | None = None) -> tuple[str, list[ChunkRef]]:
+    """The whole image's digest and its chunk refs (digests filled), hashed in threads.
+    `known`: digests already computed, by (offset, length)."""
+    cuts = cut(layout, policy)
+    if not layout.size:
+        return digestmod.of(b""), []
+    known = {**_known(layout), **(known or {})}
+    batches = _batches(cuts, known)
     with mmap.mmap(fd, layout.size, prot=mmap.PROT_READ) as mm:
         view = memoryview(mm)
         try:
-            def batch(cs: list[Cut]) -> list[str]:
-                return [digestmod.PREFIX + blake3.blake3(view[c.offset:c.offset + c.length]).hexdigest() for c in cs]
-
             with ThreadPoolExecutor(HASH_THREADS) as pool:
                 whole = pool.submit(_whole, view)
-                hashed = iter([d for ds in pool.map(batch, batches) for d in ds])
-                digests = [digestmod.PREFIX + known[(c.offset, c.length)].hex() if (c.offset, c.length) in known
-                           else next(hashed) for c in cuts]
+                hashed = iter([d for ds in pool.map(lambda cs: _digests(view, cs), batches) for d in ds])
+                digests = [digestmod.PREFIX + (known.get((c.offset, c.length)) or next(hashed)).hex() for c in cuts]
                 blob = whole.result()
         finally:
             view.release()

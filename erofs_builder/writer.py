@@ -174,6 +174,13 @@ class ImageWriter:
                 raise BadInput(f"{where!r}: xattr {name!r} value too large")
         node.xattrs = dict(e.xattrs)
 
+    def data_layout(self) -> ImageLayout:
+        """The data area written so far, as a layout (for hashing its chunks early: `finish`
+        only appends to it)."""
+        par, data = self._parent, self._data
+        return ImageLayout(size=data.pos, data_start=BS, data_end=data.pos, extents=tuple(data.extents),
+                           inherited_data=par.data_cuts if par else ())
+
     def finish(self) -> ImageLayout:
         """Write the metadata and the superblock; the image is complete afterwards."""
         if self._finished:
