@@ -159,11 +159,17 @@ def cache_ls_cmd(cache_dir: Path, as_json: bool) -> None:
                    + (f", pinned by {', '.join(b['pinned_by'])}" if b.get("pinned_by") else ""))
 
 
+def _pin_options(fn: Any) -> Any:
+    for deco in reversed((cache_dir_option, click.argument("digest"),
+                          click.option("--holder", required=True,
+                                       help="Who holds the pin (e.g. the mount that uses the file)."),
+                          json_option)):
+        fn = deco(fn)
+    return fn
+
+
 @cache_group.command("pin")
-@cache_dir_option
-@click.argument("digest")
-@click.option("--holder", required=True, help="Who holds the pin (e.g. the mount that uses the file).")
-@json_option
+@_pin_options
 def cache_pin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> None:
     """Pin a complete blob: print the path of its cache file, an EROFS image the daemon will not
     modify until unpinned (mount it file-backed). Exit 3 if the blob is not complete."""
@@ -180,10 +186,7 @@ def cache_pin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> N
 
 
 @cache_group.command("unpin")
-@cache_dir_option
-@click.argument("digest")
-@click.option("--holder", required=True, help="The holder given to `cache pin`.")
-@json_option
+@_pin_options
 def cache_unpin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> None:
     """Drop a pin (idempotent); works without a daemon."""
     from fuse_client.control import unpin
