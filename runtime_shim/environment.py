@@ -64,15 +64,14 @@ class CachingResolver:
         self.capacity = capacity
         self._cache: OrderedDict[str, EnvSpec] = OrderedDict()
         self._lock = threading.Lock()
+        self._check_lock = threading.Lock()
         self._checked = False
         self.hits = self.misses = 0
 
     def __call__(self, ref: str) -> EnvSpec:
         from manifest.environment import resolve_ref
 
-        if not self._checked:
-            self.store.check()
-            self._checked = True
+        self.check()
         digest = resolve_ref(self.store, ref)
         with self._lock:
             hit = self._cache.get(digest)
@@ -88,6 +87,16 @@ class CachingResolver:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
         return spec
+
+    def check(self) -> None:
+        """Check the store once (and build its client): a node agent calls it before a burst;
+        otherwise the first resolution does, once however many threads resolve at that moment."""
+        if self._checked:
+            return
+        with self._check_lock:
+            if not self._checked:
+                self.store.check()
+                self._checked = True
 
     def close(self) -> None:
         self.store.close()

@@ -459,16 +459,22 @@ class Shim:
                 if created_dir:
                     rmdir_quiet(sdir / "rootfs")
                     rmdir_quiet(sdir)
-            with self.state.write() as t:
-                cur = t.sandbox(sb.id)
-                if cur is not None and cur.status == MOUNTING:
-                    for blob in cur.layers:
-                        self.layers.release(t, blob)
-                    t.delete_sandbox(sb.id)
-                t.clear_pending(sb.id)
-                last = t.count("sandboxes") == 0
-            if last:
-                self._release_roots()
+            self._forget(sb.id, only=MOUNTING)
+
+    def _forget(self, sid: str, only: str | None = None) -> None:
+        """Caller holds the lock. One transaction: the sandbox's record (only in status `only`, if
+        given) with its layer references (a layer left with none is unmounted), and its pending
+        entry; the last sandbox out removes the NODE/roots bind mount."""
+        with self.state.write() as t:
+            cur = t.sandbox(sid)
+            if cur is not None and (only is None or cur.status == only):
+                for blob in cur.layers:
+                    self.layers.release(t, blob)
+                t.delete_sandbox(sid)
+            t.clear_pending(sid)
+            last = t.count("sandboxes") == 0
+        if last:
+            self._release_roots()
 
     def _work_for(self, upper: Path, sdir: Path) -> Path:
         # overlayfs wants work on the upper's filesystem: beside the sandbox when that is the same
@@ -542,15 +548,7 @@ class Shim:
         else:
             with contextlib.suppress(FileNotFoundError):
                 (sdir / records.RECORD).unlink()
-        with self.state.write() as t:
-            if t.sandbox(sb.id) is not None:
-                for blob in sb.layers:
-                    self.layers.release(t, blob)
-                t.delete_sandbox(sb.id)
-            t.clear_pending(sb.id)
-            last = t.count("sandboxes") == 0
-        if last:
-            self._release_roots()
+        self._forget(sb.id)
         if not sb.owned:
             shutil.rmtree(sb.work, ignore_errors=True)
             shutil.rmtree(sdir / "bundle", ignore_errors=True)

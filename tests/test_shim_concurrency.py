@@ -7,11 +7,9 @@ slow layer mounts are simulated with events, nothing is timed."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import ShimError
@@ -19,20 +17,11 @@ from runtime_shim.lock import NodeLock
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 from runtime_shim.state import MOUNTED, MOUNTING
-from tests.test_shim_mounts import env2, erofs_mounts, images  # noqa: F401  (module fixture)
-from tests.test_shim_support import cleanup_node, needs_busybox, needs_root, spec
+from tests.test_shim_mounts import env2, erofs_mounts, images, node, open_shim  # noqa: F401  (fixtures)
+from tests.test_shim_support import needs_busybox, needs_root, spec
 
 pytestmark = [needs_root, needs_busybox]
 WAIT = 30.0  # a guard against a hang, never a measurement
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Path]:
-    n = tmp_path / "node"
-    try:
-        yield n
-    finally:
-        cleanup_node(n, tmp_path)
 
 
 class Gate:
@@ -93,10 +82,6 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     th = threading.Thread(target=run)
     th.start()
     return th, out
-
-
-def open_shim(node: Path, images: dict[str, object]) -> Shim:  # noqa: F811
-    return Shim(NodePaths(node), DirBlobs(images["blobs"]))  # type: ignore[arg-type]
 
 
 def test_a_cold_layer_is_mounted_once_outside_the_lock_and_its_layers_side_by_side(

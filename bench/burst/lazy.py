@@ -170,6 +170,7 @@ class LayerstoreNode:
 
         t = time.monotonic()
         self.shim = Shim.for_node(self.node_dir, self.store_url, daemon_command=command)
+        self.shim.resolver.check()  # the agent's store client, ready before the burst (as the conventional path's)
         with self.shim.lock:
             self.shim.blobs.ensure()
         self.daemon_start_s = round(time.monotonic() - t, 3)

@@ -338,7 +338,7 @@ def code_version() -> dict[str, Any]:
     shared: others' uncommitted changes run too)."""
     def git(*args: str) -> str:
         p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        return p.stdout.strip() if p.returncode == 0 else ""
+        return p.stdout.rstrip("\n") if p.returncode == 0 else ""
 
     dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines() if ln]
     return {"commit": git("rev-parse", "--short=12", "HEAD"), "modified": dirty}
