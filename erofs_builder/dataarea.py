@@ -44,6 +44,11 @@ class RunHasher:
         self._n = 0
 
     def update(self, buf: bytes | bytearray | memoryview) -> None:
+        n = len(buf)
+        if self._n + n < SLICE:  # the common case: no slice ends inside `buf`
+            self._cur.update(buf)
+            self._n += n
+            return
         view = memoryview(buf)
         while len(view):
             take = min(len(view), SLICE - self._n)
@@ -96,7 +101,7 @@ class DataArea:
             self.rewind(offset)
             return have
         self._runs[key] = offset
-        self.end_extent(offset, length, path, meta)
+        self.end_extent(offset, length, path, meta, key[0])
         return offset
 
     def rewind(self, offset: int) -> None:
@@ -149,7 +154,7 @@ class DataArea:
             node.inline = b""
             return
         self._runs[key] = start
-        self.end_extent(start, length, path)
+        self.end_extent(start, length, path, key=key[0])
         node.blkaddr = start // BS
 
     def store_run(self, data: bytes, path: bytes, meta: bool = False) -> int:
@@ -159,11 +164,11 @@ class DataArea:
         self.write(data)
         return self.commit_run(start, len(data), path, meta)
 
-    def end_extent(self, offset: int, length: int, path: bytes, meta: bool = False) -> None:
+    def end_extent(self, offset: int, length: int, path: bytes, meta: bool = False, key: bytes | None = None) -> None:
         """Record the data run just written (its digest feeds the UUID). Its grouping hint
         comes from the file's name, not its content: an edited file then leaves the chunk
         boundaries where they were, and the same files under another prefix group alike."""
-        digest = self._cur.key()
+        digest = key or self._cur.key()  # `key`: the caller computed it already
         slices = self._cur.slices()
         self._cur = RunHasher()
         self.digests.append(digest)
