@@ -6,16 +6,20 @@ the superblock. In between, the writer stores the blocks of large directories an
 xattr area in the data area (they hold nids and xattr ids, which `plan` decides), so that the
 metadata area holds no absolute address of its own and can move as a whole.
 
-A fresh metadata area:
+A fresh metadata area, every part in content-defined groups that each start on a block:
 
     root block         the root directory alone in the first block (its nid must fit 16 bits,
                        and the whole block is its room to grow in later builds)
-    directories        every other directory (they hold nids), in walk order
-    addressed records  the other inodes that hold an absolute address (files with data
-                       blocks, chunk-based files, symlinks stored in a block), in walk order
+    addressed records  inodes that hold an absolute address (files with data blocks,
+                       chunk-based files, symlinks stored in a block); groups end by path hash
     stable groups      inodes that depend only on their entry (small files with all their data
-                       inline, empty files, inline symlinks, devices, fifos, sockets), in
-                       content-defined groups that each start on a block
+                       inline, empty files, inline symlinks, devices, fifos, sockets); groups
+                       end by record hash
+    directories        every other directory (they hold nids); small groups, ending by path hash
+
+Inside a group, records are packed first-fit decreasing, so a record's nid depends on its group
+alone, and a group keeps its blocks unless it outgrows them: an edited file moves the nids of
+its own group only, and only the directories that name those records change.
 
 With a parent image (`ParentMeta`), its metadata area comes first, byte for byte. A directory
 whose path the parent has keeps its nid when it still fits in its old room; any other record
