@@ -13,7 +13,11 @@ gives identical chunks in different images:
   boundary), or before it would outgrow `max_group`;
 - large directories' blocks and the shared xattrs, which sit in the data area, form METADATA
   chunks of their own (up to `meta_chunk`);
-- each stable metadata group is one chunk; volatile metadata is cut every `meta_chunk`;
+- metadata groups (content-defined groups of records, see metadata.py) are merged with their
+  neighbours of the same kind into chunks of about `meta_target`, up to `max_chunk` (up to
+  `dir_chunk` for directories, which a parent build rewrites in place), ending after a group
+  whose hash falls under a threshold proportional to its length; other metadata is cut at
+  fixed offsets;
 - cuts inherited from a parent image are repeated as they are;
 - every metadata chunk carries the METADATA flag; the chunks cover the image contiguously.
 """
