@@ -234,8 +234,10 @@ def test_cli_parent_by_file_and_by_digest(tmp_path: Path) -> None:
     assert r.json()["blob"] == second["blob"] and r.json()["new_bytes"] is None  # not pushed
     assert (tmp_path / "c.img").read_bytes() == (tmp_path / "b.img").read_bytes()
     shutil.copy(tmp_path / "a.img", tmp_path / "copy.img")
-    with open(tmp_path / "copy.img", "r+b") as f:
+    with open(tmp_path / "copy.img", "r+b") as f:  # flip a data byte (writing a fixed one may change nothing)
         f.seek(4096)
-        f.write(b"x")
+        byte = f.read(1)[0]
+        f.seek(4096)
+        f.write(bytes([byte ^ 0xFF]))
     r = layerctl("build", str(src), "--store", store, "--parent", str(tmp_path / "copy.img"))
     assert r.code != 0 and "not in store" in r.err
