@@ -167,3 +167,25 @@ def test_pack_tails_variants(tmp_path: Path) -> None:
     half = build_and_check(src, tmp_path, "half.img")
     packed = build_and_check(src, tmp_path, "packed.img", pack_tails=True)
     assert packed.stat().st_size <= half.stat().st_size < plain.stat().st_size
+
+
+def test_many_groups_of_every_kind_of_record(tmp_path: Path) -> None:
+    """Enough records of every kind (addressed, stable, directories) for several content-defined
+    groups of each, with xattrs: the kernel sees the tree as it is, and every group starts on a
+    block."""
+    spec: dict[str, object] = {}
+    for d in range(300):  # directories: several groups
+        spec[f"d{d:03d}/small"] = os.urandom(d % 900)  # stable (inline)
+        spec[f"d{d:03d}/tail"] = os.urandom(4096 + 100 + d)  # addressed, its tail packed
+        spec[f"d{d:03d}/x"] = {"data": b"x" * (d % 50), "xattrs": {"user.k": os.urandom(200 + d)}}
+    spec["big/xattrs"] = {"data": os.urandom(9000), "xattrs": {"user.big": os.urandom(3900)}}
+    make_tree(tmp_path / "src", spec)  # type: ignore[arg-type]
+    layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / "img")
+    assert layer.layout is not None
+    groups = [s for s in layer.layout.meta if s.grouped or s.stable]
+    for kind in ((False, False), (True, False), (False, True)):  # addressed, stable, directories
+        assert sum(1 for s in groups if (s.stable, s.dirs) == kind) >= 2, kind
+    assert all(s.offset % 4096 == 0 for s in groups)
+    fsck_erofs(layer.path)
+    with mounted_erofs(layer.path) as mnt:
+        assert_trees_equal(snapshot_tree(tmp_path / "src"), snapshot_tree(mnt))
