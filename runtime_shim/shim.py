@@ -217,9 +217,9 @@ class Shim:
             sb, claimed, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
         mounted = False
         try:
-            if not eager:
-                self._send_hints(spec)
             self._layers_ready(sb, claimed, gen, created_dir)
+            if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
+                self._send_hints(spec)
             mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
             mounted = True
             if utab_entry:

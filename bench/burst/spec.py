@@ -112,7 +112,9 @@ class Size:
 
 
 SIZES: dict[str, Size] = {
-    "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools")),
+    # quick leaves the readahead what-if out: `make bench SIZE=quick` (every benchmark) stays under ~10 minutes
+    "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools"),
+                  contenders=("conventional", "lazy", "lazy-prefetch", "eager")),
     "full": Size("full", 64, tuple(ENVIRONMENTS)),
 }
 
