@@ -79,6 +79,10 @@ def check_path(path: bytes) -> bytes:
         raise BadInput(f"{path!r}: name contains NUL")
     if path.startswith(b"/") or path.endswith(b"/"):
         raise BadInput(f"{path!r}: not a normalised relative path")
+    if len(path) <= NAME_MAX and b"//" not in path:  # the common case, without splitting
+        wrapped = b"/" + path + b"/"
+        if b"/./" not in wrapped and b"/../" not in wrapped:
+            return path
     for comp in path.split(b"/"):
         if comp in (b"", b".", b".."):
             raise BadInput(f"{path!r}: empty, '.' or '..' component")
