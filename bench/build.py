@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import shutil
@@ -45,7 +44,7 @@ import blake3
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from erofs_builder.build import BuiltLayer, build_layer, hash_image, push_layer  # noqa: E402
+from erofs_builder.build import BuiltLayer, build_layer, hash_image, image_view, push_layer  # noqa: E402
 from erofs_builder.chunking import ChunkPolicy  # noqa: E402
 from erofs_builder.source_dir import dir_entries  # noqa: E402
 from layerstore import chunkobj  # noqa: E402
@@ -188,13 +187,8 @@ def compress_chunks(layer: BuiltLayer) -> int:
     unique = list({r.digest: r for r in layer.refs}.values())
     fd = os.open(layer.path, os.O_RDONLY)
     try:
-        with mmap.mmap(fd, layer.size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                with ThreadPoolExecutor(COMPRESS_THREADS) as pool:
-                    return sum(pool.map(lambda r: len(chunkobj.pack(view[r.offset:r.end])), unique))
-            finally:
-                view.release()
+        with image_view(fd, layer.size) as view, ThreadPoolExecutor(COMPRESS_THREADS) as pool:
+            return sum(pool.map(lambda r: len(chunkobj.pack(view[r.offset:r.end])), unique))
     finally:
         os.close(fd)
 

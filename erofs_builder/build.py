@@ -167,12 +167,8 @@ def _prehash(pool: ThreadPoolExecutor, fd: int, data: ImageLayout,
     def run() -> dict[tuple[int, int], bytes]:
         if not todo:
             return {}
-        with mmap.mmap(fd, data.size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                return {(c.offset, c.length): d for c, d in zip(todo, _digests(view, todo), strict=True)}
-            finally:
-                view.release()
+        with image_view(fd, data.size) as view:
+            return {(c.offset, c.length): d for c, d in zip(todo, _digests(view, todo), strict=True)}
 
     return pool.submit(run)
 
@@ -186,19 +182,25 @@ def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None,
         return digestmod.of(b""), []
     known = {**_known(layout), **(known or {})}
     batches = _batches(cuts, known)
-    with mmap.mmap(fd, layout.size, prot=mmap.PROT_READ) as mm:
-        view = memoryview(mm)
-        try:
-            with ThreadPoolExecutor(HASH_THREADS) as pool:
-                whole = pool.submit(_whole, view)
-                hashed = iter([d for ds in pool.map(lambda cs: _digests(view, cs), batches) for d in ds])
-                digests = [digestmod.PREFIX + (known.get((c.offset, c.length)) or next(hashed)).hex() for c in cuts]
-                blob = whole.result()
-        finally:
-            view.release()
+    with image_view(fd, layout.size) as view, ThreadPoolExecutor(HASH_THREADS) as pool:
+        whole = pool.submit(_whole, view)
+        hashed = iter([d for ds in pool.map(lambda cs: _digests(view, cs), batches) for d in ds])
+        digests = [digestmod.PREFIX + (known.get((c.offset, c.length)) or next(hashed)).hex() for c in cuts]
+        blob = whole.result()
     refs = [ChunkRef(c.offset, c.length, d, c.flags) for c, d in zip(cuts, digests, strict=True)]
     ChunkMap.build(blob, refs)  # checks the cover
     return blob, refs
+
+
+@contextlib.contextmanager
+def image_view(fd: int, size: int) -> Iterator[memoryview]:
+    """The first `size` bytes of an image file, mapped read-only (released on exit)."""
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 def _whole(view: memoryview) -> str:

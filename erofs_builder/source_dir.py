@@ -24,9 +24,11 @@ _KINDS = {stat.S_IFDIR: Kind.DIR, stat.S_IFREG: Kind.REG, stat.S_IFLNK: Kind.SYM
           stat.S_IFBLK: Kind.BLK, stat.S_IFIFO: Kind.FIFO, stat.S_IFSOCK: Kind.SOCK}
 
 
-def read_xattrs(path: bytes) -> dict[bytes, bytes]:
+def read_xattrs(target: bytes | int) -> dict[bytes, bytes]:
+    """The xattrs of a path (not followed if a symlink) or of an open descriptor."""
+    kw = {} if isinstance(target, int) else {"follow_symlinks": False}
     try:
-        names = os.listxattr(path, follow_symlinks=False)
+        names = os.listxattr(target, **kw)
     except OSError as e:
         if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
             return {}
@@ -34,7 +36,7 @@ def read_xattrs(path: bytes) -> dict[bytes, bytes]:
     out = {}
     for name in sorted(names):
         try:
-            out[name.encode("utf-8", "surrogateescape")] = os.getxattr(path, name, follow_symlinks=False)
+            out[name.encode("utf-8", "surrogateescape")] = os.getxattr(target, name, **kw)
         except OSError as e:
             if e.errno in (errno.ENODATA, errno.ENOTSUP):
                 continue  # removed meanwhile, or hidden from us
@@ -74,27 +76,6 @@ def file_data(path: bytes, size: int, sparse: bool) -> Data:
 
 
 SMALL_READ = 256 << 10  # regular files up to this size are read in one call when their entry is made
-
-
-def _fd_xattrs(fd: int) -> dict[bytes, bytes]:
-    """`read_xattrs` through an open descriptor (no second walk of the path)."""
-    try:
-        names = os.listxattr(fd)
-    except OSError as e:
-        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
-            return {}
-        raise
-    if not names:
-        return {}
-    out = {}
-    for name in sorted(names):
-        try:
-            out[name.encode("utf-8", "surrogateescape")] = os.getxattr(fd, name)
-        except OSError as e:
-            if e.errno in (errno.ENODATA, errno.ENOTSUP):
-                continue
-            raise
-    return out
 
 
 def _read_all(fd: int, size: int, path: bytes) -> bytes:
@@ -137,7 +118,7 @@ def dir_entries(root: Path, *, all_root: bool = False) -> Iterator[tuple[Entry, 
                         first_path[(st.st_dev, st.st_ino)] = path
                     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
                     try:
-                        xattrs = _fd_xattrs(fd)
+                        xattrs = read_xattrs(fd)
                         buf = _read_all(fd, st.st_size, disk + b"/" + name) if st.st_size else b""
                     finally:
                         os.close(fd)

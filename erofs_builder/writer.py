@@ -237,30 +237,33 @@ class ImageWriter:
             _drain_empty(data, path)
             return
         room = self._inline_room(node)
-        if type(data) is tuple and len(data) == 1 and not isinstance(data[0], Hole) and len(data[0]) == size:
-            # the whole content in one buffer (small files from a directory): no streaming needed
-            buf = data[0]
-            if size < BS and size <= room:
-                node.inline = bytes(buf)
-                node.layout = fmt.LAYOUT_FLAT_INLINE
-                return
-            self._data.store_whole(node, buf, path, min(room, self._tail_max) if self._tail_max else -1)
-            return
+        # the whole content in one buffer (small files from a directory): no streaming needed
+        whole = (type(data) is tuple and len(data) == 1 and not isinstance(data[0], Hole)
+                 and len(data[0]) == size)
         if size < BS and size <= room:
-            buf = bytearray()
-            for item in data:
-                if isinstance(item, Hole):
-                    buf += bytes(item.length)
-                else:
-                    buf += item
-                if len(buf) > size:
-                    break
-            if len(buf) != size:
-                raise BadInput(f"{path!r}: data is {len(buf)}+ bytes, entry says {size}")
-            node.inline = bytes(buf)
+            node.inline = bytes(data[0]) if whole else _gather(data, size, path)  # type: ignore[index]
             node.layout = fmt.LAYOUT_FLAT_INLINE
             return
-        self._data.store_file(node, data, path, min(room, self._tail_max) if self._tail_max else -1)
+        tail_room = min(room, self._tail_max) if self._tail_max else -1
+        if whole:
+            self._data.store_whole(node, data[0], path, tail_room)  # type: ignore[index]
+        else:
+            self._data.store_file(node, data, path, tail_room)
+
+
+def _gather(data: Data, size: int, path: bytes) -> bytes:
+    """The `size` bytes of a small file's data, checked against its announced size."""
+    buf = bytearray()
+    for item in data:
+        if isinstance(item, Hole):
+            buf += bytes(item.length)
+        else:
+            buf += item
+        if len(buf) > size:
+            break
+    if len(buf) != size:
+        raise BadInput(f"{path!r}: data is {len(buf)}+ bytes, entry says {size}")
+    return bytes(buf)
 
 
 def _drain_empty(data: Data | None, path: bytes) -> None:

@@ -40,6 +40,15 @@ def _relative(cuts: list[Cut], start: int) -> list[tuple[int, int]]:
     return [(c.offset - start, c.length) for c in cuts if c.offset >= start]
 
 
+def _in_step_after_first_common_cut(ra: list[tuple[Any, ...]], rb: list[tuple[Any, ...]]) -> list[Any]:
+    """Once two cuttings of the same runs (offset first, relative to the runs) cut at the same
+    point, they cut alike up to the end; returns the common cut points."""
+    common = sorted({x[0] for x in ra} & {x[0] for x in rb})
+    if common:
+        assert [x for x in ra if x[0] >= common[0]] == [x for x in rb if x[0] >= common[0]]
+    return common
+
+
 @settings(max_examples=300, deadline=None)
 @given(a=runs, b=runs, shared=runs)
 def test_data_groups_resynchronise_after_different_neighbours(a: list[Any], b: list[Any], shared: list[Any]) -> None:
@@ -59,11 +68,8 @@ def test_data_groups_resynchronise_after_different_neighbours(a: list[Any], b: l
                                                                   e.offset + e.length, POLICY.max_chunk))
         assert all(c.length <= max(POLICY.max_group, POLICY.max_chunk) for c in cuts)
     ra, rb = _relative(ca, sa), _relative(cb, sb)
-    # once both cut at the same point of the shared runs, they cut alike up to its end
-    common = sorted({o for o, _ in ra} & {o for o, _ in rb})
-    if common:
-        assert [x for x in ra if x[0] >= common[0]] == [x for x in rb if x[0] >= common[0]]
-    # a big run always is such a point
+    _in_step_after_first_common_cut(ra, rb)
+    # a big run always is a common cut point
     pos = 0
     for n, _h in shared:
         if n >= POLICY.big:
@@ -106,10 +112,7 @@ def test_stable_metadata_chunks_resynchronise(a: list[Any], b: list[Any], shared
             else:
                 assert sorted(x for x in starts if s.offset <= x < s.offset + s.length) == list(
                     range(s.offset, s.offset + s.length, POLICY.meta_chunk))
-    ra, rb = _relative(ca, sa), _relative(cb, sb)
-    common = sorted({o for o, _ in ra} & {o for o, _ in rb})
-    if common:
-        assert [x for x in ra if x[0] >= common[0]] == [x for x in rb if x[0] >= common[0]]
+    _in_step_after_first_common_cut(_relative(ca, sa), _relative(cb, sb))
 
 
 file_sizes = st.one_of(st.integers(4097, 40_000), st.integers(4097, 40_000), st.integers(70_000, 600_000))
@@ -143,11 +146,8 @@ def test_identical_files_give_identical_data_chunks_after_the_first_common_cut(
         chunks.append({r.offset - start: r for r in layer.refs
                        if not r.metadata and start <= r.offset < layer.layout.data_end})
     da, db = chunks
-    common = sorted(set(da) & set(db))
-    if common:
-        tail_a = [(o, da[o].length, da[o].digest) for o in sorted(da) if o >= common[0]]
-        tail_b = [(o, db[o].length, db[o].digest) for o in sorted(db) if o >= common[0]]
-        assert tail_a == tail_b
+    common = _in_step_after_first_common_cut([(o, da[o].length, da[o].digest) for o in sorted(da)],
+                                             [(o, db[o].length, db[o].digest) for o in sorted(db)])
     big = [i for i, n in enumerate(shared) if n >= POLICY.big]
     if big:  # a big file is always cut at its own start: from there on, every data chunk is shared
         at = la.layout.extents[len(before_a) + big[0]].offset - la.layout.extents[len(before_a)].offset
