@@ -303,7 +303,8 @@ class BlobFS(pyfuse3.Operations):
                 lu[i] = now
             e.use_dirty = True
             if not e.is_meta[first]:  # metadata reads interleave with streams; they neither start nor end one
-                w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now)
+                w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now,
+                                      cmap.chunks[first].length)
                 if w is not None:
                     self._readahead(e, w)
             elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
@@ -331,7 +332,8 @@ class BlobFS(pyfuse3.Operations):
         if self.trace is not None:
             self.trace.record(e.blob, len(e.present), first, last)
         if not e.is_meta[first]:
-            w = e.streams.on_read(off, end, last, len(e.present), self.readahead, self._clock())
+            w = e.streams.on_read(off, end, last, len(e.present), self.readahead, self._clock(),
+                                  e.cmap.chunks[first].length)
             if w is not None:
                 self._readahead(e, w)  # started before this read waits: the fetches overlap
         self.cache.pin(e, idxs)

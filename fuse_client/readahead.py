@@ -11,11 +11,12 @@ So, as the kernel's on-demand readahead does for a file:
   request continues a stream only if it starts exactly there (strict contiguity), otherwise it
   starts a new stream (the least recently continued one is dropped beyond `MAX_STREAMS`, and a
   stream idle for `STALE` seconds is forgotten);
-- a stream's first continuation opens a window of `INIT_WINDOW` chunk after the request; when the
-  stream reaches the first chunk of its newest window (the "mark"), the next window, twice as
-  large (up to the configured maximum), is opened where the previous one ended;
+- a stream's first continuation opens a window after the request of four times the request's
+  size (at least `INIT_WINDOW` chunk); when the stream reaches the first chunk of its newest
+  window (the "mark"), the next window, twice as large (up to the configured maximum), is opened
+  where the previous one ended;
 - so a reader that is not sequential never opens a window, and what a stream has been given
-  ahead of its reads is at most its last two windows, each at most about what it has read so far.
+  ahead of its reads is at most its last two windows, each a small multiple of what it has read.
 
 Each call is a dict pop and a dict insert, cheap enough for the cache-hit path.
 """
@@ -45,10 +46,11 @@ class Streams:
     def __init__(self) -> None:
         self.by_end: dict[int, Stream] = {}
 
-    def on_read(self, off: int, end: int, last: int, nchunks: int, max_window: int,
-                now: float) -> tuple[int, int] | None:
-        """A data read of bytes [off, end) whose chunks end at index `last` (exclusive). Returns
-        the chunk range [start, stop) to read ahead now, or None."""
+    def on_read(self, off: int, end: int, last: int, nchunks: int, max_window: int, now: float,
+                chunk_len: int) -> tuple[int, int] | None:
+        """A data read of bytes [off, end) whose chunks end at index `last` (exclusive), in a
+        blob of `nchunks` chunks of about `chunk_len` bytes. Returns the chunk range
+        [start, stop) to read ahead now, or None."""
         by_end = self.by_end
         s = by_end.pop(off, None)
         if s is None or now - s.seen > STALE:
@@ -60,7 +62,10 @@ class Streams:
         by_end[end] = s  # re-inserted: now the most recently continued
         if last <= s.mark or max_window <= 0:
             return None
-        size = min(s.size * 2 or INIT_WINDOW, max_window)
+        # The first window: four times the request (as the kernel sizes its first readahead),
+        # at least one chunk. A reader of 128 KiB requests gets 1 chunk; 1 MiB requests, which
+        # the kernel only sends when its own readahead found the reader sequential, get 4.
+        size = min(s.size * 2 or max(INIT_WINDOW, 4 * (end - off) // chunk_len), max_window)
         start = max(s.ra_end, last)
         stop = min(start + size, nchunks)
         s.size, s.mark, s.ra_end = size, start, max(stop, start)

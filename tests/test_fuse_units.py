@@ -208,7 +208,7 @@ def _run_streams(requests: list[tuple[int, int]], nchunks: int) -> tuple[set[int
         end = off + length
         first, last = off // RA_CHUNK, (end - 1) // RA_CHUNK + 1
         read.update(range(first, last))
-        w = streams.on_read(off, end, last, nchunks, RA_MAX, 0.0)
+        w = streams.on_read(off, end, last, nchunks, RA_MAX, 0.0, RA_CHUNK)
         if w is not None:
             windows.append(w)
             ahead.update(range(*w))
@@ -233,9 +233,9 @@ def test_near_but_not_contiguous_reads_never_read_ahead() -> None:
 
 def test_a_stream_is_forgotten_when_stale() -> None:
     s = Streams()
-    assert s.on_read(0, 4096, 1, 10, RA_MAX, 0.0) is None
-    assert s.on_read(4096, 8192, 1, 10, RA_MAX, 100.0) is None  # too late: a new stream
-    assert s.on_read(8192, 12288, 1, 10, RA_MAX, 100.5) == (1, 2)
+    assert s.on_read(0, 4096, 1, 10, RA_MAX, 0.0, RA_CHUNK) is None
+    assert s.on_read(4096, 8192, 1, 10, RA_MAX, 100.0, RA_CHUNK) is None  # too late: a new stream
+    assert s.on_read(8192, 12288, 1, 10, RA_MAX, 100.5, RA_CHUNK) == (1, 2)
 
 
 @st.composite
