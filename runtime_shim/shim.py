@@ -207,7 +207,6 @@ class Shim:
         if eager:
             with self.lock:
                 self._ready_locked()
-            self._send_hints(spec)
             # outside the lock, every layer at once, one fetch per blob on the node
             error = _concurrently([functools.partial(self.blobs.fetch_all, blob) for blob in dict.fromkeys(spec.blobs)])
             if error is not None:

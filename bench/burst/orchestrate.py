@@ -340,7 +340,8 @@ def code_version() -> dict[str, Any]:
         p = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
         return p.stdout.rstrip("\n") if p.returncode == 0 else ""
 
-    dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines() if ln]
+    dirty = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()
+             if ln.endswith(".py")]  # the code that ran (not results or docs)
     return {"commit": git("rev-parse", "--short=12", "HEAD"), "modified": dirty}
 
 
