@@ -231,9 +231,13 @@ def test_erofs_on_the_pinned_file_outlives_the_daemon_and_eviction(tmp_path: Pat
         assert path is not None
         with mounted_erofs(path) as emnt:
             assert_trees_equal(want, snapshot_tree(emnt, root_meta=False))
-            d.stop()
+            d.kill9()
             # The daemon is gone: the direct mount does not care (a fresh mount neither).
             assert_trees_equal(want, snapshot_tree(emnt, root_meta=False))
+        d.cleanup()  # its dead FUSE mount
+        # The pin survived kill -9 (read offline: no daemon runs).
+        r = layerctl("cache", "ls", "--cache", str(cache), "--json")
+        assert r.code == 0 and [(p["blob"], p["holder"]) for p in r.json()["pins"]] == [(layer.blob, "test")]
         disk = os.stat(path).st_blocks
         with mounted_erofs(path) as emnt:
             assert_trees_equal(want, snapshot_tree(emnt, root_meta=False))
