@@ -19,7 +19,10 @@ lint: deps
 # Every benchmark in bench/, at SIZE=quick (default; the whole run stays under ~10 minutes) or SIZE=full.
 SIZE ?= quick
 bench: deps
-	@set -e; for b in bench/*.py; do echo "== $$b (SIZE=$(SIZE))"; BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); done
+	@set -e; t0=$$(date +%s); for b in bench/*.py; do t=$$(date +%s); echo "== $$b (SIZE=$(SIZE))"; \
+		BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); \
+		echo "== $$b: $$(( $$(date +%s) - t )) s, load $$(cut -d' ' -f1 /proc/loadavg)"; done; \
+		echo "== make bench SIZE=$(SIZE): $$(( $$(date +%s) - t0 )) s"
 
 deps: system-deps $(STAMP)
 

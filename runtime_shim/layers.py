@@ -37,6 +37,7 @@ from .paths import NodePaths
 from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
 DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
+CLAIMED = "claimed"
 PIN_PREFIX = "shim:"
 
 
@@ -101,9 +102,10 @@ class LayerMounts:
             with contextlib.suppress(LayerstoreError):  # (left for recovery's reconciliation)
                 self.blobs.unpin(lm.blob, lm.pin)
 
-    def take(self, t: Txn, blob: str, generation: str) -> bool:
-        """One more reference on the layer. True when the caller claimed its mount (nobody has
-        mounted it or is mounting it): it must mount it and `settle` the outcome."""
+    def take(self, t: Txn, blob: str, generation: str) -> str:
+        """One more reference on the layer. Returns CLAIMED when the caller claimed its mount
+        (nobody has mounted it or is mounting it: it must mount it and `settle` the outcome),
+        MOUNTED when it is mounted, MOUNTING when another claimant is mounting it."""
         lm = t.layer(blob)
         claimed = lm is None or (lm.status == MOUNTING and not lm.in_flight)
         if lm is None:
@@ -113,7 +115,7 @@ class LayerMounts:
             lm.owner, lm.error, lm.generation = this_process(), "", generation
         lm.refs += 1
         t.put_layer(lm)
-        return claimed
+        return CLAIMED if claimed else lm.status
 
     def settle(self, t: Txn, blob: str, mounted: LayerMount | None, error: str = "") -> None:
         """Record the outcome of a claimed mount: `mounted`, or failed with `error` (the waiters

@@ -29,7 +29,7 @@ from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
 from .environment import EnvSpec
 from .errors import SandboxExists, SandboxNotFound, ShimError
-from .layers import LayerMounts
+from .layers import CLAIMED, LayerMounts
 from .lock import BlobLock, NodeLock
 from .overlay import detach, mount_overlay, rmdir_quiet
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
@@ -213,10 +213,10 @@ class Shim:
                 raise error
         with self.lock:
             gen = self._ready_locked()
-            sb, claimed, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
+            sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
         mounted = False
         try:
-            self._layers_ready(sb, claimed, gen, created_dir)
+            self._layers_ready(sb, claimed, waits, gen)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
             mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
@@ -287,12 +287,13 @@ class Shim:
 
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
                      upper: str | os.PathLike[str] | None, gen: str,
-                     utab_entry: bool) -> tuple[Sandbox, dict[str, BlobLock], bool]:
+                     utab_entry: bool) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
         """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
         every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
         locks are taken here, before the node lock is released, so that waiters find them held).
-        Returns the sandbox, the claimed layers' locks and whether the directory was created."""
+        Returns the sandbox, the claimed layers' locks, the layers others are mounting, and
+        whether the directory was created."""
         sdir = self.paths.sandbox_dir(sid)
         tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
         owned = upper is None
@@ -327,14 +328,19 @@ class Shim:
                      target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
                      created=time.time(), utab=utab_entry)
         # From here on, a crash leaves a `pending` mount that recovery rolls back.
+        waits: set[str] = set()
         claims: list[str] = []
         try:
             with self.state.write() as t:
                 t.put_sandbox(sb, old=None)
                 t.put_pending(sid, "mount")
                 for blob in sb.layers:
-                    if self.layers.take(t, blob, gen):
+                    got = self.layers.take(t, blob, gen)
+                    if got == CLAIMED:
                         claims.append(blob)
+                    elif got == MOUNTING:
+                        waits.add(blob)
+                waits.difference_update(claims)  # (a layer listed twice)
         except BaseException:
             if owned:
                 shutil.rmtree(sdir, ignore_errors=True)
@@ -351,16 +357,17 @@ class Shim:
             self._abandon(dict.fromkeys(claims, None) | claimed)
             self._undo_mount(sb, overlay=False, created_dir=created_dir)
             raise
-        return sb, claimed, created_dir
+        return sb, claimed, waits, created_dir
 
-    def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], gen: str, created_dir: bool) -> None:
+    def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], waits: set[str], gen: str) -> None:
         """Without the node lock: mount the layers this call claimed, wait for those others are
-        mounting, and make the sandbox's directories and record file, all at once. Raises the
-        first failure (after every claimed mount's outcome is recorded)."""
+        mounting, and make the sandbox's directories and record file, all at once (in the calling
+        thread alone when every layer is mounted already). Raises the first failure (after every
+        claimed mount's outcome is recorded)."""
         mine = dict(claimed)
         claimed.clear()  # each claimed mount settles its own outcome from here on
         fns: list[Callable[[], None]] = [functools.partial(self._mount_claimed, b, gen, lk) for b, lk in mine.items()]
-        fns += [functools.partial(self._await_layer, b, gen) for b in dict.fromkeys(sb.layers) if b not in mine]
+        fns += [functools.partial(self._await_layer, b, gen) for b in sorted(waits)]
         fns.append(functools.partial(self._make_dirs, sb))
         error = _concurrently(fns)
         if error is not None:

@@ -112,8 +112,9 @@ class Size:
 
 
 SIZES: dict[str, Size] = {
-    # quick leaves the readahead what-if out: `make bench SIZE=quick` (every benchmark) stays under ~10 minutes
-    "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools"),
+    # quick: one round, without the readahead what-if, so that `make bench SIZE=quick` (every
+    # benchmark) stays near ~10 minutes on a shared machine; the report's quick figures use --rounds 2
+    "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools"), rounds=1,
                   contenders=("conventional", "lazy", "lazy-prefetch", "eager")),
     "full": Size("full", 64, tuple(ENVIRONMENTS)),
 }
