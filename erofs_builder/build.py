@@ -15,8 +15,9 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 
@@ -26,6 +27,8 @@ from layerstore.errors import CorruptObject
 from layerstore.store import PutStats, Store
 
 from .chunking import SLICE, ChunkPolicy, Cut, ImageLayout, cut
+from .compress import BATCH as COMPRESS_BATCH
+from .compress import ChunkSink, Compressor, DataCutter, StoreSink
 from .format import BLOCK_SIZE
 from .metadata import MAX_DEAD
 from .parent import read_parent
@@ -46,6 +49,10 @@ class BuiltLayer:
     refs: list[ChunkRef]
     layout: ImageLayout | None = None
     parent_used: bool = False  # built on a parent image (False also when the parent was set aside)
+    # built with a `StoreSink`: every distinct chunk is in this store already (push_layer then
+    # stores only the chunk map), with what storing them added
+    chunks_in: Store | None = field(default=None, repr=False, compare=False)
+    chunk_stats: PutStats | None = field(default=None, repr=False, compare=False)
 
 
 # A parent: a layer built earlier, or an image file and its chunk map.
@@ -56,7 +63,7 @@ BS = BLOCK_SIZE
 def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None = None,
                 all_root: bool = False, progress: Callable[[int], None] | None = None,
                 pack_tails: bool | int = PACK_TAILS, policy: ChunkPolicy | None = None, parent: Parent | None = None,
-                max_dead: float = MAX_DEAD) -> BuiltLayer:
+                max_dead: float = MAX_DEAD, sink: ChunkSink | None = None) -> BuiltLayer:
     """Write the image for `entries` to `out_path` and cut it into chunks. `progress` is called
     with the number of content bytes each added entry carried.
 
@@ -64,10 +71,14 @@ def build_layer(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *,
     holds keep their addresses, and new or changed ones are appended, so that the image shares
     all but the changed parts' chunks with it. A parent whose data area is more than `max_dead`
     unreferenced is set aside, and the image is laid out afresh; so is its metadata area alone
-    when less than 1 - `max_dead` of its blocks would still hold a record."""
+    when less than 1 - `max_dead` of its blocks would still hold a record.
+
+    With `sink` (see compress.py), every distinct chunk of the image is also compressed as a
+    chunk object and handed to the sink (a `StoreSink` stores it: `push_layer` then only adds
+    the chunk map), in worker threads while the image is built."""
     with _no_gc():
         return _build(entries, Path(out_path), mtime_clamp=mtime_clamp, all_root=all_root, progress=progress,
-                      pack_tails=pack_tails, policy=policy, parent=parent, max_dead=max_dead)
+                      pack_tails=pack_tails, policy=policy, parent=parent, max_dead=max_dead, sink=sink)
 
 
 @contextlib.contextmanager
@@ -86,7 +97,8 @@ def _no_gc() -> Iterator[None]:
 
 def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtime_clamp: int | None,
            all_root: bool, progress: Callable[[int], None] | None, pack_tails: bool | int,
-           policy: ChunkPolicy | None, parent: Parent | None, max_dead: float) -> BuiltLayer:
+           policy: ChunkPolicy | None, parent: Parent | None, max_dead: float,
+           sink: ChunkSink | None) -> BuiltLayer:
     par = None
     if parent is not None:
         path, refs = (parent.path, parent.refs) if isinstance(parent, BuiltLayer) else parent
@@ -94,37 +106,97 @@ def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtim
         if par.dead_data > max_dead * (par.data_end - BS):
             par = None
     fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    comp: Compressor | None = None
     try:
         with os.fdopen(fd, "w+b", buffering=1 << 20) as f:
             writer = ImageWriter(f, mtime_clamp=mtime_clamp, all_root=all_root, pack_tails=pack_tails, parent=par,
                                  max_dead=max_dead)
-            for entry, data in entries:
-                writer.add(entry, data)
-                if progress is not None:
-                    progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
+            if sink is None:
+                for entry, data in entries:
+                    writer.add(entry, data)
+                    if progress is not None:
+                        progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
+            else:
+                comp = Compressor(f.fileno(), sink)
+                _add_compressing(writer, f, entries, progress, comp, policy)
             with ThreadPoolExecutor(2) as syncer:
                 # the data area goes to disk, and its chunks are hashed, while the metadata is laid
                 # out; the rest goes to disk while the image is hashed (from the page cache);
                 # fsync and blake3 release the GIL
                 f.flush()
                 early = syncer.submit(os.fdatasync, f.fileno())
-                pre = _prehash(syncer, f.fileno(), writer.data_layout(), policy)
+                pre = _prehash(syncer, f.fileno(), writer.data_layout(), policy,
+                               skip=comp.submitted if comp is not None else None)
                 layout = writer.finish()
                 f.flush()
                 synced = syncer.submit(os.fsync, f.fileno())
-                blob, refs = hash_image(f.fileno(), layout, policy, known=pre.result())
+                known = pre.result()
+                if comp is not None:
+                    comp.wait()  # the streamed chunks' digests
+                    known.update(comp.digests)
+                blob, refs = hash_image(f.fileno(), layout, policy, known=known)
+                if comp is not None:
+                    # what was not streamed: the last data group, metadata, a parent's data
+                    digests = {(r.offset, r.length): r.digest for r in refs}
+                    comp.submit_batched((Cut(r.offset, r.length) for r in refs
+                                         if (r.offset, r.length) not in comp.submitted), digests)
+                    comp.wait()
                 early.result()
                 synced.result()
             # mkstemp made it 0600; the published image gets what a plain create would give
             os.fchmod(f.fileno(), IMAGE_MODE & ~current_umask())
         os.replace(tmp, out_path)
     except BaseException:
+        if comp is not None:
+            comp.close(cancel=True)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if comp is not None:
+        comp.close()
     _fsync_dir(out_path.parent)
-    return BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout,
-                      parent_used=par is not None)
+    layer = BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout,
+                       parent_used=par is not None)
+    if isinstance(sink, StoreSink):
+        layer.chunks_in = sink.store
+        layer.chunk_stats = PutStats(chunks=len({r.digest for r in refs}), new_chunks=sink.stats.new_chunks,
+                                     new_bytes=sink.stats.new_bytes, stored_bytes=sink.stats.stored_bytes)
+    return layer
+
+
+def _add_compressing(writer: ImageWriter, f: BinaryIO, entries: Iterable[tuple[Entry, Data | None]],
+                     progress: Callable[[int], None] | None, comp: Compressor, policy: ChunkPolicy | None) -> None:
+    """`writer.add` every entry, handing the data chunks that close on the way to `comp`
+    (flushed to the file first, in batches of about `compress.BATCH` bytes)."""
+    cutter = DataCutter(writer.data_pos, policy)
+    big_slices = cutter.policy.max_chunk == SLICE  # big runs are cut where the writer hashed them
+    extents = writer.data_extents
+    seen = 0
+    pending: list[Cut] = []
+    pending_bytes = 0
+    for entry, data in entries:
+        writer.add(entry, data)
+        if progress is not None:
+            progress(entry.size if entry.kind is Kind.REG and entry.hardlink is None else 0)
+        n = len(extents)
+        if n == seen:
+            continue
+        before = len(pending)
+        for ext in extents[seen:n]:
+            cutter.feed(ext, pending)
+            if ext.slices and big_slices:
+                for i, d in enumerate(ext.slices):
+                    comp.known[(ext.offset + i * SLICE, min(SLICE, ext.length - i * SLICE))] = d
+        seen = n
+        for c in pending[before:]:
+            pending_bytes += c.length
+        if pending_bytes >= COMPRESS_BATCH:
+            f.flush()
+            comp.submit(pending)
+            pending, pending_bytes = [], 0
+    f.flush()
+    comp.submit(pending)
+    comp.full_speed()
 
 
 def _batches(cuts: Iterable[Cut], known: dict[tuple[int, int], bytes]) -> list[list[Cut]]:
@@ -156,13 +228,14 @@ def _known(layout: ImageLayout) -> dict[tuple[int, int], bytes]:
     return known
 
 
-def _prehash(pool: ThreadPoolExecutor, fd: int, data: ImageLayout,
-             policy: ChunkPolicy | None) -> Future[dict[tuple[int, int], bytes]]:
+def _prehash(pool: ThreadPoolExecutor, fd: int, data: ImageLayout, policy: ChunkPolicy | None,
+             skip: set[tuple[int, int]] | None = None) -> Future[dict[tuple[int, int], bytes]]:
     """Start hashing the data area's chunks in a thread (the writer's `data_layout`: its cuts do
     not change when the metadata follows; nothing in it is written again). The future gives
-    their digests by (offset, length)."""
+    their digests by (offset, length). `skip`: cuts hashed elsewhere (by the compressor)."""
     known = _known(data)
-    todo = [c for batch in _batches(cut(data, policy), known) for c in batch if not c.flags]
+    todo = [c for batch in _batches(cut(data, policy), known) for c in batch
+            if not c.flags and not (skip and (c.offset, c.length) in skip)]
 
     def run() -> dict[tuple[int, int], bytes]:
         if not todo:
@@ -210,7 +283,14 @@ def _whole(view: memoryview) -> str:
 
 
 def push_layer(store: Store, layer: BuiltLayer, progress: Callable[[int], None] | None = None) -> PutStats:
-    """Store the layer's missing chunks (in parallel), then its chunk map."""
+    """Store the layer's missing chunks (in parallel), then its chunk map. A layer built with a
+    `StoreSink` of this store has its chunks stored (compressed while it was built): only the
+    chunk map is stored, after the store has checked that every chunk it names is present."""
+    if layer.chunks_in is store and layer.chunk_stats is not None:
+        store.put_chunk_map(ChunkMap.build(layer.blob, layer.refs))
+        if progress is not None:
+            progress(layer.size)
+        return layer.chunk_stats
     unique: dict[str, ChunkRef] = {}
     for ref in layer.refs:
         unique.setdefault(ref.digest, ref)

@@ -14,7 +14,7 @@ from typing import BinaryIO
 from layerstore.errors import BadInput
 
 from . import format as fmt
-from .chunking import ImageLayout
+from .chunking import DataExtent, ImageLayout
 from .dataarea import DataArea, pad
 from .metadata import MAX_DEAD, Inode, pack, plan
 from .parent import ParentImage
@@ -173,6 +173,17 @@ class ImageWriter:
             if len(e.xattrs[name]) > 0xFFFF:
                 raise BadInput(f"{where!r}: xattr {name!r} value too large")
         node.xattrs = dict(e.xattrs)
+
+    @property
+    def data_extents(self) -> list[DataExtent]:
+        """The data area's extents so far (the live list: it only grows while entries are added,
+        and an extent never changes once `add` has returned)."""
+        return self._data.extents
+
+    @property
+    def data_pos(self) -> int:
+        """Where the next data run goes."""
+        return self._data.pos
 
     def data_layout(self) -> ImageLayout:
         """The data area written so far, as a layout (for hashing its chunks early: `finish`

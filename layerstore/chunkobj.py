@@ -15,6 +15,7 @@ malformed input of any kind: callers never see bytes that do not match their id.
 from __future__ import annotations
 
 import struct
+import threading
 
 import zstandard
 
@@ -45,14 +46,40 @@ def pack(payload: bytes | memoryview, level: int = DEFAULT_LEVEL) -> bytes:
     comp = COMP_NONE
     body = payload
     if payload:
-        packed = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+        packed = _compressor(level).compress(payload)
         if len(packed) < len(payload):
             comp, body = COMP_ZSTD, packed
     return HEADER.pack(MAGIC, VERSION, comp, 0, len(payload)) + body
 
 
-def decode(obj: bytes | memoryview, expected: str) -> bytes:
-    """Verify and return the payload of a chunk object whose id should be `expected`."""
+try:
+    # python-zstandard's cffi backend: the same zstd (bundled with the package), but its calls
+    # release the GIL. The C backend (0.25) holds the GIL while it compresses a whole frame
+    # (the one-shot and end-of-frame paths), so compressing in threads overlapped with nothing
+    # else in the process; with this backend it does. Same frames (content size written, no
+    # checksum); decoding keeps the default backend.
+    from zstandard import backend_cffi as _zstd_threads
+except ImportError:  # no cffi: the C backend, correct but holding the GIL
+    _zstd_threads = None  # type: ignore[assignment]
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A compressor per thread and level: a context is not thread-safe, and making one per
+    chunk costs a few percent of compressing it."""
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    comp = cache.get(level)
+    if comp is None:
+        mod = _zstd_threads or zstandard
+        comp = cache[level] = mod.ZstdCompressor(level=level, write_content_size=True)  # type: ignore[assignment]
+    return comp
+
+
+def _header(obj: bytes | memoryview, expected: str) -> tuple[int, int]:
+    """(compression id, payload length) of a well-formed header; `CorruptObject` otherwise."""
     try:
         magic, version, comp, reserved, ulen = HEADER.unpack_from(obj, 0)
     except struct.error:
@@ -65,6 +92,39 @@ def decode(obj: bytes | memoryview, expected: str) -> bytes:
         raise CorruptObject(f"chunk {expected}: reserved header bits set")
     if ulen > MAX_CHUNK:
         raise CorruptObject(f"chunk {expected}: absurd length {ulen}")
+    if comp not in (COMP_NONE, COMP_ZSTD):
+        raise CorruptObject(f"chunk {expected}: unknown compression id {comp}")
+    return comp, ulen
+
+
+def check(obj: bytes | memoryview, expected: str, length: int | None = None) -> int:
+    """Cheap checks of an object that a caller encoded (`pack`) for a payload whose blake3 it
+    computed itself: the header, the payload length (against `length` when given), a zstd
+    frame that declares exactly that length, and for a raw object the digest (its body is the
+    payload). It does not decompress: a zstd body's digest is checked on every read (`decode`).
+    Returns the payload length."""
+    comp, ulen = _header(obj, expected)
+    if length is not None and ulen != length:
+        raise CorruptObject(f"chunk {expected}: header says {ulen} bytes, the payload has {length}")
+    body = memoryview(obj)[HEADER_SIZE:]
+    if comp == COMP_NONE:
+        if len(body) != ulen:
+            raise CorruptObject(f"chunk {expected}: raw body is {len(body)} bytes, header says {ulen}")
+        if digestmod.of(body) != expected:
+            raise CorruptObject(f"chunk {expected}: raw body hashes to {digestmod.of(body)}")
+    else:
+        try:
+            declared = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as e:
+            raise CorruptObject(f"chunk {expected}: zstd frame header is corrupt: {e}") from None
+        if declared != ulen:
+            raise CorruptObject(f"chunk {expected}: zstd frame declares {declared} bytes, header says {ulen}")
+    return ulen
+
+
+def decode(obj: bytes | memoryview, expected: str) -> bytes:
+    """Verify and return the payload of a chunk object whose id should be `expected`."""
+    comp, ulen = _header(obj, expected)
     body = memoryview(obj)[HEADER_SIZE:]
     if comp == COMP_NONE:
         payload = bytes(body)
@@ -81,8 +141,6 @@ def decode(obj: bytes | memoryview, expected: str) -> bytes:
                 raise CorruptObject(f"chunk {expected}: zstd frame is truncated or padded")
         except zstandard.ZstdError as e:
             raise CorruptObject(f"chunk {expected}: zstd payload is corrupt: {e}") from None
-    else:
-        raise CorruptObject(f"chunk {expected}: unknown compression id {comp}")
     if len(payload) != ulen:
         raise CorruptObject(
             f"chunk {expected}: payload is {len(payload)} bytes, header says {ulen}"

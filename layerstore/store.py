@@ -160,6 +160,40 @@ class Store:
         for fut in window:
             yield fut.result()
 
+    def put_chunk_object(self, chunk: str, obj: bytes | memoryview, length: int | None = None,
+                         verify: bool = False) -> PutStats:
+        """Store a chunk object that the caller already encoded (`chunkobj.pack` of a payload
+        whose blake3, `chunk`, it computed itself), unless present: a builder compresses its
+        chunks while it builds, and the store does not compress them again. Checked before
+        anything is stored (`chunkobj.check`): the digest's form, the header, the payload length
+        (against `length` when given), a zstd frame declaring that length, and a raw object's
+        digest. A zstd body is decompressed and its digest checked only with `verify=True` (it
+        is checked on every read anyway). Idempotent; `CorruptObject` for a bad object."""
+        digestmod.parse(chunk)
+        ulen = chunkobj.check(obj, chunk, length)
+        if verify:
+            chunkobj.decode(obj, chunk)
+        key = self.chunk_key(chunk)
+        stats = PutStats(chunks=1)
+        if self.backend.exists(key):
+            return stats
+        if self.backend.store_once(key, obj):
+            stats.new_chunks, stats.new_bytes, stats.stored_bytes = 1, ulen, len(obj)
+        return stats
+
+    def put_chunk_objects(self, items: Iterable[tuple[str, bytes | memoryview]],
+                          verify: bool = False) -> Iterator[PutStats]:
+        """`put_chunk_object` for many (digest, object) pairs in parallel, yielding results in
+        input order, with a bounded number in flight (like `put_chunks`)."""
+        window: list[Future[PutStats]] = []
+        limit = self.workers * 2
+        for chunk, obj in items:
+            window.append(self.pool.submit(self.put_chunk_object, chunk, obj, None, verify))
+            if len(window) >= limit:
+                yield window.pop(0).result()
+        for fut in window:
+            yield fut.result()
+
     def get_chunk(self, chunk: str) -> bytes:
         """The verified payload of a chunk."""
         return chunkobj.decode(self.backend.load(self.chunk_key(chunk)), chunk)

@@ -208,6 +208,24 @@ class TestStore:
             store.get_chunk(wrong)
         assert store.verify().corrupt == [key]
 
+    def test_put_chunk_objects(self, store: Store) -> None:
+        """Objects encoded by the caller (a builder compressing while it builds): stored as
+        given, read back verified, idempotent; a bad one is refused before anything is stored."""
+        payloads = [_payload(n, 20 + n % 7) for n in (1, 5000, 70_000, 300_000)] + [b"z" * 200_000]
+        pairs = [chunkobj.encode(p) for p in payloads]
+        stats = list(store.put_chunk_objects(pairs))
+        assert [s.new_chunks for s in stats] == [1] * len(pairs)
+        assert sum(s.new_bytes for s in stats) == sum(map(len, payloads))
+        for (ident, obj), p in zip(pairs, payloads, strict=True):
+            assert store.backend.load(store.chunk_key(ident)) == obj
+            assert store.get_chunk(ident) == p
+        assert [s.new_chunks for s in store.put_chunk_objects(pairs)] == [0] * len(pairs)
+        ident, obj = chunkobj.encode(_payload(40_000, 99))
+        with pytest.raises(CorruptObject):
+            store.put_chunk_object(ident, obj[:-1] if obj[5] == chunkobj.COMP_NONE else obj[:8] + obj[16:])
+        assert not store.has_chunk(ident)
+        assert store.verify().corrupt == []
+
     def test_chunk_map_never_points_at_missing_chunks(self, store: Store) -> None:
         from layerstore.chunkmap import ChunkMap, ChunkRef
 

@@ -199,3 +199,111 @@ def test_chunk_digests_match_the_bytes(tmp_path: Path) -> None:
     assert layer.blob == "b3:" + blake3.blake3(image).hexdigest()
     for ref in layer.refs:
         assert ref.digest == "b3:" + blake3.blake3(image[ref.offset:ref.end]).hexdigest(), ref
+
+
+def _random_tree(root: Path, seed: int) -> None:
+    import random
+
+    rnd = random.Random(seed)
+    files: dict[str, bytes] = {"big.bin": os.urandom(3 * MiB + 4097), "zeros": bytes(2 * MiB),
+                               "dup1": b"same" * 9000, "d/dup2": b"same" * 9000}
+    for i in range(600):
+        n = rnd.choice([0, 10, 3000, 4096, 5000, 20_000, 70_000, 200_000])
+        files[f"t{i % 17}/f{i}.txt"] = (f"line {i} ".encode() * (n // 7 + 1))[:n] if i % 3 else os.urandom(n)
+    make_tree(root, files)
+
+
+def test_data_cutter_closes_the_same_cuts_as_cut() -> None:
+    """The streaming cut of the data area (compress.DataCutter) gives a prefix of `cut`'s data cuts."""
+    import random
+
+    from erofs_builder.compress import DataCutter
+
+    rnd = random.Random(5)
+    for policy in (ChunkPolicy(), ChunkPolicy(min_group=16 << 10, target_group=64 << 10, max_group=128 << 10)):
+        exts, pos = [], 4096
+        for _i in range(3000):
+            n = rnd.choice([4096, 8192, 4096 * rnd.randint(1, 40), 70 << 10, 3 * MiB + 8192])
+            exts.append(DataExtent(pos, n, rnd.getrandbits(32)))
+            pos += n
+        layout = ImageLayout(size=pos, data_start=4096, data_end=pos, extents=tuple(exts))
+        final = [c for c in cut(layout, policy) if not c.flags]
+        cutter = DataCutter(4096, policy)
+        streamed: list = []
+        for e in exts:
+            cutter.feed(e, streamed)
+        assert len(streamed) > 100
+        assert streamed == final[:len(streamed)]
+        assert sum(c.length for c in final[len(streamed):]) < policy.max_group + 3 * MiB
+
+
+def test_build_with_sink_compresses_every_distinct_chunk(tmp_path: Path) -> None:
+    from erofs_builder.compress import MemorySink
+    from layerstore import chunkobj
+
+    _random_tree(tmp_path / "src", 1)
+    plain = build_layer(dir_entries(tmp_path / "src"), tmp_path / "plain.img")
+    sink = MemorySink()
+    layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / "sink.img", sink=sink)
+    assert layer.path.read_bytes() == plain.path.read_bytes()  # the image does not change
+    assert (layer.blob, layer.refs) == (plain.blob, plain.refs)
+    unique = {r.digest: r for r in layer.refs}
+    assert set(sink.objects) == set(unique)
+    image = layer.path.read_bytes()
+    for d, r in unique.items():
+        assert chunkobj.decode(sink.objects[d], d) == image[r.offset:r.end]
+    assert sink.stats.new_chunks == len(unique)
+    assert sink.stats.new_bytes == sum(r.length for r in unique.values())
+
+
+def test_build_with_store_sink_then_push_stores_only_the_map(tmp_path: Path) -> None:
+    from erofs_builder.compress import StoreSink
+
+    _random_tree(tmp_path / "src", 2)
+    with Store.open(str(tmp_path / "store")) as store:
+        store.init()
+        layer = build_layer(dir_entries(tmp_path / "src"), tmp_path / "img", sink=StoreSink(store))
+        unique = {r.digest for r in layer.refs}
+        assert set(store.list_digests("chunks")) == unique
+        assert not store.has_blob(layer.blob)  # the map only at push
+        st = push_layer(store, layer)
+        assert st.new_chunks == st.chunks == len(unique)
+        assert store.has_blob(layer.blob)
+        out = tmp_path / "restored"
+        fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            assert store.read_blob(layer.blob, fd) == layer.size
+        finally:
+            os.close(fd)
+        assert out.read_bytes() == layer.path.read_bytes()
+        assert store.verify().corrupt == []
+        # a second build of the same tree compresses nothing: every chunk is there
+        again = StoreSink(store)
+        layer2 = build_layer(dir_entries(tmp_path / "src"), tmp_path / "img2", sink=again)
+        assert layer2.blob == layer.blob and again.stats.new_chunks == 0
+        # and a build on a parent: its chunks too
+        (tmp_path / "src" / "t3" / "new.txt").write_bytes(os.urandom(50_000))
+        child = build_layer(dir_entries(tmp_path / "src"), tmp_path / "child", parent=layer, sink=StoreSink(store))
+        push_layer(store, child)
+        fd = os.open(tmp_path / "child.out", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            store.read_blob(child.blob, fd)
+        finally:
+            os.close(fd)
+        assert (tmp_path / "child.out").read_bytes() == child.path.read_bytes()
+
+
+def test_failed_compression_fails_the_build_and_publishes_nothing(tmp_path: Path) -> None:
+    import pytest
+
+    from erofs_builder.compress import MemorySink
+
+    class Broken(MemorySink):
+        def put(self, chunk: str, obj: bytes, length: int) -> None:
+            raise OSError("store went away")
+
+    _random_tree(tmp_path / "src", 3)
+    with pytest.raises(OSError, match="went away"):
+        build_layer(dir_entries(tmp_path / "src"), tmp_path / "img", sink=Broken())
+    assert not (tmp_path / "img").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]

@@ -154,6 +154,103 @@ class TestChunkObject:
             chunkobj.decode(bytes(bad), ident)
 
 
+class TestPutChunkObject:
+    """`Store.put_chunk_object`: objects the caller encoded, checked cheaply before storing."""
+
+    @pytest.fixture
+    def store(self, tmp_path):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN201
+        from layerstore.store import Store
+
+        with Store.open(str(tmp_path / "store")) as s:
+            s.init()
+            yield s
+
+    def test_stores_the_object_as_is_and_is_idempotent(self, store) -> None:  # noqa: ANN001
+        payload = b"layerstore " * 5000
+        ident, obj = chunkobj.encode(payload)
+        first = store.put_chunk_object(ident, obj, len(payload))
+        assert (first.chunks, first.new_chunks, first.new_bytes, first.stored_bytes) == (1, 1, len(payload), len(obj))
+        assert store.backend.load(store.chunk_key(ident)) == obj
+        assert store.get_chunk(ident) == payload
+        again = store.put_chunk_object(ident, obj)
+        assert (again.chunks, again.new_chunks, again.new_bytes) == (1, 0, 0)
+        # and the payload route sees it as present, so nothing is compressed twice
+        assert store.put_chunk(payload)[1].new_chunks == 0
+
+    def test_raw_object(self, store) -> None:  # noqa: ANN001
+        import os
+
+        payload = os.urandom(3000)
+        ident, obj = chunkobj.encode(payload)
+        assert obj[5] == chunkobj.COMP_NONE
+        assert store.put_chunk_object(ident, obj).new_chunks == 1
+        assert store.get_chunk(ident) == payload
+
+    @pytest.mark.parametrize(
+        "mutate",
+        [
+            lambda o: o[:8],  # truncated header
+            lambda o: b"XXXX" + o[4:],  # magic
+            lambda o: o[:4] + b"\x09" + o[5:],  # version
+            lambda o: o[:5] + b"\x07" + o[6:],  # compression id
+            lambda o: o[:6] + b"\x01\x00" + o[8:],  # reserved bits
+            lambda o: o[:8] + struct.pack("<Q", 1 << 40) + o[16:],  # absurd length
+            lambda o: o[:8] + struct.pack("<Q", 12) + o[16:],  # length the frame does not declare
+            lambda o: o[:16] + b"\0\0\0\0" + o[20:],  # not a zstd frame
+        ],
+    )
+    def test_bad_object_is_refused_and_nothing_stored(self, store, mutate) -> None:  # noqa: ANN001
+        payload = b"layerstore " * 2000
+        ident, obj = chunkobj.encode(payload)
+        with pytest.raises(CorruptObject):
+            store.put_chunk_object(ident, mutate(obj))
+        assert not store.has_chunk(ident)
+
+    def test_length_mismatch_is_refused(self, store) -> None:  # noqa: ANN001
+        payload = b"abc" * 5000
+        ident, obj = chunkobj.encode(payload)
+        with pytest.raises(CorruptObject, match="header says"):
+            store.put_chunk_object(ident, obj, len(payload) - 1)
+        assert not store.has_chunk(ident)
+
+    def test_digest_mismatch_of_a_raw_object_is_refused(self, store) -> None:  # noqa: ANN001
+        import os
+
+        _, obj = chunkobj.encode(os.urandom(2000))
+        with pytest.raises(CorruptObject, match="hashes to"):
+            store.put_chunk_object(D1, obj)
+        assert not store.has_chunk(D1)
+
+    def test_digest_mismatch_of_a_zstd_object_is_refused_with_verify(self, store) -> None:  # noqa: ANN001
+        _, obj = chunkobj.encode(b"other " * 1000)
+        assert obj[5] == chunkobj.COMP_ZSTD
+        with pytest.raises(CorruptObject, match="hashes to"):
+            store.put_chunk_object(D1, obj, verify=True)
+        assert not store.has_chunk(D1)
+
+    def test_bad_digest_string_is_refused(self, store) -> None:  # noqa: ANN001
+        ident, obj = chunkobj.encode(b"x")
+        with pytest.raises(BadDigest):
+            store.put_chunk_object(ident.upper(), obj)
+
+    def test_put_chunk_objects_in_order(self, store) -> None:  # noqa: ANN001
+        pairs = [chunkobj.encode(str(i).encode() * (i + 1)) for i in range(50)]
+        stats = list(store.put_chunk_objects(pairs + pairs[:5]))
+        assert [s.new_chunks for s in stats] == [1] * 50 + [0] * 5
+        for ident, _obj in pairs:
+            assert store.has_chunk(ident)
+
+    def test_objects_made_in_threads_decode(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        payloads = [bytes([i]) * 70000 + bytes(range(256)) * i for i in range(40)]
+        with ThreadPoolExecutor(4) as pool:
+            objs = list(pool.map(chunkobj.pack, payloads))
+        for p, o in zip(payloads, objs, strict=True):
+            assert chunkobj.decode(o, digestmod.of(p)) == p
+            assert chunkobj.check(o, digestmod.of(p), len(p)) == len(p)
+
+
 def _map(lengths: list[int], flags: list[int] | None = None) -> ChunkMap:
     refs, off = [], 0
     for i, n in enumerate(lengths):
