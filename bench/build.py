@@ -23,7 +23,8 @@
    more, so it would flatter the ratio). A fixed 1 MiB cut of the same images is a baseline.
 
 Writes bench/results/build.json. Usage: python bench/build.py [--size quick|full] [--runs N]
-[--package django --versions ...]; --size defaults to $BENCH_SIZE (as `make bench` sets it),
+[--package django --versions ...] [--throughput-only (appends the throughput rounds to the results)];
+--size defaults to $BENCH_SIZE (as `make bench` sets it),
 else quick (the chunk-policy trade-off variants run only with full).
 """
 
@@ -373,8 +374,18 @@ def main() -> None:
     ap.add_argument("--package", default="Django")
     ap.add_argument("--versions", nargs="*", default=[f"4.2.{i}" for i in range(1, 11)])
     ap.add_argument("--skip-rootfs", action="store_true")
+    ap.add_argument("--throughput-only", action="store_true",
+                    help="only the throughput rounds, appended to 'rootfs_more_runs' of the existing results")
     args = ap.parse_args()
     full = args.size == "full"
+    if args.throughput_only:
+        kept = json.loads(RESULTS.read_text())
+        with tempfile.TemporaryDirectory(prefix="bench-build-", dir=CACHE.parent) as t:
+            run = bench_throughput(debian_rootfs(), args.runs or (5 if full else 3), Path(t))
+        kept.setdefault("rootfs_more_runs", []).append(run)
+        RESULTS.write_text(json.dumps(kept, indent=2) + "\n")
+        print(json.dumps(run, indent=2))
+        return
     result: dict[str, object] = {
         "size": args.size,
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
