@@ -31,7 +31,7 @@ import blake3
 
 from layerstore import chunkobj
 from layerstore import digest as digestmod
-from layerstore.store import PutStats, Store
+from layerstore.store import PutStats, Store, pread_exact
 
 from .chunking import ChunkPolicy, Cut, DataExtent, _boundary_after
 
@@ -201,7 +201,7 @@ class Compressor:
 
     def _compress(self, cuts: list[Cut], digests: dict[tuple[int, int], str] | None) -> None:
         for c in cuts:
-            data = _pread_exact(self.fd, c.length, c.offset)
+            data = pread_exact(self.fd, c.length, c.offset, "image file")
             if digests is None:
                 raw = self.known.get((c.offset, c.length)) or blake3.blake3(data).digest()
                 self.digests[(c.offset, c.length)] = raw
@@ -221,12 +221,3 @@ class Compressor:
     def close(self, cancel: bool = False) -> None:
         self.pool.shutdown(wait=True, cancel_futures=cancel)
 
-
-def _pread_exact(fd: int, length: int, offset: int) -> bytes:
-    data = os.pread(fd, length, offset)
-    while len(data) < length:
-        more = os.pread(fd, length - len(data), offset + len(data))
-        if not more:
-            raise OSError(f"image file shorter than expected at {offset + len(data)}")
-        data += more
-    return data

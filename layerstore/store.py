@@ -232,7 +232,7 @@ class Store:
 
             def payloads() -> Iterator[bytes]:
                 for off, length in bounds:
-                    data = _pread_exact(fd, length, off, path)
+                    data = pread_exact(fd, length, off, path)
                     hasher.update(data)
                     yield data
 
@@ -378,7 +378,8 @@ def _parse_tag_value(raw: bytes, ref: str) -> str:
         raise CorruptObject(f"tag {ref}: does not hold a manifest digest") from None
 
 
-def _pread_exact(fd: int, length: int, offset: int, what: object) -> bytes:
+def pread_exact(fd: int, length: int, offset: int, what: object) -> bytes:
+    """`length` bytes at `offset`, however many reads that takes; a file that ends early is an error."""
     data = os.pread(fd, length, offset)
     while len(data) < length:
         more = os.pread(fd, length - len(data), offset + len(data))
