@@ -14,6 +14,7 @@ from runtime_shim import runner
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
+from tests.fuse_helpers import wait_until
 from tests.test_shim_support import (
     add_blob,
     busybox_rootfs,
@@ -138,6 +139,8 @@ def test_recover_and_teardown_delete_leftover_containers(shim: Shim, image: tupl
         assert container_status(shim, sb.id) == "running"
     state = json.loads((shim.paths.root / "oci" / "runc" / dead.id / "state.json").read_text())
     os.kill(state["init_process_pid"], signal.SIGKILL)  # its process died (as after a crash or reboot)
+    # SIGKILL takes effect asynchronously: wait until runc sees the container stopped.
+    wait_until(lambda: container_status(shim, dead.id) != "running", 20, "the killed container to stop")
     with shim.lock:
         shim._teardown(gone)  # its sandbox is gone (torn down as before the shim deleted containers)
     rep = shim.recover()
