@@ -289,24 +289,14 @@ class BlobFS(pyfuse3.Operations):
         if e.present.find(0, first, last) < 0:
             # Fast path: one lookup (above) and a slice of the mapped data file, inline. No
             # await between the check and the reply, so no eviction can slip in between.
-            v = e.view
-            if v is None:
-                v = e.map()
-            if v is not None:
-                data: bytes | memoryview = v[off:end]
-                e.mapped = True
-            else:
-                data = self._pread(e, off, end)
+            data = self._serve(e, off, end)
             now = self._clock()
             lu = e.last_use
             for i in range(first, last):
                 lu[i] = now
             e.use_dirty = True
             if not e.is_meta[first]:  # metadata reads interleave with streams; they neither start nor end one
-                w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now,
-                                      cmap.chunks[first].length)
-                if w is not None:
-                    self._readahead(e, w)
+                self._follow_stream(e, off, end, first, last, now)
             elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
                 self._push_metadata(e, first)
             st = h.stats
@@ -316,6 +306,23 @@ class BlobFS(pyfuse3.Operations):
                 self.trace.record(e.blob, len(e.present), first, last)
             return data
         return await self._read_missing(h, off, end, first, last)
+
+    def _serve(self, e: BlobEntry, off: int, end: int) -> bytes | memoryview:
+        """Bytes [off, end) of a blob whose chunks there are all committed: a slice of the mapped
+        data file, or a pread where the file cannot be mapped."""
+        v = e.view
+        if v is None:
+            v = e.map()
+        if v is not None:
+            e.mapped = True
+            return v[off:end]
+        return self._pread(e, off, end)
+
+    def _follow_stream(self, e: BlobEntry, off: int, end: int, first: int, last: int, now: float) -> None:
+        """Let a data read extend its sequential stream, and read ahead of it if that opens a window."""
+        w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now, e.cmap.chunks[first].length)
+        if w is not None:
+            self._readahead(e, w)
 
     @staticmethod
     def _pread(e: BlobEntry, off: int, end: int) -> bytes:
@@ -332,20 +339,12 @@ class BlobFS(pyfuse3.Operations):
         if self.trace is not None:
             self.trace.record(e.blob, len(e.present), first, last)
         if not e.is_meta[first]:
-            w = e.streams.on_read(off, end, last, len(e.present), self.readahead, self._clock(),
-                                  e.cmap.chunks[first].length)
-            if w is not None:
-                self._readahead(e, w)  # started before this read waits: the fetches overlap
+            # Read ahead before this read waits: the fetches overlap.
+            self._follow_stream(e, off, end, first, last, self._clock())
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)
-            # Present now, and nothing awaits between here and the reply.
-            v = e.map()
-            if v is not None:
-                data: bytes | memoryview = v[off:end]
-                e.mapped = True
-            else:
-                data = self._pread(e, off, end)
+            data = self._serve(e, off, end)  # present now, and nothing awaits before the reply
         finally:
             self.cache.unpin(e, idxs)
         e.touch(first, last, self.cache.clock())

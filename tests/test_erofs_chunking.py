@@ -15,6 +15,18 @@ from tests.erofs_helpers import make_tree
 MiB = 1 << 20
 
 
+def restored(store: Store, blob: str, out: Path) -> bytes:
+    """The blob as the store gives it back (`read_blob` into `out`), checked against its size."""
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        size = store.read_blob(blob, fd)
+    finally:
+        os.close(fd)
+    data = out.read_bytes()
+    assert size == len(data)
+    return data
+
+
 def test_cut_covers_and_respects_extents() -> None:
     exts = []
     pos = 4096
@@ -89,13 +101,7 @@ def test_push_layer_stores_missing_chunks_then_the_map(tmp_path: Path) -> None:
         assert again.new_chunks == 0
         cm = store.get_chunk_map(layer.blob)
         assert list(cm.chunks) == layer.refs
-        out = tmp_path / "restored"
-        fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            assert store.read_blob(layer.blob, fd) == layer.size
-        finally:
-            os.close(fd)
-        assert out.read_bytes() == layer.path.read_bytes()
+        assert restored(store, layer.blob, tmp_path / "restored") == layer.path.read_bytes()
 
 
 def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
@@ -269,13 +275,7 @@ def test_build_with_store_sink_then_push_stores_only_the_map(tmp_path: Path) -> 
         st = push_layer(store, layer)
         assert st.new_chunks == st.chunks == len(unique)
         assert store.has_blob(layer.blob)
-        out = tmp_path / "restored"
-        fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            assert store.read_blob(layer.blob, fd) == layer.size
-        finally:
-            os.close(fd)
-        assert out.read_bytes() == layer.path.read_bytes()
+        assert restored(store, layer.blob, tmp_path / "restored") == layer.path.read_bytes()
         assert store.verify().corrupt == []
         # a second build of the same tree compresses nothing: every chunk is there
         again = StoreSink(store)
@@ -285,12 +285,7 @@ def test_build_with_store_sink_then_push_stores_only_the_map(tmp_path: Path) -> 
         (tmp_path / "src" / "t3" / "new.txt").write_bytes(os.urandom(50_000))
         child = build_layer(dir_entries(tmp_path / "src"), tmp_path / "child", parent=layer, sink=StoreSink(store))
         push_layer(store, child)
-        fd = os.open(tmp_path / "child.out", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            store.read_blob(child.blob, fd)
-        finally:
-            os.close(fd)
-        assert (tmp_path / "child.out").read_bytes() == child.path.read_bytes()
+        assert restored(store, child.blob, tmp_path / "child.out") == child.path.read_bytes()
 
 
 def test_failed_compression_fails_the_build_and_publishes_nothing(tmp_path: Path) -> None:

@@ -10,13 +10,12 @@ import fcntl
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cli_helpers import layerctl
-from tests.test_shim_support import cleanup_node, needs_root, needs_runc
+from tests.test_shim_support import needs_root, needs_runc
 
 pytestmark = [needs_root, needs_runc,
               pytest.mark.skipif(shutil.which("mmdebstrap") is None, reason="needs mmdebstrap (.ci/install-deps.sh)")]
@@ -57,15 +56,6 @@ def debian_store(tmp_path_factory: pytest.TempPathFactory) -> str:
     r = layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", "deb:12", "--json")
     assert r.code == 0, r.err
     return url
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Path]:
-    n = tmp_path / "node"
-    try:
-        yield n
-    finally:
-        cleanup_node(n, tmp_path)
 
 
 def test_real_commands_in_a_debian_sandbox(debian_store: str, node: Path, tmp_path: Path) -> None:

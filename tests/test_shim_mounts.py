@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from runtime_shim.errors import SandboxExists, ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 from runtime_shim.state import MOUNTED, UNMOUNTING
-from tests.test_shim_support import add_blob, busybox_rootfs, cleanup_node, mkfs, needs_busybox, needs_root, spec
+from tests.test_shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -47,15 +46,6 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     b = add_blob(blobs, mkfs(base, root / "base.img"))
     t = add_blob(blobs, mkfs(tk, root / "tk.img"))
     return {"blobs": blobs, "base": b, "toolkit": t}
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Path]:
-    n = tmp_path / "node"
-    try:
-        yield n
-    finally:
-        cleanup_node(n, tmp_path)
 
 
 def open_shim(node: Path, images: dict[str, object]) -> Shim:
