@@ -17,7 +17,7 @@ from runtime_shim.lock import NodeLock
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 from runtime_shim.state import MOUNTED, MOUNTING
-from tests.test_shim_mounts import env2, erofs_mounts, images, node, open_shim  # noqa: F401  (fixtures)
+from tests.test_shim_mounts import env2, erofs_mounts, images, open_shim  # noqa: F401  (fixtures)
 from tests.test_shim_support import needs_busybox, needs_root, spec
 
 pytestmark = [needs_root, needs_busybox]
