@@ -3,11 +3,11 @@
 State and ownership (see docs/fuse-client.md for the full protocol and the crash table):
 
 - `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served: its bytes
-  are in the blob's data file. A cache hit is this lookup plus a slice of the data file's read-only
-  mapping (`BlobEntry.map`); the kernel copies the bytes from the page cache into its reply, so
-  the daemon copies nothing. The pages mapped that way are unmapped again every
-  `RELEASE_INTERVAL` (they stay in the page cache), so the daemon's resident size does not grow
-  with what it served.
+  are in the blob's data file. A cache hit is this lookup plus a pread of the data file, or, for a
+  long sequential stream, a slice of its read-only mapping (`BlobEntry.mapped_range`): then the
+  kernel copies the bytes from the page cache into its reply, and the daemon copies nothing.
+  The pages mapped that way are unmapped again every `RELEASE_INTERVAL` (they stay in the page
+  cache), so the daemon's resident size does not grow with what it served.
 - `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
   time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
 - The LMDB index (`cache_index`) is the durable commit record, written only by the journal task
@@ -163,6 +163,17 @@ class BlobEntry:
                 return None
             self.view = memoryview(self._map)
         return self.view
+
+    def mapped_range(self, off: int, end: int) -> memoryview | None:
+        """Bytes [off, end) of the data file, a slice of its mapping (None if the file cannot be
+        mapped). A fault on a page that is not in the page cache reads the device's whole
+        readahead window around it, synchronously: right for a long sequential stream, a
+        stall for a small read (see `BlobFS._serve`)."""
+        v = self.view if self.view is not None else self.map()
+        if v is None:
+            return None
+        self.mapped = True
+        return v[off:end]
 
     def release_pages(self) -> None:
         """Unmap the pages reads touched (they stay in the page cache, reclaimable as usual).

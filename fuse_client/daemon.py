@@ -46,9 +46,12 @@ INDEX_DIR = "index"
 TRACE_INTERVAL = 5.0
 SHUTDOWN_GRACE = 5.0
 # The kernel's readahead on our FUSE files (buffered readers, e.g. EROFS without `directio`):
-# 1 MiB requests (libfuse 3.14 negotiates max_pages = 256, so 1 MiB is also the largest request)
-# instead of 128 KiB cut the requests per byte by 8. Set after FUSE_INIT (see _after_fuse_init).
-DEFAULT_KERNEL_READAHEAD_KB = 1024
+# requests of up to 1 MiB (libfuse 3.14 negotiates max_pages = 256) instead of 128 KiB cut the
+# requests per byte by 8, and a 4 MiB window keeps up to four of them in flight ahead of a
+# sequential reader, so the daemon reads the next ones from its cache while the reader works
+# (walk + hash of small files, warm: 0.84 -> 0.88 of EROFS on a local file, 16 paired rounds).
+# Set after FUSE_INIT (see _after_fuse_init).
+DEFAULT_KERNEL_READAHEAD_KB = 4096
 INIT_WAIT = 10.0
 
 

@@ -29,13 +29,14 @@ STALE = 10.0  # seconds without a continuation after which a stream is forgotten
 
 
 class Stream:
-    __slots__ = ("size", "ra_end", "mark", "seen")
+    __slots__ = ("size", "ra_end", "mark", "seen", "run")
 
     def __init__(self, now: float) -> None:
         self.size = 0  # chunks in the newest window (0: none yet)
         self.ra_end = 0  # chunk index where the newest window ends
         self.mark = 0  # a read reaching this chunk opens the next window
         self.seen = now
+        self.run = 0  # bytes read contiguously by this stream so far
 
 
 class Streams:
@@ -54,11 +55,13 @@ class Streams:
         by_end = self.by_end
         s = by_end.pop(off, None)
         if s is None or now - s.seen > STALE:
-            by_end[end] = Stream(now)
+            s = by_end[end] = Stream(now)
+            s.run = end - off
             if len(by_end) > MAX_STREAMS:
                 del by_end[next(iter(by_end))]  # insertion order: the least recently continued
             return None
         s.seen = now
+        s.run += end - off
         by_end[end] = s  # re-inserted: now the most recently continued
         if last <= s.mark or max_window <= 0:
             return None
@@ -70,6 +73,12 @@ class Streams:
         stop = min(start + size, nchunks)
         s.size, s.mark, s.ra_end = size, start, max(stop, start)
         return (start, stop) if stop > start else None
+
+    def run_to(self, off: int) -> int:
+        """How many bytes the stream whose last request ended at `off` has read (0: none
+        did); call before `on_read` of a request starting at `off`."""
+        s = self.by_end.get(off)
+        return 0 if s is None else s.run
 
     def __len__(self) -> int:
         return len(self.by_end)

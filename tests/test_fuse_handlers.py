@@ -16,6 +16,7 @@ import pyfuse3
 import pytest
 import trio
 
+import fuse_client.fs as fsmod
 from fuse_client.cache import NodeCache
 from fuse_client.cache_index import CacheIndex
 from fuse_client.daemon import INDEX_DIR, open_cache
@@ -458,21 +459,34 @@ async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, t
 
 
 @pytest.mark.trio
-async def test_hit_is_a_view_of_the_mapped_cache_file_and_pages_are_released(
-        store: Store, data: bytes, tmp_path: Path) -> None:
+async def test_a_long_stream_is_served_from_the_mapping_other_hits_by_pread(
+        store: Store, data: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fsmod, "MAP_STREAM_MIN", 3 * CHUNK)
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
         fh = await r.open_blob(cmap.blob)
         assert await r.read_all(fh, len(data)) == data  # fetched (misses)
-        got = await r.fs.read(fh, CHUNK - 10, 3 * CHUNK)
-        assert isinstance(got, memoryview) and got.readonly  # no copy in the daemon
-        assert got == data[CHUNK - 10:4 * CHUNK - 10]
-        del got
         entry = r.cache.get(cmap.blob)
-        assert entry is not None and entry.mapped
+        assert entry is not None
+        entry.release_pages()
+        got = await r.fs.read(fh, CHUNK - 10, CHUNK)  # not a stream: a pread's copy
+        assert isinstance(got, bytes) and got == data[CHUNK - 10:2 * CHUNK - 10]
+        assert not entry.mapped
+        off = 2 * CHUNK - 10
+        while off < 4 * CHUNK - 10:  # the stream grows to 3 chunks: still pread
+            got = await r.fs.read(fh, off, CHUNK)
+            assert isinstance(got, bytes) and got == data[off:off + CHUNK]
+            off += CHUNK
+        got = await r.fs.read(fh, off, 3 * CHUNK)  # continues 3 chunks: a view, no copy in the daemon
+        assert isinstance(got, memoryview) and got.readonly
+        assert got == data[off:off + 3 * CHUNK]
+        del got
+        assert entry.mapped
         entry.release_pages()  # what the release loop does every RELEASE_INTERVAL
         assert not entry.mapped
-        assert await r.read(fh, 5 * CHUNK, 100) == data[5 * CHUNK:5 * CHUNK + 100]  # faults back in
+        off += 3 * CHUNK
+        assert await r.read(fh, off, 100) == data[off:off + 100]  # faults back in
+        assert entry.mapped
         await r.fs.release(fh)
 
 
@@ -486,6 +500,7 @@ async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     monkeypatch.setattr(cachemod.mmap, "mmap", no_map)
+    monkeypatch.setattr(fsmod, "MAP_STREAM_MIN", 0)  # every hit tries the mapping
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
         fh = await r.open_blob(cmap.blob)

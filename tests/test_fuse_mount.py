@@ -16,6 +16,7 @@ import pytest
 
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import request_json
+from fuse_client.daemon import DEFAULT_KERNEL_READAHEAD_KB
 from layerstore import keys
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
@@ -89,7 +90,7 @@ def test_kernel_readahead_survives_fuse_init(store: Store, layer: BuiltLayer, tm
     """The FUSE_INIT answer clamps the mount's readahead to what the kernel offered (128 KiB):
     the daemon sets it after INIT, so buffered sequential reads arrive as 1 MiB requests."""
     with DaemonThread(store, tmp_path / "cache", tmp_path / "mnt") as d:
-        assert (_fuse_bdi(d.mountpoint) / "read_ahead_kb").read_text().strip() == "1024"
+        assert (_fuse_bdi(d.mountpoint) / "read_ahead_kb").read_text().strip() == str(DEFAULT_KERNEL_READAHEAD_KB)
         want = layer.path.read_bytes()
         path = d.blob(layer.blob)
         assert path.read_bytes() == want  # buffered, fresh page cache: readahead makes the requests

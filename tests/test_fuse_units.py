@@ -238,6 +238,17 @@ def test_a_stream_is_forgotten_when_stale() -> None:
     assert s.on_read(8192, 12288, 1, 10, RA_MAX, 100.5, RA_CHUNK) == (1, 2)
 
 
+def test_run_to_counts_what_a_stream_has_read_contiguously() -> None:
+    s = Streams()
+    assert s.run_to(0) == 0
+    s.on_read(0, 4096, 1, 10, RA_MAX, 0.0, RA_CHUNK)
+    assert s.run_to(4096) == 4096 and s.run_to(0) == 0
+    s.on_read(4096, 3 * 4096, 1, 10, RA_MAX, 0.0, RA_CHUNK)
+    assert s.run_to(3 * 4096) == 3 * 4096 and s.run_to(4096) == 0  # re-keyed where it ended
+    s.on_read(5 * 4096, 6 * 4096, 1, 10, RA_MAX, 0.0, RA_CHUNK)  # a gap: a stream of its own
+    assert s.run_to(6 * 4096) == 4096 and s.run_to(3 * 4096) == 3 * 4096
+
+
 @st.composite
 def interleaved_readers(draw: st.DrawFn, max_readers: int) -> tuple[list[tuple[int, int]], list[int], int]:
     """Readers of distinct files (with gaps between them, so no reader continues another's
