@@ -110,7 +110,6 @@ class DaemonBlobs:
         self.supervisor = DaemonSupervisor(paths, command)
         self._mu = threading.Lock()
         self._fetching: dict[str, Future[None]] = {}
-        self._complete: set[str] = set()
 
     def ensure(self) -> str:
         """Caller holds the node lock."""
@@ -140,12 +139,10 @@ class DaemonBlobs:
     def fetch_all(self, blob: str) -> None:
         """Every chunk of the blob into the node cache, through the daemon's control socket,
         waited for. One fetch per blob at a time in this process (concurrent callers wait for it
-        and share its outcome); a blob this process saw complete is not asked for again. Across
-        processes the daemon shares the fetches of chunks already in flight, and a complete blob
-        costs one request that fetches nothing."""
+        and share its outcome). Nothing is remembered after it: the daemon may evict chunks of a
+        blob that was complete, and a complete blob costs one request that fetches nothing.
+        Across processes the daemon shares the fetches of chunks already in flight."""
         with self._mu:
-            if blob in self._complete:
-                return
             flight = self._fetching.get(blob)
             mine = flight is None
             if mine:
@@ -169,8 +166,6 @@ class DaemonBlobs:
             if res.get("failed"):
                 raise DaemonError(f"eager fetch of {blob} failed: {res['failed']} chunk(s) could not be fetched "
                                   f"(see {self.paths.daemon_log})")
-            with self._mu:
-                self._complete.add(blob)
             flight.set_result(None)
         except BaseException as e:
             flight.set_exception(e)
