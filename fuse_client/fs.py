@@ -325,7 +325,8 @@ class BlobFS(pyfuse3.Operations):
         reply: a stall for a small file, but large reads with large folios for a stream, and
         no copy in the daemon. So a request that continues a stream of `MAP_STREAM_MIN`
         bytes or more is a slice of the mapping, any other a pread (walk + hash of a tree of
-        small files, warm, page cache dropped: 0.67 -> 0.85 of EROFS on a local file)."""
+        small files, warm, page cache dropped: 0.67 -> 0.85 of EROFS on a local file; 0.94
+        with the 4 MiB kernel readahead, docs/benchmarks-read.md)."""
         if e.streams.run_to(off) >= MAP_STREAM_MIN:
             v = e.mapped_range(off, end)
             if v is not None:
