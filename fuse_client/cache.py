@@ -175,6 +175,14 @@ class BlobEntry:
         self.mapped = True
         return v[off:end]
 
+    def read_sync(self, off: int, end: int) -> bytes:
+        """Any thread: bytes [off, end) of the data file by pread; EBADF once the entry is
+        closed (its descriptor may have been reused)."""
+        with self.io_lock:
+            if self.closed:
+                raise OSError(errno.EBADF, "the cache is closed")
+            return os.pread(self.fd, end - off, off)
+
     def release_pages(self) -> None:
         """Unmap the pages reads touched (they stay in the page cache, reclaimable as usual).
         Trio thread only: a reply that uses the mapping is sent before any other task runs."""

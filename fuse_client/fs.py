@@ -99,8 +99,8 @@ class Handle:
         self.stats = stats
 
 
-def _push_range(fd: int, ino: int, lo: int, hi: int) -> None:
-    pyfuse3.notify_store(ino, lo, os.pread(fd, hi - lo, lo))
+def _push_range(e: BlobEntry, ino: int, lo: int, hi: int) -> None:
+    pyfuse3.notify_store(ino, lo, e.read_sync(lo, hi))
 
 
 class BlobFS(pyfuse3.Operations):
@@ -422,7 +422,7 @@ class BlobFS(pyfuse3.Operations):
                 # ours has locked, and that read is answered by this (trio) thread. Read with
                 # pread: faults on the mapping would read the device's readahead window around
                 # every page they miss.
-                await trio.to_thread.run_sync(_push_range, e.fd, ino, lo, hi, limiter=self._push_threads)
+                await trio.to_thread.run_sync(_push_range, e, ino, lo, hi, limiter=self._push_threads)
                 self.stats.metadata_pushes += 1
                 self.stats.metadata_pushed_bytes += hi - lo
         except OSError as err:
