@@ -491,6 +491,24 @@ async def test_a_long_stream_is_served_from_the_mapping_other_hits_by_pread(
 
 
 @pytest.mark.trio
+async def test_read_sync_refuses_a_closed_entry(store: Store, data: bytes, tmp_path: Path) -> None:
+    """Metadata pushes read in worker threads that may outlive the cache at shutdown: after
+    `close` they get EBADF, never a pread of a descriptor number the process reused."""
+    cmap = put_blob(store, data)
+    async with rig(store, tmp_path / "cache") as r:
+        fh = await r.open_blob(cmap.blob)
+        assert await r.read(fh, 0, 100) == data[:100]
+        entry = r.cache.get(cmap.blob)
+        assert entry is not None
+        assert entry.read_sync(10, 30) == data[10:30]
+        await r.fs.release(fh)
+    assert entry.closed  # the rig closed the cache
+    with pytest.raises(OSError) as ei:
+        entry.read_sync(10, 30)
+    assert ei.value.errno == errno.EBADF
+
+
+@pytest.mark.trio
 async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
         store: Store, data: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
