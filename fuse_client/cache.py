@@ -115,7 +115,7 @@ class BlobEntry:
         self.use_dirty = False
         self.streams = Streams()  # sequential readers of this blob (readahead)
         self._positions: dict[str, list[int]] | None = None
-        # The data file mapped read-only (on first read): `view[off:end]` is a cache hit's answer.
+        # The data file mapped read-only (on first use): `mapped_range` answers long streams and misses.
         self.view: memoryview | None = None
         self.mapped = False  # pages may have been mapped by reads since the last `release_pages`
         self._map: mmap.mmap | None = None

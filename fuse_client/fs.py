@@ -328,10 +328,13 @@ class BlobFS(pyfuse3.Operations):
         small files, warm, page cache dropped: 0.67 -> 0.85 of EROFS on a local file; 0.94
         with the 4 MiB kernel readahead, docs/benchmarks-read.md)."""
         if e.streams.run_to(off) >= MAP_STREAM_MIN:
-            v = e.mapped_range(off, end)
-            if v is not None:
-                return v
+            return self._from_mapping(e, off, end)
         return self._pread(e, off, end)
+
+    def _from_mapping(self, e: BlobEntry, off: int, end: int) -> bytes | memoryview:
+        """A slice of the mapping, or a pread where the file cannot be mapped."""
+        v = e.mapped_range(off, end)
+        return v if v is not None else self._pread(e, off, end)
 
     def _follow_stream(self, e: BlobEntry, off: int, end: int, first: int, last: int, now: float) -> None:
         """Let a data read extend its sequential stream, and read ahead of it if that opens a window."""
@@ -361,8 +364,7 @@ class BlobFS(pyfuse3.Operations):
             await self.fetcher.ensure(e, idxs)
             # Present now, and nothing awaits before the reply. The chunks just fetched were just
             # written, so their pages are in the page cache: the mapping, no copy.
-            v = e.mapped_range(off, end)
-            data = v if v is not None else self._pread(e, off, end)
+            data = self._from_mapping(e, off, end)
         finally:
             self.cache.unpin(e, idxs)
         e.touch(first, last, self.cache.clock())
@@ -395,7 +397,7 @@ class BlobFS(pyfuse3.Operations):
         idxs.sort()
         for k in idxs:
             self._pushing.add((e.blob, k))
-        self.cache.pin(e, idxs)  # no eviction while the kernel copies from the mapping
+        self.cache.pin(e, idxs)  # no eviction (a punched hole reads as zeros) until pushed
         self._push_nursery.start_soon(self._push, e, ino, idxs)
 
     async def stop_pushes(self, timeout: float = 5.0) -> None:

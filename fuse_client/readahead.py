@@ -31,12 +31,12 @@ STALE = 10.0  # seconds without a continuation after which a stream is forgotten
 class Stream:
     __slots__ = ("size", "ra_end", "mark", "seen", "run")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, now: float, run: int) -> None:
         self.size = 0  # chunks in the newest window (0: none yet)
         self.ra_end = 0  # chunk index where the newest window ends
         self.mark = 0  # a read reaching this chunk opens the next window
         self.seen = now
-        self.run = 0  # bytes read contiguously by this stream so far
+        self.run = run  # bytes read contiguously by this stream so far
 
 
 class Streams:
@@ -55,8 +55,7 @@ class Streams:
         by_end = self.by_end
         s = by_end.pop(off, None)
         if s is None or now - s.seen > STALE:
-            s = by_end[end] = Stream(now)
-            s.run = end - off
+            by_end[end] = Stream(now, end - off)
             if len(by_end) > MAX_STREAMS:
                 del by_end[next(iter(by_end))]  # insertion order: the least recently continued
             return None
