@@ -256,7 +256,7 @@ class Plain:
         pass
 
     def mount(self, i: str) -> tuple[str, str]:
-        from layerstore import sysmount
+        from fuse_client import linux
 
         d = self.root / i
         d.mkdir()
@@ -264,14 +264,14 @@ class Plain:
         up.mkdir()
         wk.mkdir()
         rt.mkdir()
-        sysmount.mount("overlay", rt, "overlay", 0, f"lowerdir={self.lowers},upperdir={up},workdir={wk},"
+        linux.mount("overlay", rt, "overlay", 0, f"lowerdir={self.lowers},upperdir={up},workdir={wk},"
                        "redirect_dir=off,metacopy=off,index=off")
         return i, str(rt)
 
     def unmount(self, handle: str) -> None:
-        from layerstore import sysmount
+        from fuse_client import linux
 
-        sysmount.umount(self.roots / handle)
+        linux.umount(self.roots / handle)
         os.rmdir(self.roots / handle)
         shutil.rmtree(self.root / handle)
 
@@ -492,7 +492,7 @@ def settle() -> None:
 
 def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) -> dict[str, Any]:
     """Measured at a checkpoint: the shim's state size, what reading the mount table costs, the CLI."""
-    from runtime_shim import mountinfo
+    from fuse_client import linux
 
     facts: dict[str, Any] = {}
     t = time.perf_counter()
@@ -500,7 +500,7 @@ def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) ->
         size = len(f.read())
     read_s = time.perf_counter() - t
     t = time.perf_counter()
-    n = len(mountinfo.read())
+    n = len(linux.read_mounts())
     facts["mountinfo"] = {"bytes": size, "mounts": n, "read_ms": round(read_s * 1000, 2),
                           "read_and_parse_ms": round((time.perf_counter() - t) * 1000, 2)}
     t = time.perf_counter()
@@ -650,7 +650,7 @@ def median_results(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def inner(args: argparse.Namespace) -> int:
-    from runtime_shim import mountinfo
+    from fuse_client import linux
     from runtime_shim.shim import Shim
 
     cg = os.environ.get(CGROUP_ENV)
@@ -674,11 +674,10 @@ def inner(args: argparse.Namespace) -> int:
         log(f"building the environment in {work}")
         trees = make_trees(work)
         store, blobs = make_environment(work, trees)
-        from layerstore import sysmount
+        from fuse_client import linux
 
         (work / "plain-roots").mkdir()
-        sysmount.mount(work / "plain-roots", work / "plain-roots", "", 4096)  # MS_BIND
-        sysmount.mount("none", work / "plain-roots", "", 1 << 18)  # MS_PRIVATE
+        linux.bind_private(work / "plain-roots")
         node = work / "node"
         cfg = {"work": str(work), "node": str(node), "store": store, "trees": {k: str(v) for k, v in trees.items()}}
         shim = Shim.for_node(node, store)
@@ -713,7 +712,7 @@ def inner(args: argparse.Namespace) -> int:
         shim.stop_daemon()
         shim.close()
         shim = None
-        left = mountinfo.under(mountinfo.read(), str(work))
+        left = linux.mounts_under(linux.read_mounts(), str(work))
         doc["inner_check"] = {"mounts_left": [m.mountpoint for m in left]}
     finally:
         with contextlib.suppress(Exception):
@@ -723,11 +722,11 @@ def inner(args: argparse.Namespace) -> int:
                         shim.unmount(sb.id)
                 shim.stop_daemon()
                 shim.close()
-        from layerstore import sysmount
+        from fuse_client import linux
 
-        for m in mountinfo.under(mountinfo.read(), str(work)):
+        for m in linux.mounts_under(linux.read_mounts(), str(work)):
             with contextlib.suppress(Exception):
-                sysmount.umount(m.mountpoint, lazy=True)
+                linux.umount(m.mountpoint, lazy=True)
         shutil.rmtree(work, ignore_errors=True)
     doc["machine"]["loadavg_at_end"] = os.getloadavg()
     Path(args.inner_out).write_text(json.dumps(doc, indent=2) + "\n")
@@ -755,9 +754,9 @@ def leftovers(doc: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(OSError):
             if bf.exists() and bf.read_text().startswith(work):
                 loops.append(dev.name)
-    from runtime_shim import mountinfo
+    from fuse_client import linux
 
-    mounts = [m.mountpoint for m in mountinfo.under(mountinfo.read(), work)]
+    mounts = [m.mountpoint for m in linux.mounts_under(linux.read_mounts(), work)]
     return {"processes": procs, "processes_in_namespace": in_ns, "loop_devices": loops, "mounts": mounts,
             "workdir_exists": os.path.exists(work),
             "clean": not (procs or in_ns or loops or mounts or os.path.exists(work))}

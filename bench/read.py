@@ -92,13 +92,13 @@ import trio  # noqa: E402
 
 from erofs_builder.build import build_layer, push_layer  # noqa: E402
 from erofs_builder.source_dir import dir_entries  # noqa: E402
+from fuse_client import linux  # noqa: E402
 from fuse_client.control import DaemonNotRunning, pin, request_json, unpin  # noqa: E402
 from fuse_client.daemon import open_cache  # noqa: E402
 from fuse_client.fetcher import DEFAULT_CONCURRENCY, Fetcher  # noqa: E402
 from fuse_client.fs import BLOBS_INODE, BlobFS  # noqa: E402
 from fuse_client.stats import Stats  # noqa: E402
 from layerstore import digest as digestmod  # noqa: E402
-from layerstore import sysmount  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 
 MiB = 1 << 20
@@ -256,11 +256,11 @@ def thread_sched_ns(pid: int, tid: int) -> tuple[int, int]:
 @contextlib.contextmanager
 def erofs_mount(image: Path, work: Path, options: str = "") -> Iterator[Path]:
     target = Path(tempfile.mkdtemp(prefix="mnt-erofs-", dir=work))
-    sysmount.mount_erofs(image, target, options)
+    linux.mount_erofs(image, target, options)
     try:
         yield target
     finally:
-        sysmount.umount(target, lazy=True)
+        linux.umount(target, lazy=True)
         target.rmdir()
 
 
@@ -300,7 +300,7 @@ def daemon(store: str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | 
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {proc.returncode}; see {log}")
-            if sysmount.is_mountpoint(mnt):
+            if linux.is_mount(mnt):
                 with contextlib.suppress(DaemonNotRunning, OSError):
                     request_json(cache, "GET", "/stats", timeout=5)
                     break
@@ -316,8 +316,8 @@ def daemon(store: str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if sysmount.is_mountpoint(mnt):
-            sysmount.umount(mnt, lazy=True)
+        if linux.is_mount(mnt):
+            linux.umount(mnt, lazy=True)
 
 
 def timed(fn: Callable[[Path], int], root: Path, out: dict[str, Any] | None = None) -> tuple[float, int]:
@@ -781,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, work)
     finally:
         for p in sorted(work.glob("**/mnt*"), reverse=True):
-            if sysmount.is_mountpoint(p):
-                sysmount.umount(p, lazy=True)
+            if linux.is_mount(p):
+                linux.umount(p, lazy=True)
         shutil.rmtree(work, ignore_errors=True)
 
 

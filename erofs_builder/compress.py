@@ -31,7 +31,8 @@ import blake3
 
 from layerstore import chunkobj
 from layerstore import digest as digestmod
-from layerstore.store import PutStats, Store, pread_exact
+from layerstore.fileio import pread_exact
+from layerstore.store import PutStats, Store
 
 from .chunking import ChunkPolicy, Cut, DataExtent, _boundary_after
 

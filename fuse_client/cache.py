@@ -38,11 +38,13 @@ import trio
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import BadInput, CorruptObject, LayerstoreError
+from layerstore.fileio import pwrite_all
 
 from . import cache_index as ci
-from .cache_files import BlobFiles, CacheIOError, data_extents, punch_hole, pwrite_all
+from .cache_files import BlobFiles, CacheIOError, punch_hole
 from .eviction import Budget, Candidate, choose_victims
 from .limiter import DEMAND
+from .linux import data_extents
 from .readahead import Streams
 
 log = logging.getLogger("layerstore.fuse.cache")

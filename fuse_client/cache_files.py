@@ -14,9 +14,6 @@ in worker threads (or inline on the read fast path, for pread).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +21,7 @@ from pathlib import Path
 from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError
 
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.fallocate.restype = ctypes.c_int
+from . import linux
 
 
 class CacheIOError(LayerstoreError):
@@ -37,36 +29,11 @@ class CacheIOError(LayerstoreError):
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Deallocate [offset, offset+length) of a file, keeping its size; the range reads as zeros."""
-    if length <= 0:
-        return
-    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise CacheIOError(f"punching a hole at {offset}+{length}: {os.strerror(err)}")
-
-
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
-    """(start, end) of the allocated regions of a sparse file, via SEEK_DATA/SEEK_HOLE."""
-    pos = 0
-    while pos < size:
-        try:
-            start = os.lseek(fd, pos, os.SEEK_DATA)
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # no data after pos
-                return
-            raise
-        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        if end <= start:
-            return
-        yield start, end
-        pos = end
+    """Deallocate [offset, offset+length) of a data file, keeping its size (`linux.punch_hole`)."""
+    try:
+        linux.punch_hole(fd, offset, length)
+    except OSError as e:
+        raise CacheIOError(str(e.strerror or e)) from None
 
 
 class BlobFiles:

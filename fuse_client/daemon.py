@@ -26,7 +26,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from layerstore import sysmount
+from fuse_client import linux
 from layerstore.errors import ConfigError, LayerstoreError
 
 from .cache import NodeCache
@@ -117,28 +117,19 @@ def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitSta
 
 def clear_dead_mount(mountpoint: Path) -> None:
     """A daemon killed with -9 leaves its mount behind, answering ENOTCONN: detach it."""
-    if not sysmount.is_mountpoint(mountpoint):
-        return
     try:
-        os.statvfs(mountpoint)  # always reaches the filesystem (stat may be answered from cache)
-    except OSError as e:
-        if e.errno == errno.ENOTCONN:
-            log.warning("%s: detaching the dead FUSE mount of a previous daemon", mountpoint)
-            sysmount.umount(mountpoint, lazy=True)
-            return
-        raise
-    raise ConfigError(f"{mountpoint} is already a mount point")
+        if linux.clear_dead_fuse(mountpoint):
+            log.warning("%s: detached the dead FUSE mount of a previous daemon", mountpoint)
+    except linux.MountError as e:
+        raise ConfigError(str(e)) from None
 
 
 def set_kernel_readahead(mountpoint: Path, kb: int) -> None:
-    """Set read_ahead_kb of the FUSE mount's backing device info (best effort). The device
-    number comes from mountinfo, so no request is sent to our own, not yet serving, mount."""
-    want = os.fspath(mountpoint)
+    """Set read_ahead_kb of the FUSE mount's backing device info (best effort)."""
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            devs = [line.split(" ")[2] for line in f if sysmount._unescape(line.split(" ")[4]) == want]
-        if devs:
-            Path(f"/sys/class/bdi/{devs[-1]}/read_ahead_kb").write_text(f"{kb}\n")
+        path = linux.bdi_read_ahead_kb(mountpoint)
+        if path is not None:
+            Path(path).write_text(f"{kb}\n")
     except OSError as e:
         log.warning("cannot set the kernel readahead of %s to %d KiB: %s", mountpoint, kb, e)
 
@@ -185,7 +176,7 @@ class Daemon:
         cfg = self.config
         self._token = trio.lowlevel.current_trio_token()
         cache_dir, mountpoint = Path(cfg.cache_dir).absolute(), Path(cfg.mountpoint).absolute()
-        if not mountpoint.is_dir() and not sysmount.is_mountpoint(mountpoint):
+        if not mountpoint.is_dir() and not linux.is_mount(mountpoint):
             raise ConfigError(f"mountpoint {mountpoint} is not a directory")
         with contextlib.ExitStack() as stack:
             cache = self.cache = await trio.to_thread.run_sync(

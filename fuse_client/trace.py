@@ -10,11 +10,11 @@ Only demand reads are recorded (prefetch and the metadata fetched at open are no
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput
+from layerstore.fileio import write_atomic
 
 TRACE_VERSION = 1
 
@@ -42,14 +42,7 @@ class TraceRecorder:
 
 def write_trace(path: Path, data: dict[str, object]) -> None:
     """Replace the file atomically (a reader sees the previous or the new trace)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
+    write_atomic(path, (json.dumps(data, sort_keys=True) + "\n").encode(), mode=0o644)
 
 
 def parse_trace(data: object) -> dict[str, list[int]]:

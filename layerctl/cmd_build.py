@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import click
 
 from layerstore.errors import ConfigError, LayerstoreError, NotFound, PermissionDenied
+from layerstore.fileio import write_atomic
 
 from .options import emit_json, human_bytes, json_option, store_option
 
@@ -180,7 +181,7 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
                 res["_payload"] = sum(ref.length for ref in layer.refs)
                 results.append(res)
         if config_out is not None:
-            _write_atomic(config_out, json.dumps(source.config, indent=2, sort_keys=True).encode() + b"\n")
+            write_atomic(config_out, json.dumps(source.config, indent=2, sort_keys=True).encode() + b"\n", mode=0o644)
     except OSError as e:
         cls = {errno.ENOENT: NotFound, errno.EACCES: PermissionDenied, errno.EPERM: PermissionDenied,
                errno.EROFS: PermissionDenied}.get(e.errno or 0, LayerstoreError)
@@ -275,17 +276,6 @@ class _Staging:
             shutil.rmtree(self.tmp, ignore_errors=True)
         if exc_type is not None and self.created_dir and self.output is not None:
             shutil.rmtree(self.output, ignore_errors=True)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def register(cli: click.Group) -> None:

@@ -30,6 +30,7 @@ from .chunker import DEFAULT_CHUNK_SIZE, fixed_boundaries
 from .chunkmap import ChunkMap, ChunkRef
 from .config import resolve_store_url
 from .errors import CorruptObject, LayerstoreError, NotFound
+from .fileio import pread_exact, pwrite_all
 
 STORE_FORMAT = {"format": "layerstore", "version": 1}
 DEFAULT_WORKERS = max(4, (os.cpu_count() or 2) * 2)
@@ -261,7 +262,7 @@ class Store:
             if len(data) != ref.length:
                 raise CorruptObject(f"blob {blob}: chunk {ref.digest} has {len(data)} bytes, map says {ref.length}")
             hasher.update(data)
-            _pwrite_all(out_fd, data, ref.offset)
+            pwrite_all(out_fd, data, ref.offset)
 
         for ref in cm.chunks:
             window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
@@ -376,21 +377,3 @@ def _parse_tag_value(raw: bytes, ref: str) -> str:
         return digestmod.parse(raw.decode("ascii").strip())
     except (UnicodeDecodeError, LayerstoreError):
         raise CorruptObject(f"tag {ref}: does not hold a manifest digest") from None
-
-
-def pread_exact(fd: int, length: int, offset: int, what: object) -> bytes:
-    """`length` bytes at `offset`, however many reads that takes; a file that ends early is an error."""
-    data = os.pread(fd, length, offset)
-    while len(data) < length:
-        more = os.pread(fd, length - len(data), offset + len(data))
-        if not more:
-            raise LayerstoreError(f"{what}: file shrank while it was being stored")
-        data += more
-    return data
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n

@@ -4,11 +4,11 @@ turns OS errors into the project's errors."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 from layerstore.errors import ConfigError, NotFound, PermissionDenied
+from layerstore.fileio import write_atomic
 
 from . import canonical
 from .config import RuntimeConfig
@@ -67,33 +67,16 @@ def read_private_key(path: str | os.PathLike[str]) -> PrivateKey:
 
 
 def write_private_key(path: str | os.PathLike[str], key: PrivateKey, *, force: bool = False) -> None:
-    """Write the key readable by its owner only. Never overwrites unless `force`; never leaves
-    a partial key file behind."""
+    """Write the key readable by its owner only. Never overwrites unless `force` (no
+    check-then-write race: the file is linked into place); never leaves a partial key file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        write_atomic(path, key.to_pem(), mode=0o600, exclusive=not force)
+    except FileExistsError:
+        raise ConfigError(f"key file {path}: already exists (use --force to replace it)") from None
     except FileNotFoundError:
         raise NotFound(f"key file {path}: directory {path.parent} does not exist") from None
     except PermissionError:
         raise PermissionDenied(f"key file {path}: permission denied") from None
     except OSError as e:
         raise ConfigError(f"key file {path}: {os.strerror(e.errno or 0)}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.to_pem())
-            f.flush()
-            os.fsync(f.fileno())
-        if force:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails if the file exists: no check-then-write race
-            except FileExistsError:
-                raise ConfigError(f"key file {path}: already exists (use --force to replace it)") from None
-            except OSError as e:
-                raise ConfigError(f"key file {path}: {os.strerror(e.errno or 0)}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from layerstore.errors import BadInput
-
-from .records import write_atomic
+from layerstore.fileio import write_atomic
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Docker's default capability set: enough for package managers and build tools run as root.

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerstore import sysmount
+from fuse_client import linux
 
-from . import mountinfo
 from .errors import DaemonError
 from .paths import NodePaths
 from .state import DaemonRecord
@@ -88,8 +87,8 @@ class DaemonSupervisor:
 
     def health(self, rec: DaemonRecord | None) -> DaemonHealth:
         alive = rec is not None and is_alive(rec)
-        mounted = mountinfo.is_mount(self.paths.fuse)
-        responsive = mounted and not mountinfo.is_dead(self.paths.fuse)
+        mounted = linux.is_mount(self.paths.fuse)
+        responsive = mounted and not linux.is_dead(self.paths.fuse)
         return DaemonHealth(alive, mounted, responsive)
 
     def start(self, store: str) -> DaemonRecord:
@@ -128,7 +127,7 @@ class DaemonSupervisor:
                 _reap(pid)
                 raise DaemonError(f"the node daemon exited during start-up; see {self.paths.daemon_log}: "
                                   f"{self.log_tail()}")
-            if mountinfo.is_mount(self.paths.fuse) and not mountinfo.is_dead(self.paths.fuse):
+            if linux.is_mount(self.paths.fuse) and not linux.is_dead(self.paths.fuse):
                 return DaemonRecord(pid, start_time, store, str(self.paths.fuse), str(self.paths.cache), argv)
             time.sleep(0.01)
         self.stop(DaemonRecord(pid, start_time or 0, store, str(self.paths.fuse), str(self.paths.cache), argv))
@@ -147,16 +146,16 @@ class DaemonSupervisor:
                     os.kill(rec.pid, signal.SIGKILL)
                 while is_alive(rec):
                     time.sleep(0.01)
-        if mountinfo.is_mount(self.paths.fuse):
-            with contextlib.suppress(sysmount.MountError):
-                sysmount.umount(self.paths.fuse, lazy=True)
+        if linux.is_mount(self.paths.fuse):
+            with contextlib.suppress(linux.MountError):
+                linux.umount(self.paths.fuse, lazy=True)
 
     def clear_dead_mount(self) -> bool:
         """Detach whatever is mounted at the FUSE mountpoint when no recorded daemon owns it: a
         dead mount of a killed daemon, or the mount of a daemon whose record was lost (which then
         sees its mount go and exits)."""
-        if mountinfo.is_mount(self.paths.fuse):
-            sysmount.umount(self.paths.fuse, lazy=True)
+        if linux.is_mount(self.paths.fuse):
+            linux.umount(self.paths.fuse, lazy=True)
             return True
         return False
 

@@ -27,12 +27,14 @@ import contextlib
 import os
 from pathlib import Path
 
-from layerstore import sysmount
+from fuse_client import linux
+from fuse_client.linux import detach
 from layerstore.errors import LayerstoreError
+from layerstore.fileio import rmdir_quiet
 
 from .blobs import BlobSource
 from .errors import ShimError
-from .overlay import detach, explain, rmdir_quiet
+from .overlay import explain
 from .paths import NodePaths
 from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
@@ -67,8 +69,8 @@ class LayerMounts:
             return direct
         source = self.blobs.path(blob)
         try:
-            sysmount.mount_erofs(source, mp, self.blobs.erofs_options)
-        except sysmount.MountError as e:
+            linux.mount_erofs(source, mp, self.blobs.erofs_options)
+        except linux.MountError as e:
             rmdir_quiet(mp)
             if not os.path.exists(source):
                 raise ShimError(f"layer {blob}: no image file at {source}") from None
@@ -86,8 +88,8 @@ class LayerMounts:
         if local is None:
             return None
         try:
-            sysmount.mount_erofs(local, mp, "")  # buffered: a local file keeps the disk's readahead
-        except sysmount.MountError:
+            linux.mount_erofs(local, mp, "")  # buffered: a local file keeps the disk's readahead
+        except linux.MountError:
             with contextlib.suppress(LayerstoreError):
                 self.blobs.unpin(blob, holder)
             return None

@@ -105,9 +105,9 @@ def node_dir_of(target: str) -> str | None:
     import os
     import re
 
-    from . import mountinfo
+    from fuse_client import linux
 
-    m = mountinfo.find(os.path.abspath(target))  # parses only the lines naming the target
+    m = linux.find_mount(os.path.abspath(target))  # parses only the lines naming the target
     if m is None or m.fstype != "overlay":
         return None
     found = re.search(r"(?:^|,)upperdir=([^,]+)/sandboxes/[^/,]+/upper(?:,|$)", m.options)
@@ -149,9 +149,10 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
         target = parse_umount_argv(sys.argv[1:] if argv is None else argv)
     except LayerstoreError as e:
         return _fail(e, EXIT_USAGE)
-    from . import mountinfo, utab
+    from fuse_client import linux
+
+    from . import utab
     from .errors import SandboxNotFound
-    from .overlay import detach
 
     try:
         with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR") or node_dir_of(target)) as shim:
@@ -159,10 +160,10 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
     except SandboxNotFound as e:
         # umount(8) sent us a mount the node does not know (its record is gone): still unmount it,
         # as umount(8) itself would have.
-        if not mountinfo.is_mount(target):
+        if not linux.is_mount(target):
             return _fail(e, EXIT_FAILURE)
         try:
-            detach(target)
+            linux.detach(target)
         except LayerstoreError as e2:
             return _fail(e2, EXIT_FAILURE)
         with contextlib.suppress(OSError):

@@ -7,13 +7,11 @@ commit can turn into a layer; renaming a lower directory copies it up instead of
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import os
 from collections.abc import Sequence
 
-from layerstore import sysmount
+from fuse_client import linux
 
 from .errors import ShimError
 from .paths import check_overlay_safe
@@ -39,8 +37,8 @@ def mount_overlay(target: str, lowers_top_first: Sequence[str], upper: str, work
     if len(opts) >= 4096:
         raise ShimError(f"overlay options for {target} are {len(opts)} bytes; the kernel takes one page")
     try:
-        sysmount.mount("overlay", target, "overlay", 0, opts)
-    except sysmount.MountError as e:
+        linux.mount("overlay", target, "overlay", 0, opts)
+    except linux.MountError as e:
         raise ShimError(explain(e)) from None
 
 
@@ -56,42 +54,3 @@ def explain(e: Exception) -> str:
             limit = "?"
         msg += f" (the mount table is full: fs.mount-max = {limit} mounts per namespace; raise it with sysctl)"
     return msg
-
-
-MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-
-def _umount2(path: str | os.PathLike[str], flags: int) -> int:
-    """umount2(2); 0 or the errno."""
-    if _libc.umount2(os.fsencode(path), flags | UMOUNT_NOFOLLOW) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-def detach(path: str | os.PathLike[str]) -> bool:
-    """Unmount `path`, lazily if it is busy or dead; True if something was mounted there.
-
-    O(1): asks the kernel directly instead of looking `path` up in mountinfo first (which costs
-    O(mounts), several MB to parse at 10,000 sandboxes). EINVAL = not a mount point. Symlinks are
-    not followed (a target is a directory the shim made or was given)."""
-    err = _umount2(path, 0)
-    if err == 0:
-        return True
-    if err in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
-        return False
-    err = _umount2(path, MNT_DETACH)  # busy (a process inside), or a dead FUSE below it
-    if err == 0:
-        return True
-    if err in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
-        return False
-    raise sysmount.MountError(f"umount {os.fsdecode(path)}: {os.strerror(err)}")
-
-
-def rmdir_quiet(path: str | os.PathLike[str]) -> None:
-    try:
-        os.rmdir(path)
-    except OSError as e:
-        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EBUSY):
-            raise

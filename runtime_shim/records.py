@@ -15,31 +15,13 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from layerstore.fileio import write_atomic
+
 from .paths import SANDBOX_ID, NodePaths
 from .state import Sandbox
 
 RECORD = "sandbox.json"
 TRASH = ".trash"
-
-
-def write_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Whole or absent, never half-written (rename). `durable=False` skips the fsyncs: the file
-    then survives a process crash but maybe not a power loss."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if durable:
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def save(paths: NodePaths, sb: Sandbox) -> None:

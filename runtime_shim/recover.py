@@ -40,10 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from fuse_client import linux
+from fuse_client.linux import detach
 from layerstore.errors import CorruptObject, LayerstoreError
+from layerstore.fileio import rmdir_quiet
 
-from . import mountinfo, records
-from .overlay import detach, mount_overlay, rmdir_quiet
+from . import records
+from .overlay import mount_overlay
 from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, Sandbox, boot_id
 
 if TYPE_CHECKING:
@@ -90,7 +93,7 @@ def _forget_earlier_boot(shim: Shim, rep: RecoverReport) -> None:
         rep.rebooted = True
 
 
-def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, mountinfo.MountEntry]) -> dict[str, Sandbox]:
+def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, linux.MountEntry]) -> dict[str, Sandbox]:
     """Settle the operations of dead processes; returns the sandboxes live processes are working
     on (a teardown unmounting its root outside the lock), which recovery leaves alone."""
     with shim.state.read() as t:
@@ -119,7 +122,7 @@ def recover(shim: Shim) -> RecoverReport:
     """Caller holds the node lock."""
     paths, rep = shim.paths, RecoverReport()
     _forget_earlier_boot(shim, rep)
-    inflight = _settle_pending(shim, rep, mountinfo.read())
+    inflight = _settle_pending(shim, rep, linux.read_mounts())
     in_trash = records.trashed_ids(paths)
 
     with shim.state.read() as t:
@@ -144,7 +147,7 @@ def recover(shim: Shim) -> RecoverReport:
     live = list(known.values())
     busy = list(inflight.values())  # counted (their layers stay), never touched
     needed: set[str] = {blob for sb in live + busy for blob in sb.layers}
-    mounts = mountinfo.read()
+    mounts = linux.read_mounts()
     with shim.state.read() as t:
         layer_recs = {lm.blob: lm for lm in t.layers()}
 
@@ -222,12 +225,12 @@ def recover(shim: Shim) -> RecoverReport:
             t.put_sandbox(sb)
 
     # Orphans: mounts under the node directory (or overlays on its uppers) that nobody owns.
-    mounts = mountinfo.read()
+    mounts = linux.read_mounts()
     live_targets = {sb.target for sb in live + busy}
     layer_points = {lm.mountpoint for lm in layer_now.values()}
     node_sb = str(paths.sandboxes) + "/"
     node_roots = str(paths.roots) + "/"
-    for m in mountinfo.under(mounts, str(paths.layers)):
+    for m in linux.mounts_under(mounts, str(paths.layers)):
         if m.mountpoint != str(paths.layers) and m.mountpoint not in layer_points:
             detach(m.mountpoint)
             rmdir_quiet(m.mountpoint)

@@ -22,16 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerstore import sysmount
+from fuse_client import linux
+from fuse_client.linux import detach
+from layerstore.fileio import rmdir_quiet
 
-from . import mountinfo, records, utab
+from . import records, utab
 from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
 from .environment import EnvSpec
 from .errors import SandboxExists, SandboxNotFound, ShimError
 from .layers import CLAIMED, LayerMounts
 from .lock import BlobLock, NodeLock
-from .overlay import detach, mount_overlay, rmdir_quiet
+from .overlay import mount_overlay
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from .state import (
     BROKEN,
@@ -48,7 +50,6 @@ from .state import (
 
 Resolver = Callable[[str], EnvSpec]
 HINTS_TIMEOUT = 60.0  # how long closing a shim waits for prefetch hints still being sent
-MS_BIND, MS_PRIVATE = 4096, 1 << 18
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Shim:
         health = SandboxHealth(sb.id)
         if sb.status != MOUNTED:
             health.problems.append(f"status {sb.status}{': ' + sb.error if sb.error else ''}")
-        if not mountinfo.is_mount(sb.target) or mountinfo.fs_type(sb.target) != mountinfo.OVERLAYFS_MAGIC:
+        if not linux.is_mount(sb.target) or linux.fs_type(sb.target) != linux.OVERLAYFS_MAGIC:
             health.problems.append(f"root {sb.target} is not mounted")
         gen = self.blobs.generation()
         if gen is None:
@@ -172,7 +173,7 @@ class Shim:
         with self.state.read() as t:
             for blob in sb.layers:
                 lm = t.layer(blob)
-                if lm is None or not mountinfo.is_mount(lm.mountpoint):
+                if lm is None or not linux.is_mount(lm.mountpoint):
                     health.problems.append(f"layer {blob} is not mounted")
                 elif gen is not None and not lm.current(gen):
                     health.problems.append(f"layer {blob} reads from a previous daemon")
@@ -222,7 +223,7 @@ class Shim:
             mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
             mounted = True
             if utab_entry:
-                mid = mountinfo.mount_id(sb.target)
+                mid = linux.mount_id(sb.target)
                 if mid is not None:
                     utab.add(mid, sb.target)
             sb.status = MOUNTED
@@ -577,15 +578,14 @@ class Shim:
         """Caller holds the lock."""
         roots = self.paths.roots
         roots.mkdir(mode=0o700, exist_ok=True)
-        if not mountinfo.is_mount_root(roots):
-            sysmount.mount(roots, roots, "", MS_BIND)
-            sysmount.mount("none", roots, "", MS_PRIVATE)
+        if not linux.is_mount_root(roots):
+            linux.bind_private(roots)
 
     def _release_roots(self) -> None:
         """Caller holds the lock; the node has no sandbox left."""
-        if mountinfo.is_mount_root(self.paths.roots):
-            with contextlib.suppress(sysmount.MountError):
-                sysmount.umount(self.paths.roots, lazy=True)
+        if linux.is_mount_root(self.paths.roots):
+            with contextlib.suppress(linux.MountError):
+                linux.umount(self.paths.roots, lazy=True)
 
     def delete_containers(self, sandbox: str) -> list[str]:
         """Delete (killing it if it runs) the OCI runtimes' container of this sandbox, if any is
@@ -660,7 +660,7 @@ class Shim:
                     continue  # being mounted (or its claim settled by the next mount that needs it)
                 if not lm.current(gen):
                     return f"layer {lm.blob} reads from a previous daemon"
-                if not mountinfo.is_mount(lm.mountpoint):
+                if not linux.is_mount(lm.mountpoint):
                     return f"layer {lm.blob} is not mounted"
         return ""
 

@@ -21,20 +21,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from fuse_client.linux import escape, unescape
+from layerstore.fileio import write_atomic
+
 UTAB_DIR = Path("/run/mount")
 HELPER = "layerstore"
-
-
-def _mangle(value: str) -> str:
-    # libmount escapes these in its tables as a backslash and three octal digits
-    return (value.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
-            .replace("\n", "\\012"))
-
-
-def _unmangle(value: str) -> str:
-    from .mountinfo import unescape
-
-    return unescape(value)
 
 
 @contextlib.contextmanager
@@ -49,7 +40,7 @@ def _locked(directory: Path) -> Iterator[Path]:
 
 
 def entry(mount_id: int, target: str, source: str = "overlay") -> str:
-    return f"ID={mount_id} SRC={_mangle(source)} TARGET={_mangle(target)} ROOT=/ OPTS=helper={HELPER}\n"
+    return f"ID={mount_id} SRC={escape(source)} TARGET={escape(target)} ROOT=/ OPTS=helper={HELPER}\n"
 
 
 def add(mount_id: int, target: str, *, directory: Path = UTAB_DIR) -> None:
@@ -65,7 +56,7 @@ def add(mount_id: int, target: str, *, directory: Path = UTAB_DIR) -> None:
 def _target_of(line: str) -> str | None:
     for field in line.split():
         if field.startswith("TARGET="):
-            return _unmangle(field[len("TARGET="):])
+            return unescape(field[len("TARGET="):])
     return None
 
 
@@ -79,9 +70,7 @@ def remove(target: str, *, directory: Path = UTAB_DIR) -> bool:
         keep = [ln for ln in lines if not (_target_of(ln) == target and f"helper={HELPER}" in ln)]
         if len(keep) == len(lines):
             return False
-        tmp = utab.with_name(f"utab.layerstore-{os.getpid()}")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, utab)
+        write_atomic(utab, "".join(keep).encode(), durable=False, mode=0o644)
         return True
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import blake3
 
-from layerstore.sysmount import mount_erofs, umount
+from fuse_client.linux import mount_erofs, umount
 
 HAVE_ROOT = os.geteuid() == 0
 HAVE_FSCK = shutil.which("fsck.erofs") is not None

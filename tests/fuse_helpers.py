@@ -22,9 +22,9 @@ import trio
 
 from erofs_builder.build import BuiltLayer, build_layer, push_layer
 from erofs_builder.source_dir import dir_entries
+from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, request_json
 from fuse_client.daemon import Daemon, DaemonConfig
-from layerstore import sysmount
 from layerstore.backends.base import Backend
 from layerstore.store import Store
 
@@ -109,10 +109,10 @@ class CountingBackend(Backend):
 def force_unmount(path: Path) -> None:
     """Detach whatever is mounted at `path` (a dead FUSE mount included), quietly."""
     for _ in range(4):
-        if not sysmount.is_mountpoint(path):
+        if not linux.is_mount(path):
             return
         with contextlib.suppress(Exception):
-            sysmount.umount(path, lazy=True)
+            linux.umount(path, lazy=True)
 
 
 def blob_path(mountpoint: Path, blob: str) -> Path:
@@ -161,7 +161,7 @@ class DaemonProcess:
                 [LAYERCTL, "daemon", "--store", self.store_url, "--cache", str(self.cache_dir),
                  "--mountpoint", str(self.mountpoint), *self.extra],
                 stdout=logf, stderr=subprocess.STDOUT, env=env)
-        wait_until(lambda: sysmount.is_mountpoint(self.mountpoint) and _answers(self.cache_dir), READY_TIMEOUT,
+        wait_until(lambda: linux.is_mount(self.mountpoint) and _answers(self.cache_dir), READY_TIMEOUT,
                    "the daemon to mount", alive=self._check_alive)
         return self
 

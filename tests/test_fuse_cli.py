@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from erofs_builder.build import BuiltLayer
+from fuse_client import linux
 from fuse_client.control import request, request_json
-from layerstore import sysmount
 from layerstore.store import Store
 from tests.cli_helpers import assert_clean_failure, layerctl
 from tests.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tree
@@ -88,9 +88,9 @@ def test_daemon_end_to_end(store_dir: Path, src: Path, layer: BuiltLayer, tmp_pa
         other.mkdir()
         assert_clean_failure(layerctl("daemon", "--store", str(store_dir), "--cache", str(cache), "--mountpoint",
                                       str(other)), "in use")
-        assert not sysmount.is_mountpoint(other)
+        assert not linux.is_mount(other)
         assert d.stop() == 0
-    assert not sysmount.is_mountpoint(mnt)
+    assert not linux.is_mount(mnt)
     assert not (cache / "control.sock").exists()
     doc = json.loads(trace.read_text())
     assert doc["version"] == 1 and set(doc["blobs"]) == {layer.blob}

@@ -12,7 +12,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuse_client.cache_files import BlobFiles, data_extents, punch_hole
+from fuse_client.cache_files import BlobFiles, punch_hole
+from fuse_client.linux import data_extents
 from fuse_client.cache_index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
 from fuse_client.control import prefetch_order
 from fuse_client.eviction import Budget, Candidate, choose_victims

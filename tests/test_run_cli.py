@@ -197,7 +197,7 @@ def test_eager_fetches_every_chunk_before_mounting(store: dict[str, str], nodes:
 
 def test_complete_layers_are_mounted_directly_and_survive_the_daemon(store: dict[str, str], nodes: list[Path],
                                                                      tmp_path: Path) -> None:
-    from runtime_shim import mountinfo
+    from fuse_client import linux
 
     node, target = nodes[0], tmp_path / "direct"
     r = layerctl("mount", "--store", store["url"], "--node-dir", str(node), "--eager", "--sandbox", "d1", "big:1",
@@ -208,7 +208,7 @@ def test_complete_layers_are_mounted_directly_and_survive_the_daemon(store: dict
     assert set(layers) == {store["base"], store["toolkit"]}
     for lm in layers.values():  # on the cache's data file, not the daemon's FUSE file
         assert lm.pin and lm.generation == "direct" and lm.source.startswith(str(node / "cache"))
-        m = mountinfo.read()[lm.mountpoint]
+        m = linux.read_mounts()[lm.mountpoint]
         assert m.fstype == "erofs" and "directio" not in m.options
     pins = layerctl("cache", "ls", "--cache", str(node / "cache"), "--json").json()["pins"]
     assert sorted(p["holder"] for p in pins) == sorted(lm.pin for lm in layers.values())
@@ -319,7 +319,7 @@ def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], 
 
 
 def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
-    from runtime_shim import mountinfo
+    from fuse_client import linux
     from runtime_shim.shim import Shim
 
     node = nodes[0]
@@ -328,7 +328,7 @@ def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[s
         assert shim.layer_refs() == {store["base"]: 1000, store["toolkit"]: 1000}
         assert (Path(sbs[-1].target) / "data" / "keep").read_text() == "keep\n"
         assert len((Path(sbs[0].target) / "opt" / "big").read_bytes()) == 6 << 20  # through the daemon
-        assert sum(1 for m in mountinfo.read().values() if m.fstype == "overlay"
+        assert sum(1 for m in linux.read_mounts().values() if m.fstype == "overlay"
                    and m.mountpoint.startswith(str(node) + "/")) == 1000
         with shim.state.read() as t:
             rec = t.daemon()
@@ -338,7 +338,7 @@ def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[s
         assert shim.sandboxes() == [] and shim.layer_refs() == {}
         assert shim.stop_daemon()
     assert not is_alive(rec)
-    assert mountinfo.under(mountinfo.read(), str(node)) == []
+    assert linux.mounts_under(linux.read_mounts(), str(node)) == []
     loops = Path("/sys/block")
     assert not any(str(node) in (d / "loop" / "backing_file").read_text()
                    for d in loops.iterdir() if (d / "loop" / "backing_file").exists())

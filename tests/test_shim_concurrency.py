@@ -306,10 +306,10 @@ class PinningBlobs(DirBlobs):
         return self.path(blob)
 
     def unpin(self, blob: str, holder: str) -> None:
-        from runtime_shim import mountinfo
+        from fuse_client import linux
 
         self.calls.append(("unpin", holder))
-        self.mounted_at_unpin.append(mountinfo.is_mount(holder.split(":", 1)[1]))
+        self.mounted_at_unpin.append(linux.is_mount(holder.split(":", 1)[1]))
         self.held.pop(holder, None)
 
     def pins(self, prefix: str) -> list[tuple[str, str]]:

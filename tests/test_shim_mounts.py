@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from layerstore import sysmount
-from runtime_shim import mountinfo
+from fuse_client import linux
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
 from runtime_shim.paths import NodePaths
@@ -57,7 +56,7 @@ def env2(images: dict[str, object]):  # type: ignore[no-untyped-def]
 
 
 def erofs_mounts(node: Path) -> list[str]:
-    return sorted(m.mountpoint for m in mountinfo.read().values()
+    return sorted(m.mountpoint for m in linux.read_mounts().values()
                   if m.fstype == "erofs" and m.mountpoint.startswith(str(node) + "/"))
 
 
@@ -161,8 +160,8 @@ def test_recover_when_state_says_mounted_but_mounts_are_gone(node: Path, images:
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
         (Path(a.target) / "mine").write_text("a's data\n")
-    for m in sorted(mountinfo.under(mountinfo.read(), str(node)), key=lambda m: -len(m.mountpoint)):
-        sysmount.umount(m.mountpoint, lazy=True)  # the mounts vanish (reboot, crashed namespace)
+    for m in sorted(linux.mounts_under(linux.read_mounts(), str(node)), key=lambda m: -len(m.mountpoint)):
+        linux.umount(m.mountpoint, lazy=True)  # the mounts vanish (reboot, crashed namespace)
     assert erofs_mounts(node) == []
     with open_shim(node, images) as shim:  # recovery runs when the shim starts
         assert {s.id: s.status for s in shim.sandboxes()} == {a.id: MOUNTED, b.id: MOUNTED}
@@ -184,12 +183,12 @@ def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: d
     os.unlink(NodePaths(node).sandbox_dir(gone.id) / "sandbox.json")  # and one record too
     stray = node / "layers" / ("f" * 64)
     stray.mkdir()
-    sysmount.mount_erofs(Path(images["blobs"]) / images["base"], stray)  # type: ignore[arg-type, operator]
+    linux.mount_erofs(Path(images["blobs"]) / images["base"], stray)  # type: ignore[arg-type, operator]
     with open_shim(node, images) as shim:
         assert [s.id for s in shim.sandboxes()] == [a.id]  # rebuilt from its record
         assert (Path(a.target) / "mine").read_text() == "kept\n"
         assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
-        assert not sysmount.is_mountpoint(gone.target) and not sysmount.is_mountpoint(stray)
+        assert not linux.is_mount(gone.target) and not linux.is_mount(stray)
         assert (Path(gone.upper) / "g").read_text() == "upper data\n"  # never touched
         shim.unmount(a.id)
     assert erofs_mounts(node) == []
@@ -207,7 +206,7 @@ def test_recover_finishes_an_interrupted_teardown(node: Path, images: dict[str, 
         assert rep.finished_teardowns == [a.id]
         assert [s.id for s in shim.sandboxes()] == [b.id]
         assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
-        assert not os.path.exists(a.upper) and not sysmount.is_mountpoint(a.target)
+        assert not os.path.exists(a.upper) and not linux.is_mount(a.target)
         shim.unmount(b.id)
 
 
@@ -221,7 +220,7 @@ def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> 
 
 def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
     from runtime_shim import records
-    from runtime_shim.overlay import detach
+    from fuse_client.linux import detach
 
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
@@ -240,14 +239,14 @@ def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -
         sbs = [shim.mount(env2(images)) for _ in range(1000)]
         assert shim.layer_refs() == {images["base"]: 1000, images["toolkit"]: 1000}
         assert len(erofs_mounts(node)) == 2
-        overlays = [m for m in mountinfo.read().values() if m.fstype == "overlay"
+        overlays = [m for m in linux.read_mounts().values() if m.fstype == "overlay"
                     and m.mountpoint.startswith(str(node) + "/")]
         assert len(overlays) == 1000
         assert shim.recover().changed is False
         for sb in sbs:
             shim.unmount(sb.id)
         assert shim.layer_refs() == {} and shim.sandboxes() == []
-    assert mountinfo.under(mountinfo.read(), str(node)) == []
+    assert linux.mounts_under(linux.read_mounts(), str(node)) == []
     loops = Path("/sys/block")
     assert not any((loops / d / "loop" / "backing_file").exists()
                    and str(node) in (loops / d / "loop" / "backing_file").read_text() for d in os.listdir(loops))
@@ -264,9 +263,8 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
         def scan(*_a: object, **_k: object) -> None:
             raise AssertionError("the mount table was read on the path of one sandbox")
 
-        monkeypatch.setattr(mountinfo, "read", scan)
-        monkeypatch.setattr(mountinfo, "find", scan)
-        monkeypatch.setattr(sysmount, "is_mountpoint", scan)
+        monkeypatch.setattr(linux, "read_mounts", scan)
+        monkeypatch.setattr(linux, "find_mount", scan)
         monkeypatch.setattr(shim_module.Shim, "sandboxes", scan)  # and no walk over every sandbox
         sb = shim.mount(env2(images))
         assert shim.check(sb.id).ok and shim.recover_if_needed() is None
@@ -381,8 +379,8 @@ def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, imag
                                   config={}, target=str(node / "ghost"), upper=str(node / "gu"), work=str(node / "gw"),
                                   owned=True, status=MOUNTED))
     (NodePaths(node).sandbox_dir("b") / records.RECORD).write_text("")  # b's unsynced record file came back empty
-    for m in sorted(mountinfo.under(mountinfo.read(), str(node)), key=lambda m: -len(m.mountpoint)):
-        sysmount.umount(m.mountpoint, lazy=True)  # every mount is gone after a reboot
+    for m in sorted(linux.mounts_under(linux.read_mounts(), str(node)), key=lambda m: -len(m.mountpoint)):
+        linux.umount(m.mountpoint, lazy=True)  # every mount is gone after a reboot
     with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
         rep = shim.recover_if_needed()
         assert rep is not None and rep.rebooted and "restarted" in rep.reason
@@ -413,7 +411,7 @@ def test_check_and_full_recover_see_a_root_unmounted_behind_the_shims_back(node:
                                                                            images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
-        sysmount.umount(a.target)
+        linux.umount(a.target)
         assert not shim.check(a.id).ok and shim.check(b.id).ok
         assert shim.recover_if_needed() is None  # the start-up check looks at layers only (documented)
         assert shim.recover().remounted_sandboxes == [a.id]
@@ -428,15 +426,15 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
     roots = node / "roots"
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
-        assert Path(a.target).parent == roots and mountinfo.is_mount_root(roots)
-        assert mountinfo.mount_id(a.upper) != mountinfo.mount_id(roots)
-        table = mountinfo.read()
+        assert Path(a.target).parent == roots and linux.is_mount_root(roots)
+        assert linux.mount_id(a.upper) != linux.mount_id(roots)
+        table = linux.read_mounts()
         assert table[str(roots)].fstype != "overlay" and table[a.target].fstype == "overlay"
         shim.unmount(a.id)
-        assert mountinfo.is_mount_root(roots) and not os.path.exists(a.target)
+        assert linux.is_mount_root(roots) and not os.path.exists(a.target)
         shim.unmount(b.id)
-        assert not mountinfo.is_mount_root(roots)  # gone with the last sandbox
-        assert mountinfo.under(mountinfo.read(), str(node)) == []
+        assert not linux.is_mount_root(roots)  # gone with the last sandbox
+        assert linux.mounts_under(linux.read_mounts(), str(node)) == []
 
 
 INFLIGHT = """

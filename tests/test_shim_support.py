@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from fuse_client import linux
 from layerstore import digest as digestmod
-from layerstore import sysmount
-from runtime_shim import mountinfo
 from runtime_shim.daemon import is_alive
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.state import NodeState
@@ -62,11 +61,11 @@ def spec(*layers: tuple[str, str], config: dict | None = None) -> EnvSpec:
     return EnvSpec("", tuple(LayerSpec(b, 0, role) for b, role in layers), dict(config or CONFIG), "test")
 
 
-def node_mounts(*roots: Path) -> list[mountinfo.MountEntry]:
+def node_mounts(*roots: Path) -> list[linux.MountEntry]:
     """Mounts at or below any of `roots`, or overlays whose upper lives there."""
     prefixes = [str(r) for r in roots]
     out = []
-    for m in mountinfo.read().values():
+    for m in linux.read_mounts().values():
         if any(m.mountpoint == p or m.mountpoint.startswith(p + "/") or f"upperdir={p}/" in m.options
                for p in prefixes):
             out.append(m)
@@ -91,8 +90,8 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
     for m in sorted(node_mounts(node, *extra_roots), key=lambda m: m.mountpoint.count("/"), reverse=True):
         if m.mountpoint == str(node / "fuse"):
             continue
-        with contextlib.suppress(sysmount.MountError):
-            sysmount.umount(m.mountpoint, lazy=True)
+        with contextlib.suppress(linux.MountError):
+            linux.umount(m.mountpoint, lazy=True)
     for pid, _ in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -108,9 +107,9 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
-    if sysmount.is_mountpoint(node / "fuse"):
-        with contextlib.suppress(sysmount.MountError):
-            sysmount.umount(node / "fuse", lazy=True)
+    if linux.is_mount(node / "fuse"):
+        with contextlib.suppress(linux.MountError):
+            linux.umount(node / "fuse", lazy=True)
     assert not node_mounts(node, *extra_roots), "mounts left behind"
 
 

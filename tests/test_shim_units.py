@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from fuse_client import linux
 from layerstore.errors import BadInput, ConfigError
-from runtime_shim import bundle, mountinfo, overlay
+from runtime_shim import bundle, overlay
 from runtime_shim.commit import committed_layers, layer_entries
 from runtime_shim.environment import LayerSpec
 from runtime_shim.errors import ShimError
@@ -115,10 +116,10 @@ def test_mountinfo_parse() -> None:
         "40 30 0:40 / /n/layers/ab rw,relatime - erofs /n/fuse/blobs/b3:ab ro\n",
         "41 30 0:41 / /n/with\\040space rw - overlay overlay rw,lowerdir=/a,upperdir=/u,workdir=/w\n",
     ]
-    mounts = mountinfo.parse(lines)
+    mounts = linux.parse_mountinfo(lines)
     assert mounts["/n/layers/ab"].fstype == "erofs"
     assert mounts["/n/with space"].options.endswith("workdir=/w")
-    assert [m.mountpoint for m in mountinfo.under(mounts, "/n")] == ["/n/layers/ab", "/n/with space"]
+    assert [m.mountpoint for m in linux.mounts_under(mounts, "/n")] == ["/n/layers/ab", "/n/with space"]
 
 
 def test_committed_layers_stack_the_new_workspace_on_top() -> None:
@@ -228,15 +229,15 @@ def test_utab_entries(tmp_path: Path) -> None:
 
 
 def test_mount_table_questions_about_one_path(tmp_path: Path) -> None:
-    assert mountinfo.is_mount("/proc") and mountinfo.is_mount("/")
-    assert not mountinfo.is_mount(tmp_path) and not mountinfo.is_mount(tmp_path / "absent")
-    assert mountinfo.fs_type("/proc") == 0x9FA0  # PROC_SUPER_MAGIC
-    assert mountinfo.fs_type(tmp_path / "absent") is None
-    root = mountinfo.find("/proc")
+    assert linux.is_mount("/proc") and linux.is_mount("/")
+    assert not linux.is_mount(tmp_path) and not linux.is_mount(tmp_path / "absent")
+    assert linux.fs_type("/proc") == 0x9FA0  # PROC_SUPER_MAGIC
+    assert linux.fs_type(tmp_path / "absent") is None
+    root = linux.find_mount("/proc")
     assert root is not None and root.fstype == "proc"
-    assert mountinfo.find(str(tmp_path)) is None
+    assert linux.find_mount(str(tmp_path)) is None
     table = Path("/proc/self/mountinfo").read_text().splitlines()
-    assert mountinfo.mount_id("/proc") == int(next(ln.split()[0] for ln in table if ln.split()[4] == "/proc"))
+    assert linux.mount_id("/proc") == int(next(ln.split()[0] for ln in table if ln.split()[4] == "/proc"))
 
 
 def test_environments_are_cached_by_manifest_digest(tmp_path: Path) -> None:

@@ -1,0 +1,299 @@
+"""The node's one binding to Linux: libc through ctypes, mount(2) and umount2(2), the mount
+table (/proc/self/mountinfo: parse, escape, unescape, "is this a mount point"), the clean-up of
+a dead FUSE mount, statfs(2), and the sparse-file calls of the node cache (hole punching,
+SEEK_DATA). Every other module calls these; none binds libc itself.
+
+File-backed EROFS must be mounted with mount(2) directly: util-linux's `mount` silently attaches
+a loop device instead (and reuses an existing loop for the same file, ignoring new options).
+
+Two costs of asking what is mounted:
+* the whole picture (`read_mounts`): one parse of /proc/self/mountinfo, O(mounts). With 10,000
+  sandboxes the file is several MB (every overlay line carries its lowerdir/upperdir/workdir),
+  so nothing on the path of a single mount may read it;
+* one path (`is_mount`, `is_mount_root`, `fs_type`, `mount_id`, `detach`): O(1) syscalls on
+  that path only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from layerstore.errors import LayerstoreError, PermissionDenied
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_BIND = 4096
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+# statfs(2) f_type values (linux/magic.h)
+OVERLAYFS_MAGIC = 0x794C7630
+EROFS_MAGIC = 0xE0F5E1E2
+FUSE_MAGIC = 0x65735546
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+class _Statfs(ctypes.Structure):
+    _fields_ = [("f_type", ctypes.c_long), ("f_bsize", ctypes.c_long), ("f_blocks", ctypes.c_ulong),
+                ("f_bfree", ctypes.c_ulong), ("f_bavail", ctypes.c_ulong), ("f_files", ctypes.c_ulong),
+                ("f_ffree", ctypes.c_ulong), ("f_fsid", ctypes.c_int * 2), ("f_namelen", ctypes.c_long),
+                ("f_frsize", ctypes.c_long), ("f_flags", ctypes.c_long), ("f_spare", ctypes.c_long * 4)]
+
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+libc.fallocate.restype = ctypes.c_int
+libc.statfs.argtypes = [ctypes.c_char_p, ctypes.POINTER(_Statfs)]
+
+
+class MountError(LayerstoreError):
+    """mount(2) or umount2(2) failed."""
+
+
+# -- mount(2), umount2(2) ---------------------------------------------------------------------------
+def mount(source: str | os.PathLike[str], target: str | os.PathLike[str], fstype: str,
+          flags: int = 0, options: str = "") -> None:
+    rc = libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), flags, options.encode() or None)
+    if rc != 0:
+        err = ctypes.get_errno()
+        cls = PermissionDenied if err in (errno.EPERM, errno.EACCES) else MountError
+        raise cls(f"mount {fstype} {os.fsdecode(source)} on {os.fsdecode(target)}"
+                  f"{' -o ' + options if options else ''}: {os.strerror(err)}")
+
+
+def mount_erofs(image: str | os.PathLike[str], target: str | os.PathLike[str], options: str = "") -> None:
+    """Mount an EROFS image file file-backed (no loop device), read-only."""
+    mount(image, target, "erofs", MS_RDONLY | MS_NODEV, options)
+
+
+def umount2(target: str | os.PathLike[str], flags: int = 0) -> int:
+    """umount2(2) without following a symlink at `target`; 0 or the errno."""
+    if libc.umount2(os.fsencode(target), flags | UMOUNT_NOFOLLOW) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def umount(target: str | os.PathLike[str], *, lazy: bool = False) -> None:
+    err = umount2(target, MNT_DETACH if lazy else 0)
+    if err:
+        raise MountError(f"umount {os.fsdecode(target)}: {os.strerror(err)}")
+
+
+def detach(path: str | os.PathLike[str]) -> bool:
+    """Unmount `path`, lazily if it is busy or dead; True if something was mounted there.
+
+    O(1): asks the kernel directly instead of looking `path` up in mountinfo first. EINVAL = not
+    a mount point. Symlinks are not followed (a target is a directory the shim made or was given)."""
+    for flags in (0, MNT_DETACH):  # lazily when busy (a process inside) or a dead FUSE below it
+        err = umount2(path, flags)
+        if err == 0:
+            return True
+        if err in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
+            return False
+    raise MountError(f"umount {os.fsdecode(path)}: {os.strerror(err)}")
+
+
+def bind_private(path: str | os.PathLike[str]) -> None:
+    """Make `path` a private bind mount of itself (its own mount, whose children do not
+    propagate to the parent's peers)."""
+    mount(path, path, "", MS_BIND)
+    mount("none", path, "", MS_PRIVATE)
+
+
+# -- the mount table ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MountEntry:
+    mountpoint: str
+    fstype: str
+    source: str
+    options: str  # per-superblock options (the overlay's lowerdir/upperdir, the erofs source...)
+    device: str = ""  # major:minor
+
+
+def escape(value: str) -> str:
+    """The kernel's and libmount's escaping of space, tab, newline and backslash: a backslash and
+    three octal digits."""
+    return (value.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011")
+            .replace("\n", "\\012"))
+
+
+def unescape(field: str) -> str:
+    """The inverse of `escape`."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        octal = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(octal) == 3 and octal.isdigit():
+            out.append(chr(int(octal, 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def parse_mountinfo(lines: Iterable[str]) -> dict[str, MountEntry]:
+    """Mount point -> its topmost mount (a later line for the same point is stacked on top)."""
+    out: dict[str, MountEntry] = {}
+    for line in lines:
+        fields = line.rstrip("\n").split(" ")
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        mp = unescape(fields[4])
+        out[mp] = MountEntry(mp, fields[sep + 1], unescape(fields[sep + 2]),
+                             fields[sep + 3] if len(fields) > sep + 3 else "", fields[2])
+    return out
+
+
+def _mountinfo_lines() -> Iterator[str]:
+    with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+        yield from f
+
+
+def read_mounts() -> dict[str, MountEntry]:
+    """The whole mount table of this namespace, O(mounts)."""
+    return parse_mountinfo(_mountinfo_lines())
+
+
+def find_mount(target: str | os.PathLike[str]) -> MountEntry | None:
+    """The topmost mount at `target`, reading mountinfo but parsing only the lines that name it
+    (works on dead FUSE mounts, where stat() fails with ENOTCONN)."""
+    want = os.path.abspath(os.fsdecode(target))
+    needle = f" {escape(want)} "
+    found = None
+    for line in _mountinfo_lines():
+        if needle in line:
+            found = parse_mountinfo([line]).get(want, found)
+    return found
+
+
+def mounts_under(mounts: dict[str, MountEntry], root: str) -> list[MountEntry]:
+    """Mounts at or below `root`, deepest first (the order to unmount them in)."""
+    root = root.rstrip("/")
+    found = [m for p, m in mounts.items() if p == root or p.startswith(root + "/")]
+    return sorted(found, key=lambda m: m.mountpoint.count("/"), reverse=True)
+
+
+def is_mount(path: str | os.PathLike[str]) -> bool:
+    """Is `path` the root of a mount? O(1): a mount root's device differs from its parent's (true
+    for every mount the node makes: FUSE, EROFS and overlayfs each have their own device; a bind
+    mount within one filesystem would not be seen: `is_mount_root`). A dead FUSE mount
+    (ENOTCONN) is a mount."""
+    p = os.path.abspath(path)
+    try:
+        st = os.lstat(p)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    try:
+        parent = os.lstat(os.path.dirname(p))
+    except OSError:
+        return False
+    return st.st_dev != parent.st_dev or st.st_ino == parent.st_ino
+
+
+def mount_id(path: str | os.PathLike[str]) -> int | None:
+    """The mount id (mountinfo's first field) of the mount `path` is on, from /proc/self/fdinfo."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    finally:
+        os.close(fd)
+    return None
+
+
+def is_mount_root(path: str | os.PathLike[str]) -> bool:
+    """Is `path` the root of a mount, bind mounts of the same filesystem included? O(1): its mount
+    id differs from its parent directory's."""
+    p = os.path.abspath(path)
+    mine, parent = mount_id(p), mount_id(os.path.dirname(p))
+    return mine is not None and parent is not None and mine != parent
+
+
+def fs_type(path: str | os.PathLike[str]) -> int | None:
+    """statfs(2) f_type of the filesystem holding `path` (compare with *_MAGIC); None if unreadable."""
+    buf = _Statfs()
+    if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+        return None
+    return int(buf.f_type) & 0xFFFFFFFF
+
+
+# -- FUSE mounts ----------------------------------------------------------------------------------
+def is_dead(path: str | os.PathLike[str]) -> bool:
+    """True when `path` is a FUSE mount whose daemon is gone (every access fails with ENOTCONN)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+def clear_dead_fuse(mountpoint: str | os.PathLike[str]) -> bool:
+    """A FUSE daemon killed with -9 leaves its mount behind, answering ENOTCONN: detach it.
+    True if there was one; False if nothing is mounted there. A live mount is left alone and
+    raises `MountError`."""
+    if find_mount(mountpoint) is None:
+        return False
+    try:
+        os.statvfs(mountpoint)  # always reaches the filesystem (stat may be answered from cache)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            umount(mountpoint, lazy=True)
+            return True
+        raise
+    raise MountError(f"{os.fsdecode(mountpoint)} is already a mount point")
+
+
+def bdi_read_ahead_kb(mountpoint: str | os.PathLike[str]) -> str | None:
+    """The sysfs file of a mount's readahead (its backing device info), found through mountinfo,
+    so no request reaches the filesystem (a FUSE mount not yet serving would hang a stat)."""
+    m = find_mount(mountpoint)
+    return f"/sys/class/bdi/{m.device}/read_ahead_kb" if m is not None and m.device else None
+
+
+# -- sparse files ---------------------------------------------------------------------------------
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate [offset, offset+length) of a file, keeping its size; the range reads as zeros.
+    OSError on failure."""
+    if length <= 0:
+        return
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"punching a hole at {offset}+{length}: {os.strerror(err)}")
+
+
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of the allocated regions of a sparse file, via SEEK_DATA/SEEK_HOLE."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data after pos
+                return
+            raise
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        if end <= start:
+            return
+        yield start, end
+        pos = end
