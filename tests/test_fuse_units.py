@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuse_client.cache_files import BlobFiles, punch_hole
-from fuse_client.linux import data_extents
 from fuse_client.cache_index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
 from fuse_client.control import prefetch_order
 from fuse_client.eviction import Budget, Candidate, choose_victims
 from fuse_client.limiter import DEMAND, PREFETCH, PriorityLimiter
+from fuse_client.linux import data_extents
 from fuse_client.readahead import MAX_STREAMS, Streams
 from fuse_client.trace import TraceRecorder, parse_trace, write_trace
 from layerctl.cmd_daemon import parse_size

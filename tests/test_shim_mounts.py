@@ -219,8 +219,8 @@ def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> 
 
 
 def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
-    from runtime_shim import records
     from fuse_client.linux import detach
+    from runtime_shim import records
 
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
