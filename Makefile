@@ -29,9 +29,9 @@ deps: system-deps $(STAMP)
 system-deps:
 	@bash .ci/install-deps.sh
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml tests/support/pyproject.toml constraints.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]'
+	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]' -e tests/support
 	touch $(STAMP)
 
 clean:

@@ -39,7 +39,7 @@ from its main thread's schedstat, per request as counted by the daemon), and the
 alone, called without a kernel (the daemon's Python share).
 
 S3 (`--s3`, default on): cold sequential read of an image in an S3 store on a local Ceph RGW
-(tests/ceph_cluster.py) against the store's own parallel GET bandwidth (16 threads, the daemon's
+(testkit.ceph_cluster) against the store's own parallel GET bandwidth (16 threads, the daemon's
 fetch concurrency), both measured in every round; first over loopback (RGW, the OSD and the
 daemon share the 2 CPUs, no network limit), then over a shaped link, as a store is reached on a
 real node: RGW in a network namespace behind a veth pair with a tbf rate limit
@@ -685,9 +685,10 @@ def run_s3(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     every round: over loopback (RGW and the OSD on the same 2 CPUs, no network limit), then over a
     shaped link at each of `args.s3_rates` (RGW in a network namespace behind a veth pair with a
     tbf rate limit, as a store is reached on a real node; bench/burst's netlink and cephstore)."""
+    from testkit.ceph_cluster import CephCluster
+
     from bench.burst.cephstore import StoreProcess
     from bench.burst.netlink import Link
-    from tests.ceph_cluster import CephCluster
 
     src = work / "src-s3"
     make_big_tree(src, args.s3_mib, files=2)

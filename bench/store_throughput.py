@@ -7,8 +7,8 @@ mostly incompressible chunks with `put_chunks`, then reads every one back with `
 (decompress + blake3 verify included). Throughput is the bytes of payload moved by all clients
 divided by the wall time from the first client's start to the last client's end.
 
-The Ceph cluster is started here through tests/ceph_cluster.py (and stopped at the end), unless
-`--ceph-dir DIR` names one left running by `python tests/ceph_cluster.py start DIR`.
+The Ceph cluster is started here through testkit.ceph_cluster (and stopped at the end), unless
+`--ceph-dir DIR` names one left running by `python testkit.ceph_cluster start DIR`.
 
     python bench/store_throughput.py [--size quick|full] [--size-mib N] [--repeat N] [--clients 1,8]
                                      [--backends local,cephfs,s3]
@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from testkit.ceph_cluster import CephCluster  # noqa: E402
+
 from layerstore.store import DEFAULT_WORKERS, Store  # noqa: E402
-from tests.ceph_cluster import CephCluster  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_OUT = ROOT / "bench" / "results" / "store_throughput.json"

@@ -1,7 +1,7 @@
-"""The store: the project's real single-node Ceph (tests/ceph_cluster.py), run inside the link's namespace.
+"""The store: the project's real single-node Ceph (testkit.ceph_cluster), run inside the link's namespace.
 
 The Ceph daemons talk to each other on the namespace's own loopback; radosgw additionally listens on the
-store end of the veth pair, which is the only way in from the node. `tests/ceph_cluster.py` binds radosgw
+store end of the veth pair, which is the only way in from the node. `testkit.ceph_cluster` binds radosgw
 to 127.0.0.1, so the helper adds a second beast endpoint on the store address (beast takes several).
 
 The helper is a child process started with `ip netns exec`; it prints the cluster's facts as one JSON
@@ -94,7 +94,7 @@ def _readline_with_timeout(p: subprocess.Popen[bytes], timeout: float) -> bytes:
 
 # -- the helper, inside the namespace ----------------------------------------------------------
 def serve(workdir: str, bind_addr: str, memstore_mib: int) -> int:
-    from tests.ceph_cluster import CephCluster
+    from testkit.ceph_cluster import CephCluster
 
     class NsCephCluster(CephCluster):
         def _write_conf(self) -> None:

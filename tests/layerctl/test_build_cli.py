@@ -1,0 +1,126 @@
+"""`layerctl build` end to end, through the installed entry point."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from testkit import archive_factory as af
+from testkit.cli_helpers import assert_clean_failure, layerctl
+from testkit.erofs_helpers import mounted_erofs, snapshot_tree
+
+from layerstore import digest as digestmod
+from layerstore.store import Store
+from manifest.files import read_config
+from tests.erofs_builder.test_oci_source import image_spec
+
+KEYS = {"blob", "size", "chunks", "new_bytes", "files"}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    url = str(tmp_path / "store")
+    with Store.open(url) as s:
+        s.init()
+    return url
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return af.make_tree(tmp_path_factory.mktemp("tree") / "root", sparse=False)
+
+
+@pytest.fixture(scope="module")
+def tree_tar(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return af.tar_with_gnu_tar(tree, tmp_path_factory.mktemp("tar") / "tree.tar", "posix")
+
+
+def test_json_shape_push_and_get_blob(tmp_path: Path, store: str, tree_tar: Path) -> None:
+    out = tmp_path / "layer.erofs"
+    r = layerctl("build", str(tree_tar), "--output", str(out), "--push", "--store", store, "--json",
+                 "--role", "toolkit")
+    assert r.code == 0, r.err
+    res = r.json()
+    assert set(res) == KEYS | {"role"} and res["role"] == "toolkit"
+    image = out.read_bytes()
+    assert res["blob"] == digestmod.of(image) and res["size"] == len(image)
+    assert res["new_bytes"] > 0 and res["chunks"] >= 1 and res["files"] > 20
+    back = tmp_path / "back.erofs"
+    r = layerctl("store", "get-blob", "--store", store, res["blob"], str(back))
+    assert r.code == 0, r.err
+    assert back.read_bytes() == image
+    again = layerctl("build", str(tree_tar), "--push", "--store", store, "--json")
+    assert again.code == 0, again.err
+    assert again.json()["new_bytes"] == 0 and again.json()["blob"] == res["blob"]
+    listing = layerctl("store", "ls", "--store", store, "--json").json()
+    assert [b["blob"] for b in listing["blobs"]] == [res["blob"]]
+
+
+def test_stdin_directory_and_tar_give_one_image(tmp_path: Path, tree: Path, tree_tar: Path) -> None:
+    from_file = layerctl("build", str(tree_tar), "--json")
+    from_stdin = layerctl("build", "-", "--json", input=gzip.compress(tree_tar.read_bytes()))
+    from_dir = layerctl("build", str(tree), "--json")
+    for r in (from_file, from_stdin, from_dir):
+        assert r.code == 0, r.err
+        assert set(r.json()) == KEYS and r.json()["new_bytes"] is None
+    assert from_file.json()["blob"] == from_stdin.json()["blob"] == from_dir.json()["blob"]
+
+
+def test_human_summary(tmp_path: Path, store: str, tree_tar: Path) -> None:
+    r = layerctl("build", str(tree_tar), "--push", "--store", store, "--role", "base")
+    assert r.code == 0, r.err
+    assert "(base)" in r.out and "files, image" in r.out and "chunks" in r.out
+    assert "new," in r.out and "deduplicated" in r.out
+    assert r.err == ""  # no progress bar when stderr is not a terminal
+
+
+def test_oci_source_writes_one_file_per_layer_and_the_config(tmp_path: Path, store: str) -> None:
+    af.write_oci_layout(tmp_path / "oci", image_spec())
+    out, cfg = tmp_path / "images", tmp_path / "config.json"
+    r = layerctl("build", f"oci:{tmp_path / 'oci'}:latest", "--output", str(out), "--config-out", str(cfg),
+                 "--push", "--store", store, "--json", "--role", "base")
+    assert r.code == 0, r.err
+    layers = r.json()
+    assert isinstance(layers, list) and len(layers) == 3
+    for res in layers:
+        assert set(res) == KEYS | {"role"}
+        path = out / (res["blob"].split(":")[1] + ".erofs")
+        assert digestmod.of(path.read_bytes()) == res["blob"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(res["blob"].split(":")[1] + ".erofs" for res in layers)
+    doc = json.loads(cfg.read_text())
+    assert doc == {"entrypoint": ["/bin/sh", "-c"], "cmd": ["echo hi"], "env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8"],
+                   "workdir": "/home/user", "user": "1000:1000"}
+    assert read_config(cfg).to_json() == doc  # what `layerctl env create --config` reads
+    again = layerctl("build", f"docker-archive:{af.write_docker_archive(tmp_path / 'i.tar', image_spec())}",
+                     "--push", "--store", store, "--json")
+    assert again.code == 0, again.err
+    # The same layer tars, stored differently, give the same images: nothing new to push.
+    assert [res["blob"] for res in again.json()] == [res["blob"] for res in layers]
+    assert all(res["new_bytes"] == 0 for res in again.json())
+
+
+@pytest.mark.root
+def test_all_root_and_mtime_clamp(tmp_path: Path, tree: Path) -> None:
+    out = tmp_path / "x.erofs"
+    r = layerctl("build", str(tree), "--output", str(out), "--all-root", "--mtime", "1000", "--json")
+    assert r.code == 0, r.err
+    with mounted_erofs(out) as mnt:
+        snap = snapshot_tree(mnt)
+    assert all(rec["uid"] == 0 and rec["gid"] == 0 for rec in snap.values())
+    assert all(rec["mtime_ns"] <= 1000 * 10**9 for rec in snap.values())
+
+
+def test_usage_errors(tmp_path: Path, tree: Path, tree_tar: Path) -> None:
+    r = layerctl("build", str(tmp_path / "missing"))
+    assert_clean_failure(r, "no such file")
+    assert r.code == 3
+    r = layerctl("build", str(tree_tar), "--config-out", str(tmp_path / "c.json"))
+    assert_clean_failure(r, "--config-out needs an image source")
+    assert not (tmp_path / "c.json").exists()
+    (tmp_path / "adir").mkdir()
+    r = layerctl("build", str(tree_tar), "--output", str(tmp_path / "adir"))
+    assert_clean_failure(r, "is a directory")
+    r = layerctl("build", str(tree_tar), "--push", "--store", str(tmp_path / "nostore"))
+    assert_clean_failure(r, "layerctl store init")

@@ -1,0 +1,134 @@
+"""Helpers for the runtime shim tests (no tests here): a busybox rootfs, EROFS images made with
+mkfs.erofs, and a node clean-up that unmounts and stops whatever a test left, even on failure."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fuse_client import linux
+from layerstore import digest as digestmod
+from runtime_shim.daemon import is_alive
+from runtime_shim.environment import EnvSpec, LayerSpec
+from runtime_shim.state import NodeState
+
+BUSYBOX = shutil.which("busybox")
+needs_root = pytest.mark.root  # skipped without root by tests/conftest.py
+needs_busybox = pytest.mark.skipif(BUSYBOX is None or not os.path.exists("/usr/share/doc/busybox-static"),
+                                   reason="needs busybox-static (.ci/install-deps.sh)")
+needs_runc = pytest.mark.skipif(shutil.which("runc") is None, reason="needs runc (.ci/install-deps.sh)")
+APPLETS = ["sh", "echo", "cat", "ls", "mkdir", "rm", "touch", "stat", "id", "hostname", "ip", "test", "sleep",
+           "wc", "mv", "find", "readlink", "true", "false", "seq", "head", "printf", "ps", "mount"]
+CONFIG = {"entrypoint": [], "cmd": ["/bin/sh"], "env": [], "workdir": "/", "user": ""}
+
+
+def busybox_rootfs(root: Path) -> Path:
+    """A tiny real userland: static busybox and the directories a container expects."""
+    (root / "bin").mkdir(parents=True)
+    shutil.copy(BUSYBOX or "/bin/busybox", root / "bin" / "busybox")
+    for applet in APPLETS:
+        os.symlink("busybox", root / "bin" / applet)
+    for d in ("etc", "tmp", "proc", "sys", "dev", "root"):
+        (root / d).mkdir()
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (root / "etc" / "motd").write_text("base motd\n")
+    return root
+
+
+def mkfs(src: Path, image: Path) -> Path:
+    subprocess.run(["mkfs.erofs", "-T0", "--all-root", "-U", "6a1f2b5c-0000-4000-8000-000000000001",
+                    str(image), str(src)], check=True, capture_output=True)
+    return image
+
+
+def add_blob(blobs: Path, image: Path) -> str:
+    """File `image` in a DirBlobs directory under its digest."""
+    d = digestmod.of(image.read_bytes())
+    blobs.mkdir(exist_ok=True)
+    shutil.copy(image, blobs / d)
+    return d
+
+
+def spec(*layers: tuple[str, str], config: dict | None = None) -> EnvSpec:
+    return EnvSpec("", tuple(LayerSpec(b, 0, role) for b, role in layers), dict(config or CONFIG), "test")
+
+
+def node_mounts(*roots: Path) -> list[linux.MountEntry]:
+    """Mounts at or below any of `roots`, or overlays whose upper lives there."""
+    prefixes = [str(r) for r in roots]
+    out = []
+    for m in linux.read_mounts().values():
+        if any(m.mountpoint == p or m.mountpoint.startswith(p + "/") or f"upperdir={p}/" in m.options
+               for p in prefixes):
+            out.append(m)
+    return out
+
+
+def cleanup_node(node: Path, *extra_roots: Path) -> None:
+    """Delete leftover containers, unmount everything (deepest first), stop the node daemon by pid."""
+    pids: list[tuple[int, int]] = []
+    ids: list[str] = []
+    if (node / "state").exists():
+        with contextlib.suppress(Exception), NodeState(node / "state") as st, st.read() as t:
+            rec = t.daemon()
+            if rec is not None and is_alive(rec):
+                pids.append((rec.pid, rec.start_time))
+            ids = [sb.id for sb in t.sandboxes()]
+    for rt in ("runc", "crun"):
+        for sid in ids:
+            if shutil.which(rt):
+                subprocess.run([rt, "--root", str(node / "oci" / rt), "delete", "--force", sid],
+                               capture_output=True)
+    for m in sorted(node_mounts(node, *extra_roots), key=lambda m: m.mountpoint.count("/"), reverse=True):
+        if m.mountpoint == str(node / "fuse"):
+            continue
+        with contextlib.suppress(linux.MountError):
+            linux.umount(m.mountpoint, lazy=True)
+    for pid, _ in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for pid, start in pids:
+        from runtime_shim.state import DaemonRecord
+
+        rec = DaemonRecord(pid, start, "", "", "")
+        while is_alive(rec) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if is_alive(rec):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+    if linux.is_mount(node / "fuse"):
+        with contextlib.suppress(linux.MountError):
+            linux.umount(node / "fuse", lazy=True)
+    assert not node_mounts(node, *extra_roots), "mounts left behind"
+
+
+def snapshot(root: Path, skip: tuple[str, ...] = ("proc", "sys", "dev", "tmp")) -> dict[str, tuple]:
+    """path -> (type, mode, content or link target) for a composed tree."""
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == ".":
+            dirnames[:] = [d for d in dirnames if d not in skip]
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(p)
+            if os.path.islink(p):
+                out[rel] = ("l", os.readlink(p))
+            elif os.path.isdir(p):
+                out[rel] = ("d", oct(st.st_mode & 0o7777))
+            else:
+                with open(p, "rb") as f:
+                    out[rel] = ("f", oct(st.st_mode & 0o7777), digestmod.of(f.read()))
+    return out
