@@ -24,11 +24,12 @@ import blake3
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap, ChunkRef
 from layerstore.errors import CorruptObject
+from layerstore.fileio import fsync_dir
 from layerstore.store import PutStats, Store
 
-from .chunking import SLICE, ChunkPolicy, Cut, ImageLayout, cut
+from .chunking import SLICE, ChunkPolicy, Cut, DataCutter, ImageLayout, cut
 from .compress import BATCH as COMPRESS_BATCH
-from .compress import ChunkSink, Compressor, DataCutter, StoreSink
+from .compress import ChunkSink, Compressor, StoreSink
 from .format import BLOCK_SIZE
 from .metadata import MAX_DEAD
 from .parent import read_parent
@@ -154,7 +155,7 @@ def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtim
         raise
     if comp is not None:
         comp.close()
-    _fsync_dir(out_path.parent)
+    fsync_dir(out_path.parent)
     layer = BuiltLayer(path=out_path, blob=blob, size=layout.size, files=layout.files, refs=refs, layout=layout,
                        parent_used=par is not None)
     if isinstance(sink, StoreSink):
@@ -326,11 +327,3 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -99,6 +99,62 @@ def _boundary_after(ext: DataExtent, policy: ChunkPolicy) -> bool:
     return mixed < min(1.0, ext.length / span) * 0xFFFFFFFF
 
 
+class DataCutter:
+    """The data area's part of `cut`, one extent at a time, in the order the writer lays them
+    out (the only implementation of it: `cut` feeds it the finished layout's extents, and a
+    build that compresses while it writes feeds it each extent as soon as it is written).
+    `feed` appends the cuts it closes; a cut, once closed, never changes, since it depends only
+    on the extents before it and the one that closed it. `finish` closes the open group, up to
+    the end of the data area."""
+
+    def __init__(self, start: int, policy: ChunkPolicy | None = None) -> None:
+        self.policy = policy or ChunkPolicy()
+        self.group_start = start
+        self.group_len = 0
+        self.group_flags = 0
+
+    def feed(self, ext: DataExtent, out: list[Cut]) -> None:
+        p = self.policy
+        if ext.offset != self.group_start + self.group_len:  # defensive: an unexpected gap joins the group
+            self.group_len = ext.offset - self.group_start
+        flags = METADATA if ext.meta else 0
+        if flags != self.group_flags:
+            self._flush(out)
+            self.group_flags = flags
+        end = ext.offset + ext.length
+        if ext.meta:  # consecutive metadata extents share chunks of up to meta_chunk
+            if ext.length > p.meta_chunk:
+                self._flush(out)
+                out.extend(_fixed(ext.offset, ext.length, p.meta_chunk, METADATA))
+                self.group_start = end
+                return
+            if self.group_len + ext.length > p.meta_chunk:
+                self._flush(out)
+            self.group_len += ext.length
+            return
+        if ext.length >= p.big:
+            self._flush(out)
+            out.extend(_fixed(ext.offset, ext.length, p.max_chunk, 0))
+            self.group_start = end
+            return
+        if self.group_len and self.group_len + ext.length > p.max_group:
+            self._flush(out)
+        self.group_len += ext.length
+        if self.group_len >= p.min_group and _boundary_after(ext, p):
+            self._flush(out)
+
+    def finish(self, data_end: int, out: list[Cut]) -> None:
+        if data_end > self.group_start + self.group_len:
+            self.group_len = data_end - self.group_start
+        self._flush(out)
+
+    def _flush(self, out: list[Cut]) -> None:
+        if self.group_len:
+            out.append(Cut(self.group_start, self.group_len, self.group_flags))
+            self.group_start += self.group_len
+            self.group_len = 0
+
+
 def _meta_boundary_after(seg: MetaSegment, target: int) -> bool:
     """Whether a chunk of merged metadata groups ends after `seg`: a threshold on the group's
     hash, proportional to its length, so chunks are ~`target` long and resynchronise after a
@@ -128,46 +184,13 @@ def cut(layout: ImageLayout, policy: ChunkPolicy | None = None) -> list[Cut]:
     for c in layout.inherited_data:
         emit(c)
 
-    group_start, group_len, group_flags = pos, 0, 0
-
-    def flush() -> None:
-        nonlocal group_start, group_len
-        if group_len:
-            emit(Cut(group_start, group_len, group_flags))
-        group_start, group_len = pos, 0
-
+    data: list[Cut] = []
+    cutter = DataCutter(pos, policy)
     for ext in layout.extents:
-        if ext.offset != group_start + group_len:  # defensive: an unexpected gap joins the group
-            group_len = ext.offset - group_start
-        flags = METADATA if ext.meta else 0
-        if flags != group_flags:
-            flush()
-            group_flags = flags
-        if ext.meta:  # consecutive metadata extents share chunks of up to meta_chunk
-            if ext.length > policy.meta_chunk:
-                flush()
-                for c in _fixed(ext.offset, ext.length, policy.meta_chunk, METADATA):
-                    emit(c)
-                group_start, group_len = pos, 0
-                continue
-            if group_len + ext.length > policy.meta_chunk:
-                flush()
-            group_len += ext.length
-            continue
-        if ext.length >= policy.big:
-            flush()
-            for c in _fixed(ext.offset, ext.length, policy.max_chunk, 0):
-                emit(c)
-            group_start, group_len = pos, 0
-            continue
-        if group_len and group_len + ext.length > policy.max_group:
-            flush()
-        group_len += ext.length
-        if group_len >= policy.min_group and _boundary_after(ext, policy):
-            flush()
-    if layout.data_end > group_start + group_len:
-        group_len = layout.data_end - group_start
-    flush()
+        cutter.feed(ext, data)
+    cutter.finish(layout.data_end, data)
+    for c in data:
+        emit(c)
 
     for c in layout.inherited_meta:
         emit(c)

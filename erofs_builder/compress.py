@@ -2,12 +2,13 @@
 
 The data area's chunks are known as it is laid out: a data extent never changes once the entry
 that wrote it has been added, and the chunk cut of the data area (`chunking.cut`) closes a chunk
-as soon as the extents after it are known. `DataCutter` repeats that part of the cut as extents
-arrive; `Compressor` reads each closed chunk back from the image file (page cache) in worker
-threads, hashes it (blake3), and, unless an identical chunk was seen already or the sink holds
-it, compresses it (`chunkobj.pack`) and hands the object to the sink. blake3, zstd and pread
-release the GIL, so this runs on the other core while the Python-bound writer goes on. The rest
-(the last data group, metadata, a parent's data) is compressed once the image is complete.
+as soon as the extents after it are known. `chunking.DataCutter`, the one implementation of the
+data area's cut, is fed the extents as they arrive; `Compressor` reads each closed chunk back
+from the image file (page cache) in worker threads, hashes it (blake3), and, unless an identical
+chunk was seen already or the sink holds it, compresses it (`chunkobj.pack`) and hands the
+object to the sink. blake3, zstd and pread release the GIL, so this runs on the other core while
+the Python-bound writer goes on. The rest (the last data group, metadata, a parent's data) is
+compressed once the image is complete.
 
 Memory is bounded: at most `threads * 2` batches of about `BATCH` bytes are in flight (the writer
 waits for a slot), and objects go to the sink as they are made.
@@ -34,7 +35,7 @@ from layerstore import digest as digestmod
 from layerstore.fileio import pread_exact
 from layerstore.store import PutStats, Store
 
-from .chunking import ChunkPolicy, Cut, DataExtent, _boundary_after
+from .chunking import Cut
 
 COMPRESS_THREADS = os.cpu_count() or 2
 BATCH = 4 << 20
@@ -93,46 +94,6 @@ class StoreSink:
         st = self.store.put_chunk_object(chunk, obj, length)
         with self._lock:
             self.stats.add(st)
-
-
-class DataCutter:
-    """`chunking.cut` of the data area, one extent at a time (extents written during `add`:
-    never metadata ones, which only `finish` writes). `feed` returns the cuts it closed; the
-    group still open at the end is left to the final cut."""
-
-    def __init__(self, start: int, policy: ChunkPolicy | None) -> None:
-        self.policy = policy or ChunkPolicy()
-        self.group_start = start
-        self.group_len = 0
-        self.stopped = False
-
-    def feed(self, ext: DataExtent, out: list[Cut]) -> None:
-        if self.stopped:
-            return
-        p = self.policy
-        if ext.meta:  # not expected before finish: stop streaming (the final cut does the rest)
-            self.stopped = True
-            return
-        if ext.offset != self.group_start + self.group_len:  # as cut(): a gap joins the group
-            self.group_len = ext.offset - self.group_start
-        if ext.length >= p.big:
-            self._flush(out)
-            end = ext.offset + ext.length
-            for off in range(ext.offset, end, p.max_chunk):
-                out.append(Cut(off, min(p.max_chunk, end - off)))
-            self.group_start, self.group_len = end, 0
-            return
-        if self.group_len and self.group_len + ext.length > p.max_group:
-            self._flush(out)
-        self.group_len += ext.length
-        if self.group_len >= p.min_group and _boundary_after(ext, p):
-            self._flush(out)
-
-    def _flush(self, out: list[Cut]) -> None:
-        if self.group_len:
-            out.append(Cut(self.group_start, self.group_len))
-            self.group_start += self.group_len
-            self.group_len = 0
 
 
 class Compressor:

@@ -36,8 +36,8 @@ from layerstore.errors import BadInput, ConfigError
 
 from . import format as fmt
 from .chunking import SLICE, Cut
-from .dataarea import run_key
 from .metadata import ParentMeta, Slot
+from .runhash import run_key
 
 if TYPE_CHECKING:
     from layerstore.store import Store
@@ -162,7 +162,7 @@ class _Reader:
         return self.read(self.check(blkaddr, length), length)
 
     def run_key(self, blkaddr: int, length: int) -> bytes:
-        """The run's identity as the writer computes it (dataarea.RunHasher)."""
+        """The run's identity as the writer computes it (runhash.RunHasher)."""
         start = self.check(blkaddr, length)
         return run_key([blake3.blake3(self.read(start + off, min(SLICE, length - off))).digest()
                         for off in range(0, length, SLICE)])

@@ -221,10 +221,11 @@ def _random_tree(root: Path, seed: int) -> None:
 
 
 def test_data_cutter_closes_the_same_cuts_as_cut() -> None:
-    """The streaming cut of the data area (compress.DataCutter) gives a prefix of `cut`'s data cuts."""
+    """The streaming cut of the data area (chunking.DataCutter fed extent by extent) gives a prefix
+    of `cut`'s data cuts."""
     import random
 
-    from erofs_builder.compress import DataCutter
+    from erofs_builder.chunking import DataCutter
 
     rnd = random.Random(5)
     for policy in (ChunkPolicy(), ChunkPolicy(min_group=16 << 10, target_group=64 << 10, max_group=128 << 10)):
