@@ -15,6 +15,7 @@ a temporary directory and renamed into place, so an interrupted build is never m
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -100,8 +101,15 @@ def _cached(out: Path) -> dict[str, int] | None:
     return None
 
 
+def base_key() -> str:
+    """The base layer's cache key: a hash of what it is built from, computed as spec computes the
+    toolkits' and workspaces' keys (same digest, so existing cache entries keep their names)."""
+    facts = {"suite": spec.BASE_SUITE, "include": spec.BASE_INCLUDE, "variant": "minbase"}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def build_base(root: Path) -> Layer:
-    key = spec._key({"suite": spec.BASE_SUITE, "include": spec.BASE_INCLUDE, "variant": "minbase"})
+    key = base_key()
     out = root / f"base-{spec.BASE_SUITE}-{key}.tar.gz"
     facts = _cached(out)
     if facts is None:

@@ -1,0 +1,26 @@
+"""Every name the composition benchmark takes from the project's packages, in one place: when one of
+them moves, this is the only module to change. Imported lazily, as the benchmark always did: a
+plain-overlay client and the outer process never load the runtime shim."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+
+def linux() -> ModuleType:
+    from fuse_client import linux
+
+    return linux
+
+
+def shim_class() -> Any:
+    from runtime_shim.shim import Shim
+
+    return Shim
+
+
+def node_state_class() -> Any:
+    from runtime_shim.state import NodeState
+
+    return NodeState

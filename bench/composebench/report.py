@@ -1,0 +1,72 @@
+"""From the rounds to the document: medians over rounds, each round's headline figures, the verdicts
+against the goals, and the summary printed at the end."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .spec import GOALS, log
+
+
+def median_results(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers: median over the rounds; everything else from the first round."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+    out: dict[str, Any] = {}
+    for k, v in first.items():
+        if isinstance(v, dict):
+            out[k] = median_results([r[k] for r in rounds if isinstance(r.get(k), dict)])
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = round(statistics.median(r[k] for r in rounds if isinstance(r.get(k), (int, float))), 3)
+        else:
+            out[k] = v
+    return out
+
+
+def per_round(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each round's headline figures, with the machine's load while it ran."""
+
+    def headline(r: dict[str, Any]) -> dict[str, Any]:
+        return {"mount": r["mount"], "unmount_rate_per_s": r["unmount"]["rate_per_s"],
+                "loadavg_1min": r["loadavg_1min"]}
+
+    return {k: [{scale: headline(r[scale]) for scale in r} for r in v] for k, v in rounds.items()}
+
+
+def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, per in doc.get("results", {}).items():
+        for scale, r in per.items():
+            m = r.get("mount", {})
+            out[f"{name}@{scale}"] = {
+                "rate_ok": m.get("rate_per_s", 0) >= GOALS["rate_per_s"],
+                "p99_ok": m.get("p99_ms", 1e9) <= GOALS["p99_ms"],
+            }
+    scales = [int(s) for per in doc.get("results", {}).values() for s in per]
+    out["mounted_10000_ok"] = bool(scales) and max(scales) >= GOALS["mounted"] and doc.get("leftovers", {}).get("clean")
+    return out
+
+
+def write(doc: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def summary(doc: dict[str, Any]) -> None:
+    ab = doc.get("durability_ab")
+    if ab:
+        for name in ("nosync", "fsync"):
+            m, u = ab[name]["mount"], ab[name]["unmount"]
+            log(f"durability A/B {name:6s}: mount {m['rate_per_s']:7.1f}/s p50 {m['p50_ms']:6.2f} "
+                f"p99 {m['p99_ms']:6.2f} ms | unmount {u['rate_per_s']:7.1f}/s p99 {u['p99_ms']:6.2f} ms")
+    for name, per in doc.get("results", {}).items():
+        for scale, r in per.items():
+            m, u, mem = r["mount"], r["unmount"], r["memory_per_sandbox"]
+            log(f"{name:30s} {scale:>6s}: {m['rate_per_s']:7.1f}/s p50 {m['p50_ms']:6.2f} p99 {m['p99_ms']:6.2f} ms "
+                f"cpu {m['cpu_ms']:5.2f} ms | unmount {u['rate_per_s']:6.1f}/s | kmem "
+                f"{mem.get('cgroup_kmem_bytes', 0) / 1024:5.1f} KiB "
+                f"(machine slab {mem['machine_slab_bytes'] / 1024:6.1f})")

@@ -1,0 +1,109 @@
+"""One timed run of a workload on a contender, with the cache state the benchmark's doc describes:
+a fresh EROFS mount, a fresh daemon for the FUSE contenders, then drop_caches (not when `hot`)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .mounts import daemon, erofs_mount
+from .probes import cached_bytes, drop_caches, timed, tree_cached_bytes
+from .project import pin, unpin
+from .spec import PIN_HOLDER
+from .workloads import WORKLOADS
+
+
+@dataclass
+class Images:
+    store: str
+    work: Path
+    trees: dict[str, Path]
+    paths: dict[str, Path]
+    blobs: dict[str, str]
+    warm_cache: Path
+    daemon_env: dict[str, str]
+
+
+def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> dict[str, Any]:
+    """One timed run of `workload` on `contender`, cache state as the module doc says."""
+    tree, fn = WORKLOADS[workload]
+    opts = "directio" if contender.endswith("_dio") else ""
+    kind = contender.removesuffix("_dio")
+    out: dict[str, Any] = {}
+    # hot: an untimed pass first (through a mount of its own), so everything is in the page cache
+    # except EROFS's own pages (each run mounts afresh).
+    if kind == "source":
+        if hot:
+            fn(im.trees[tree])
+        else:
+            drop_caches()
+        out["seconds"], out["bytes"] = timed(fn, im.trees[tree], out)
+        return out
+    if kind == "erofs_local":
+        image = im.paths[tree]
+        if hot:
+            with erofs_mount(image, im.work, opts) as m:
+                fn(m)
+        with erofs_mount(image, im.work, opts) as m:
+            if not hot:
+                drop_caches()
+            out["seconds"], out["bytes"] = timed(fn, m, out)
+            out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(image)}
+        return out
+    blob = im.blobs[tree]
+    if kind == "promoted":
+        return run_promoted(im, blob, fn, hot, out)
+    cold = kind == "fuse_cold"
+    cache = im.work / "cache-cold" if cold else im.warm_cache
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
+    try:
+        with daemon(im.store, cache, im.work / "mnt-fuse", im.work / "daemon.log", im.daemon_env) as d:
+            if hot:
+                with erofs_mount(d.blob(blob), im.work, opts) as m:
+                    fn(m)
+            t0 = time.perf_counter()
+            with erofs_mount(d.blob(blob), im.work, opts) as m:
+                out["mount_s"] = time.perf_counter() - t0
+                if not hot:
+                    drop_caches()
+                c0 = d.counters(blob)
+                out["seconds"], out["bytes"] = timed(fn, m, out)
+                c1 = d.counters(blob)
+                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(d.blob(blob)),
+                                 "node_cache_file": cached_bytes(d.data_file(blob))}
+            out["fuse"] = {k: c1[k] - c0[k] for k in c0}
+    finally:
+        if cold:
+            shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def run_promoted(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, out: dict[str, Any]) -> dict[str, Any]:
+    """EROFS on the pinned cache data file of a complete blob (buffered: it is a local file),
+    the daemon running as on a node; pinned before the mount, unpinned after the unmount."""
+    with daemon(im.store, im.warm_cache, im.work / "mnt-fuse", im.work / "daemon.log", im.daemon_env) as d:
+        t0 = time.perf_counter()
+        image = pin(im.warm_cache, blob, PIN_HOLDER)
+        out["pin_s"] = time.perf_counter() - t0
+        if image is None:
+            raise RuntimeError(f"blob {blob} is not complete in the warm cache")
+        try:
+            if hot:
+                with erofs_mount(image, im.work) as m:
+                    fn(m)
+            with erofs_mount(image, im.work) as m:
+                if not hot:
+                    drop_caches()
+                c0 = d.counters(blob)
+                out["seconds"], out["bytes"] = timed(fn, m, out)
+                c1 = d.counters(blob)
+                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(image)}
+            out["daemon_requests"] = c1["requests"] - c0["requests"]  # 0: the daemon is not on the path
+        finally:
+            unpin(im.warm_cache, blob, PIN_HOLDER)
+    return out

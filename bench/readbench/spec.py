@@ -1,0 +1,48 @@
+"""What the read benchmark runs: sizes, contenders, the reference, goals. Data only, no I/O."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
+MiB = 1 << 20
+LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
+DAEMON_ARGS: list[str] = []  # --daemon-arg: extra `layerctl daemon` arguments for every daemon (set by main)
+SIZES: dict[str, dict[str, int]] = {
+    "quick": {"big_mib": 256, "reps": 3, "s3_mib": 128},
+    "full": {"big_mib": 1024, "reps": 7, "s3_mib": 512},
+}
+SMALL_SOURCE = Path(f"/usr/lib/python{sys.version_info.major}.{sys.version_info.minor}")
+REFERENCE = "erofs_local"
+UNAVAILABLE = {
+    "erofsfuse": "not packaged in Debian 12 (erofs-utils 1.5 ships no erofsfuse binary); building it from a "
+                 "fetched erofs-utils tree may not be committed, so it is not a contender here",
+}
+GOALS = {  # (workload or "s3", contender or S3 link, minimum ratio)
+    "warm_seq": ("seq", "fuse_warm", 0.95),
+    "warm_seq_dio": ("seq", "fuse_warm_dio", 0.95),
+    "warm_seq_promoted": ("seq", "promoted", 0.95),
+    "warm_small": ("walk_hash", "fuse_warm", 0.9),
+    "warm_small_dio": ("walk_hash", "fuse_warm_dio", 0.9),
+    "warm_small_promoted": ("walk_hash", "promoted", 0.9),
+    "cold_s3_loopback": ("s3", "loopback", 0.8),
+}
+S3_GOAL = 0.8  # each shaped link's goal (cold_s3_<rate>mbit)
+PIN_HOLDER = "bench-read"
+CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted", "fuse_cold",
+              "fuse_cold_dio"]
+HOT_CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted"]
+HIT_PATH_KERNEL_BLOCKS = ((4096, 20000), (128 * 1024, 4000), (MiB, 1000))  # (read size, reads per pass)
+HIT_PATH_HANDLER_BLOCKS = ((4096, 100000), (128 * 1024, 20000), (MiB, 3000))
+HIT_PATH_SPAN = 256 * MiB  # the hit-path reads cycle over at most this much of the blob
+
+
+def default_out(size: str) -> Path:
+    return RESULTS / ("read.json" if size == "full" else f"read-{size}.json")
+
+
+def default_size() -> str:
+    return os.environ.get("BENCH_SIZE") or "full"
