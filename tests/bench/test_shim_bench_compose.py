@@ -12,7 +12,7 @@ from pathlib import Path
 from testkit.shim_support import needs_busybox, needs_root
 
 pytestmark = [needs_root, needs_busybox]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/bench/...)
 
 
 def test_compose_bench_smoke(tmp_path: Path) -> None:
