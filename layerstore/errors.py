@@ -131,6 +131,11 @@ class NodeUnavailable(LayerstoreError):
 _REGISTRY["LayerstoreError"] = LayerstoreError
 
 
+def registered() -> dict[str, type[LayerstoreError]]:
+    """Every error class loaded so far, by name."""
+    return dict(_REGISTRY)
+
+
 def error_class(kind: str) -> type[LayerstoreError] | None:
     """The registered class of that name (None if no loaded module defines one)."""
     return _REGISTRY.get(kind)

@@ -9,12 +9,17 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 - `load(key, offset, size)`: whole object or a byte range; a range past the end is truncated
   like a POSIX read.
 - Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
+- `is_temp_failure(e)`: whether a failure may pass if the request is made again. Only the
+  backend knows its own exceptions; when and how often to retry is decided in one place for
+  every caller (`layerstore.retry.RetryPolicy`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+
+from ..retry import is_temporary
 
 
 class Backend(ABC):
@@ -51,6 +56,10 @@ class Backend(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Yield every key that starts with `prefix`, page by page (order is not part of the contract)."""
+
+    def is_temp_failure(self, e: BaseException) -> bool:
+        """May `e` (raised by this backend) pass if the request is made again?"""
+        return is_temporary(e)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

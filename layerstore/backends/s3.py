@@ -12,9 +12,13 @@ store URL's `endpoint=` and `region=` override them. See docs/s3-backend.md.
   some servers (RGW 16.2 among them) ignore it there, so the same window exists for large objects.
   For content-addressed keys both writers carry identical bytes, so the window only skews stats.
 - `replace` is a plain PUT: S3 makes a whole object visible atomically.
-- Transient failures are retried by botocore (mode `standard` unless configured, exponential
-  backoff with jitter); a failure that outlives the retries raises `StoreUnavailable`. Body reads
-  that break mid-stream are retried here, since botocore has already returned by then.
+- Retries are decided by the project's one policy (`layerstore.retry`: exponential backoff with
+  full jitter, `max_attempts` tries, from the constructor, else AWS_MAX_ATTEMPTS / ~/.aws/config,
+  else 5); botocore's own retries are off so that nothing retries twice. This backend only says
+  what a temporary failure is (`is_temp_failure`: throttling, 5xx, connection and timeout errors,
+  a body that broke mid-stream, a conflicting conditional write). A failure that outlives the
+  retries raises `StoreUnavailable`. Listings go page by page, each page retried on its own, so a
+  listing resumes where it failed instead of starting over.
 
 One boto3 client is shared by every thread (clients are thread-safe; sessions are not, so the
 session is used only to build the client, under a lock).
@@ -24,16 +28,15 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import re
 import threading
-import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
+from ..retry import RetryPolicy, is_temporary
 from .base import Backend
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ DEFAULT_PART_SIZE = 16 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 DEFAULT_MAX_ATTEMPTS = 5  # total attempts, when neither the environment nor ~/.aws/config says
 DEFAULT_POOL = 32
+BACKOFF_FIRST = 0.1  # seconds: the first retry waits up to this, doubling up to BACKOFF_CAP
+BACKOFF_CAP = 5.0
+T = TypeVar("T")
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound", "NoSuchUpload"}
@@ -83,6 +89,7 @@ class S3Backend(Backend):
         self.part_size = part_size
         self.page_size = page_size
         self._max_attempts = max_attempts
+        self._policy: RetryPolicy | None = None
         self._pool = max_pool_connections
         self._timeouts = (connect_timeout, read_timeout)
         self._client: Any = None
@@ -110,11 +117,10 @@ class S3Backend(Backend):
         # A private session per client: sessions are not thread-safe, the client built from one is.
         core = botocore.session.Session()
         session = boto3.session.Session(botocore_session=core)
-        retries: dict[str, Any] = {"mode": core.get_config_variable("retry_mode") or "standard"}
         attempts = self._max_attempts or core.get_config_variable("max_attempts")
-        retries["total_max_attempts"] = int(attempts or DEFAULT_MAX_ATTEMPTS)
+        self._policy = RetryPolicy(first=BACKOFF_FIRST, cap=BACKOFF_CAP, attempts=int(attempts or DEFAULT_MAX_ATTEMPTS))
         kwargs: dict[str, Any] = {
-            "retries": retries,
+            "retries": {"mode": "standard", "total_max_attempts": 1},  # retried by `self.policy` only
             "max_pool_connections": self._pool,
             "connect_timeout": self._timeouts[0],
             "read_timeout": self._timeouts[1],
@@ -140,6 +146,31 @@ class S3Backend(Backend):
         if client is not None:
             client.close()
 
+    @property
+    def policy(self) -> RetryPolicy:
+        if self._policy is None:
+            self.client  # noqa: B018 - building the client reads the configured attempts
+        assert self._policy is not None
+        return self._policy
+
+    def is_temp_failure(self, e: BaseException) -> bool:
+        from botocore.exceptions import ClientError, HTTPClientError, ResponseStreamingError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+
+        if isinstance(e, ClientError):
+            code = _code(e)
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code == "NotImplemented" or status == 501:
+                return False  # e.g. conditional writes unsupported: asking again changes nothing
+            return code in _TRANSIENT or code == "ConditionalRequestConflict" or status >= 500 or status == 429
+        if isinstance(e, BotoConnectionError | HTTPClientError | ResponseStreamingError | OSError):
+            return True
+        return is_temporary(e)
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        """Run one request under the retry policy; what fails is raised as botocore raised it."""
+        return self.policy.call(fn, self.is_temp_failure)
+
     def _name(self, key: str) -> str:
         validate(key)
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -151,7 +182,7 @@ class S3Backend(Backend):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            return getattr(self.client, operation)(**kwargs)
+            return self._retry(lambda: getattr(self.client, operation)(**kwargs))
         except ClientError as e:
             raise self._translate(e, what) from None
         except BotoCoreError as e:
@@ -202,7 +233,7 @@ class S3Backend(Backend):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            self.client.create_bucket(**kwargs)
+            self._retry(lambda: self.client.create_bucket(**kwargs))
         except ClientError as e:
             code = e.response.get("Error", {}).get("Code")
             if code == "BucketAlreadyExists":
@@ -217,7 +248,7 @@ class S3Backend(Backend):
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
-            self.client.head_bucket(Bucket=self.bucket)
+            self._retry(lambda: self.client.head_bucket(Bucket=self.bucket))
         except ClientError as e:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if status == 404 or e.response.get("Error", {}).get("Code") in _NO_BUCKET:
@@ -244,27 +275,25 @@ class S3Backend(Backend):
     def _get(self, what: str, kwargs: dict[str, Any]) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        attempts = self._max_attempts or DEFAULT_MAX_ATTEMPTS
-        for attempt in range(attempts):
+        def once() -> bytes:
             try:
                 resp = self.client.get_object(**kwargs)
             except ClientError as e:
-                if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                if _code(e) == "InvalidRange":
                     return b""  # the range starts at or after the end: a POSIX read at EOF
-                raise self._translate(e, what) from None
-            except BotoCoreError as e:
-                raise self._translate_core(e, what) from None
+                raise
             body = resp["Body"]
             try:
-                return body.read()
-            except (BotoCoreError, OSError) as e:
-                # The body broke mid-stream after botocore's retries had already returned.
-                if attempt + 1 >= attempts:
-                    raise self._translate_core(e, what) from None
-                _backoff(attempt)
+                return body.read()  # may break mid-stream: retried like the request
             finally:
                 body.close()
-        raise AssertionError("unreachable")
+
+        try:
+            return self._retry(once)
+        except ClientError as e:
+            raise self._translate(e, what) from None
+        except (BotoCoreError, OSError) as e:
+            raise self._translate_core(e, what) from None
 
     def store_once(self, key: str, data: bytes | memoryview) -> bool:
         name = self._name(key)
@@ -301,19 +330,13 @@ class S3Backend(Backend):
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name, "Body": _as_bytes(data)}
         if conditional:
             kwargs["IfNoneMatch"] = "*"
-        for attempt in range(self._max_attempts or DEFAULT_MAX_ATTEMPTS):
-            try:
-                self.client.put_object(**kwargs)
-                return
-            except ClientError as e:
-                _raise_if_conditional(e, conditional)
-                if _code(e) == "ConditionalRequestConflict" and attempt < 3:
-                    _backoff(attempt)  # another conditional write is in flight: ask again
-                    continue
-                raise self._translate(e, f"write {key}") from None
-            except BotoCoreError as e:
-                raise self._translate_core(e, f"write {key}") from None
-        raise StoreUnavailable(f"write {key}: {self._where} kept reporting conflicting writes")
+        try:
+            self._retry(lambda: self.client.put_object(**kwargs))  # conflicting conditional writes: again
+        except ClientError as e:
+            _raise_if_conditional(e, conditional)
+            raise self._translate(e, f"write {key}") from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, f"write {key}") from None
 
     def _multipart(self, name: str, key: str, data: bytes | memoryview, *, create_once: bool) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -335,7 +358,7 @@ class S3Backend(Backend):
             elif create_once and self.exists(key):
                 return False
             try:
-                self.client.complete_multipart_upload(**kwargs)
+                self._retry(lambda: self.client.complete_multipart_upload(**kwargs))
             except ClientError as e:
                 try:
                     _raise_if_conditional(e, "IfNoneMatch" in kwargs)
@@ -383,22 +406,19 @@ class S3Backend(Backend):
     def list(self, prefix: str = "") -> Iterator[str]:
         validate_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=base + prefix, PaginationConfig={"PageSize": self.page_size})
-            for page in pages:
-                for obj in page.get("Contents", ()):
-                    key = obj["Key"][len(base):]
-                    try:
-                        yield validate(key)
-                    except LayerstoreError:
-                        continue  # not one of ours (a foreign object in a shared bucket)
-        except ClientError as e:
-            raise self._translate(e, f"list {prefix or '/'}") from None
-        except BotoCoreError as e:
-            raise self._translate_core(e, f"list {prefix or '/'}") from None
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": self.page_size}
+        while True:
+            page = self._call(f"list {prefix or '/'}", "list_objects_v2", **kwargs)  # one page, retried alone
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][len(base):]
+                try:
+                    yield validate(key)
+                except LayerstoreError:
+                    continue  # not one of ours (a foreign object in a shared bucket)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            kwargs["ContinuationToken"] = token
 
 
 class _PreconditionFailed(Exception):
@@ -439,8 +459,3 @@ def _configured(core: Any, var: str) -> bool:
 
 def _as_bytes(data: bytes | memoryview) -> bytes:
     return data if isinstance(data, bytes) else bytes(data)
-
-
-def _backoff(attempt: int) -> None:
-    """Exponential backoff with full jitter (as botocore's standard mode does)."""
-    time.sleep(random.uniform(0, min(0.1 * (2**attempt), 5.0)))

@@ -314,3 +314,22 @@ def test_one_client_shared_by_threads(make: Any, bucket: str) -> None:
         loaded = dict(zip(blobs, pool.map(b.load, blobs), strict=True))
     assert loaded == blobs
     assert b.client is b.client
+
+
+def test_a_listing_resumes_at_the_page_that_failed(make: Any, bucket: str) -> None:
+    """Pages are retried one by one (with their continuation token), not the whole listing."""
+    b = make(bucket, page_size=3)
+    for i in range(10):
+        b.store_once(f"k{i:02d}", b"x")
+    seen: list[str] = []
+
+    def fail_third_page_once(request: Any, **_: Any) -> AWSResponse | None:
+        seen.append(request.url)
+        if len(seen) == 3:
+            return _canned(request, 503, "SlowDown", "injected")
+        return None
+
+    b.client.meta.events.register("before-send.s3.ListObjectsV2", fail_third_page_once)
+    assert sorted(b.list()) == [f"k{i:02d}" for i in range(10)]
+    assert len(seen) == 5  # 4 pages, the third asked twice
+    assert "continuation-token" in seen[2] and seen[2] == seen[3]
