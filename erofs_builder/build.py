@@ -142,6 +142,7 @@ def _build(entries: Iterable[tuple[Entry, Data | None]], out_path: Path, *, mtim
                     comp.submit_batched((Cut(r.offset, r.length) for r in refs
                                          if (r.offset, r.length) not in comp.submitted), digests)
                     comp.wait()
+                    comp.sink.flush()  # every object where it goes (stored, for a StoreSink)
                 early.result()
                 synced.result()
             # mkstemp made it 0600; the published image gets what a plain create would give

@@ -4,22 +4,17 @@ optionally write them out and push them (chunks first, then the chunk map) to a 
 Every layer is built completely before anything is published: a source that turns out to be bad
 half-way leaves no output file and nothing in the store. With a multi-layer source (oci:,
 docker-archive:) `--output` names a directory that receives one `<blob-hex>.erofs` per layer;
-the `--json` list gives their order, base first.
+the `--json` list gives their order, base first. The work is `erofs_builder.workflow.build_and_push`;
+this module holds the options, the progress bar and the printing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import os
-import shutil
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import click
 
@@ -29,69 +24,6 @@ from layerstore.fileio import write_atomic
 from .options import emit_json, human_bytes, json_option, store_option
 
 Progress = Callable[[int], None]
-EntriesFactory = Callable[[Progress], Iterator[Any]]
-
-
-@dataclass
-class LayerSource:
-    label: str
-    entries: EntriesFactory  # called once with a progress callback (input bytes read)
-    size: int | None  # input bytes, when known
-    counts_input: bool = True  # False: progress comes from the builder (content bytes added)
-
-
-@dataclass
-class Source:
-    layers: list[LayerSource]
-    config: dict[str, Any] | None  # runtime config, for image sources
-    multi: bool  # an image: --output is a directory, --json prints a list
-
-
-class _Counting:
-    def __init__(self, raw: BinaryIO, progress: Progress) -> None:
-        self.raw, self.progress = raw, progress
-
-    def read(self, n: int = -1, /) -> bytes:
-        data = self.raw.read(n)
-        if data:
-            self.progress(len(data))
-        return data
-
-
-def _tar_layer(label: str, opener: Callable[[], BinaryIO], size: int | None) -> LayerSource:
-    def entries(progress: Progress) -> Iterator[Any]:
-        from erofs_builder.source_tar import tar_entries
-
-        with opener() as f:
-            yield from tar_entries(_Counting(f, progress), name=label)
-
-    return LayerSource(label, entries, size)
-
-
-def resolve_source(src: str, *, all_root: bool) -> Source:
-    if src == "-":
-        stdin = sys.stdin.buffer
-        return Source([_tar_layer("stdin", lambda: contextlib.nullcontext(stdin), None)], None,
-                      False)  # type: ignore[arg-type, return-value]
-    if src.startswith(("oci:", "docker-archive:")):
-        from erofs_builder.source_oci import image_layers
-
-        image = image_layers(src)
-        return Source([LayerSource(layer.name, layer.entries, layer.size) for layer in image.layers],
-                      image.config, True)
-    path = Path(src)
-    if path.is_dir():
-        from erofs_builder.source_dir import dir_entries
-
-        def dir_layer(progress: Progress) -> Iterator[Any]:
-            return dir_entries(path, all_root=all_root)
-
-        return Source([LayerSource(str(path), dir_layer, None, counts_input=False)], None, False)
-    if path.is_file():
-        return Source([_tar_layer(str(path), lambda: open(path, "rb"), path.stat().st_size)], None, False)
-    if path.exists():
-        raise ConfigError(f"{src}: not a directory, a tar file, oci:PATH[:REF] or docker-archive:PATH")
-    raise NotFound(f"{src}: no such file or directory")
 
 
 # -- progress ---------------------------------------------------------------------------------
@@ -144,7 +76,7 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     SRC is a directory, a tar file (plain, gzip or zstd; '-' reads stdin), oci:PATH[:REF] (an OCI
     image layout) or docker-archive:PATH[:REF] (a `docker save` tar).
     """
-    from erofs_builder.build import build_layer, push_layer
+    from erofs_builder.workflow import build_and_push, resolve_source
 
     source = resolve_source(src, all_root=all_root)
     if config_out is not None and source.config is None:
@@ -158,28 +90,22 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
         store = open_store(store_url)
     results: list[dict[str, Any]] = []
     try:
-        with _Bar(not as_json) as bar, _Staging(output, source.multi) as staging, _parent(parent, store, output) as par:
-            built = []
-            for i, layer in enumerate(source.layers):
-                what = f"layer {i + 1}/{len(source.layers)}" if source.multi else "building"
-                progress = bar.task(f"{what}: reading", layer.size)
-                built.append(build_layer(layer.entries(progress), staging.path_for(i), mtime_clamp=mtime,
-                                         all_root=all_root, progress=None if layer.counts_input else progress,
-                                         parent=par))
-            published = staging.publish(built)
-            for i, layer in enumerate(built):
-                res: dict[str, Any] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
-                                       "new_bytes": None, "files": layer.files}
-                if push and store is not None:
-                    stats = push_layer(store, layer, progress=bar.task(f"pushing {layer.blob[:15]}", layer.size))
-                    res["chunks"], res["new_bytes"] = stats.chunks, stats.new_bytes
-                if role:
-                    res["role"] = role
-                if parent is not None:
-                    res["parent_used"] = layer.parent_used
-                res["_path"] = published[i]
-                res["_payload"] = sum(ref.length for ref in layer.refs)
-                results.append(res)
+        with _Bar(not as_json) as bar:
+            built = build_and_push(source, store=store, push=push, output=output, parent=parent, mtime_clamp=mtime,
+                                   all_root=all_root, progress=bar.task)
+        for r in built:
+            layer = r.layer
+            res: dict[str, Any] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
+                                   "new_bytes": None, "files": layer.files}
+            if r.pushed is not None:
+                res["chunks"], res["new_bytes"] = r.pushed.chunks, r.pushed.new_bytes
+            if role:
+                res["role"] = role
+            if parent is not None:
+                res["parent_used"] = layer.parent_used
+            res["_path"] = r.path
+            res["_payload"] = sum(ref.length for ref in layer.refs)
+            results.append(res)
         if config_out is not None:
             write_atomic(config_out, json.dumps(source.config, indent=2, sort_keys=True).encode() + b"\n", mode=0o644)
     except OSError as e:
@@ -190,14 +116,6 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
         if store is not None:
             store.close()
     _report(results, source.multi, as_json, store.url if store is not None else None)
-
-
-def _parent(spec: str | None, store: Any, output: Path | None) -> contextlib.AbstractContextManager[Any]:
-    if spec is None:
-        return contextlib.nullcontext(None)
-    from erofs_builder.parent import parent_source
-
-    return parent_source(spec, store, output.absolute().parent if output is not None else Path(tempfile.gettempdir()))
 
 
 def _report(results: list[dict[str, Any]], multi: bool, as_json: bool, store_url: str | None) -> None:
@@ -220,66 +138,8 @@ def _report(results: list[dict[str, Any]], multi: bool, as_json: bool, store_url
             click.echo(f"  written to {r['_path']}")
 
 
-class _Staging:
-    """Where images are built, and how they are published to --output once all are built.
-
-    Single-layer source with --output FILE: built to FILE directly (the builder writes a temp file
-    and renames it). Otherwise: built into a private directory (next to --output DIR, so the final
-    renames stay on one filesystem), moved to DIR as <blob-hex>.erofs when every layer is done,
-    and the private directory removed whatever happens."""
-
-    def __init__(self, output: Path | None, multi: bool) -> None:
-        self.output, self.multi = output, multi
-        self.tmp: Path | None = None
-        self.created_dir = False
-
-    def __enter__(self) -> _Staging:
-        if self.output is not None and not self.output.absolute().parent.is_dir():
-            raise NotFound(f"--output {self.output}: directory {self.output.absolute().parent} does not exist")
-        if self.output is not None and not self.multi:
-            if self.output.is_dir():
-                raise ConfigError(f"--output {self.output}: is a directory (a single-layer source writes a file)")
-            return self
-        if self.output is not None:
-            if self.output.exists() and not self.output.is_dir():
-                raise ConfigError(f"--output {self.output}: not a directory (an image source writes one "
-                                  "file per layer into a directory)")
-            if not self.output.exists():
-                self.output.mkdir(parents=True)
-                self.created_dir = True
-            self.tmp = Path(tempfile.mkdtemp(prefix=".layerctl-build-", dir=self.output))
-        else:
-            self.tmp = Path(tempfile.mkdtemp(prefix="layerctl-build-"))
-        return self
-
-    def path_for(self, i: int) -> Path:
-        if self.tmp is None:
-            assert self.output is not None
-            return self.output
-        return self.tmp / f"layer-{i}.erofs"
-
-    def publish(self, built: list[Any]) -> list[str | None]:
-        if self.output is None:
-            return [None] * len(built)
-        if not self.multi:
-            return [str(self.output)]
-        out = []
-        for layer in built:
-            final = self.output / (layer.blob.split(":", 1)[1] + ".erofs")
-            os.replace(layer.path, final)
-            layer.path = final
-            out.append(str(final))
-        return out
-
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        if exc_type is not None and self.created_dir and self.output is not None:
-            shutil.rmtree(self.output, ignore_errors=True)
-
-
 def register(cli: click.Group) -> None:
     cli.add_command(build_cmd)
 
 
-__all__ = ["register", "resolve_source", "LayerstoreError"]
+__all__ = ["register", "LayerstoreError"]

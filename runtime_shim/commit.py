@@ -11,7 +11,6 @@ build instead of yielding a torn layer.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +68,7 @@ def committed_layers(old: Iterable[Any], new_blob: str, new_size: int, layer_cls
 
 
 def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None) -> CommitResult:
-    from erofs_builder.build import build_layer, push_layer
-    from erofs_builder.source_dir import dir_entries
+    from erofs_builder.workflow import Source, build_and_push, dir_layer
     from manifest import Layer, Manifest
     from manifest.environment import check_environment_tag, create_environment, load_manifest
 
@@ -78,9 +76,11 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None) 
     if not sb.manifest:
         raise ShimError(f"sandbox {sb.id} was not started from a stored environment: nothing to commit onto")
     old = load_manifest(store, sb.manifest)
-    with tempfile.TemporaryDirectory(prefix="commit-", dir=workdir) as tmp:
-        built = build_layer(layer_entries(dir_entries(Path(sb.upper))), Path(tmp) / "layer.erofs")
-        push_layer(store, built)
+    # the upper is the sandbox's own tree, not an archive handed in: a failure half-way is the
+    # commit's (a file changing under it), so its chunks may be stored while it is built
+    upper = dir_layer(Path(sb.upper), transform=layer_entries, refusable=False)
+    (res,) = build_and_push(Source([upper], None, False), store=store, workdir=workdir)
+    built = res.layer
     layers = committed_layers(old.layers, built.blob, built.size, Layer)
     prefetch = {b: idx for b, idx in old.prefetch.items() if any(layer.blob == b for layer in layers)}
     annotations = dict(old.annotations)
