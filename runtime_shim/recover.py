@@ -22,21 +22,25 @@ Desired state = every sandbox in the state database, plus every sandbox whose re
    again with the SAME upper and work directories;
 5. recounts every layer's references from the sandboxes, unmounts layers nobody uses, and
    detaches orphan mounts (layer mounts and overlays under the node directory that no sandbox owns);
-6. deletes the OCI runtimes' leftover containers: those of sandboxes that no longer exist, and
-   stopped ones (a running container of a live sandbox is left alone);
+6. deletes the backends' leftover workloads (containers): those of sandboxes that no longer
+   exist, and stopped ones (a running container of a live sandbox is left alone);
 7. reports sandbox directories that have no readable record (never deletes them).
 
 Upper directories are never written or deleted here.
+
+Recovery works through the pieces the shim is made of, passed in: the sandbox lifecycle (with the
+node's paths, state and layer mounts: it undoes mounts and finishes teardowns exactly as the shim
+does), the blob source, and the sandbox backends (leftover containers).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lmdb
 
@@ -46,11 +50,13 @@ from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
 
 from . import records
+from .backends.base import SandboxBackend
+from .blobs import BlobSource
+from .errors import RuntimeNotAvailable, ShimError
+from .layers import LayerMounts
+from .lifecycle import SandboxLifecycle
 from .overlay import mount_overlay
-from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, Sandbox, boot_id
-
-if TYPE_CHECKING:
-    from .shim import Shim
+from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 
 
 @dataclass
@@ -80,23 +86,25 @@ class RecoverReport:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def _forget_earlier_boot(shim: Shim, rep: RecoverReport) -> None:
+def _forget_earlier_boot(state: NodeState, rep: RecoverReport) -> None:
     boot = boot_id()
     try:
-        with shim.state.read() as t:
+        with state.read() as t:
             recorded = t.boot()
     except (lmdb.Error, CorruptObject):
         recorded = "unreadable"
     # None = a new database, or one written by a shim that synced every transaction: trusted.
     if recorded is not None and recorded != boot:
-        shim.state.reset()
+        state.reset()
         rep.rebooted = True
 
 
-def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, linux.MountEntry]) -> dict[str, Sandbox]:
+def _settle_pending(lifecycle: SandboxLifecycle, rep: RecoverReport,
+                    mounts: dict[str, linux.MountEntry]) -> dict[str, Sandbox]:
     """Settle the operations of dead processes; returns the sandboxes live processes are working
     on (a teardown unmounting its root outside the lock), which recovery leaves alone."""
-    with shim.state.read() as t:
+    state = lifecycle.state
+    with state.read() as t:
         every = t.pending()
         pending = t.dead_pending()
         sbs = {sid: t.sandbox(sid) for sid in every}
@@ -104,32 +112,35 @@ def _settle_pending(shim: Shim, rep: RecoverReport, mounts: dict[str, linux.Moun
     for sid, op in sorted(pending.items()):
         sb = sbs[sid]
         if sb is None:
-            with shim.state.write() as t:
+            with state.write() as t:
                 t.clear_pending(sid)
             continue
         if op.get("op") == "unmount":
-            shim._teardown(sb)
+            lifecycle.teardown(sb)
             rep.finished_teardowns.append(sid)
             continue
         m = mounts.get(sb.target)
         ours = m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
-        shim._undo_mount(sb, overlay=ours, created_dir=True)
+        lifecycle.undo_mount(sb, overlay=ours, created_dir=True)
         rep.rolled_back.append(sid)
     return inflight
 
 
-def recover(shim: Shim) -> RecoverReport:
-    """Caller holds the node lock."""
-    paths, rep = shim.paths, RecoverReport()
-    _forget_earlier_boot(shim, rep)
-    inflight = _settle_pending(shim, rep, linux.read_mounts())
+def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
+            backends: Mapping[str, SandboxBackend]) -> RecoverReport:
+    """Caller holds the node lock. `lifecycle` brings the node's paths, state and layer mounts;
+    `blobs` is the blob source the layers are mounted from (the node daemon, restarted here if it
+    died); `backends` are looked through for leftover containers."""
+    paths, state, layers, rep = lifecycle.paths, lifecycle.state, lifecycle.layers, RecoverReport()
+    _forget_earlier_boot(state, rep)
+    inflight = _settle_pending(lifecycle, rep, linux.read_mounts())
     in_trash = records.trashed_ids(paths)
 
-    with shim.state.read() as t:
+    with state.read() as t:
         known = {sb.id: sb for sb in t.sandboxes() if sb.id not in inflight}
     lost = [sb for sb in records.scan(paths) if sb.id not in known and sb.id not in inflight]
     if lost:
-        with shim.state.write() as t:
+        with state.write() as t:
             for sb in lost:
                 if sb.status == UNMOUNTING or (sb.owned and sb.id in in_trash):
                     continue
@@ -139,7 +150,7 @@ def recover(shim: Shim) -> RecoverReport:
 
     for sb in list(known.values()):
         if sb.status == UNMOUNTING or (sb.owned and sb.id in in_trash):
-            shim._teardown(sb)
+            lifecycle.teardown(sb)
             rep.finished_teardowns.append(sb.id)
             del known[sb.id]
     rep.trash_emptied = records.empty_trash(paths, only_dead=True)
@@ -148,12 +159,12 @@ def recover(shim: Shim) -> RecoverReport:
     busy = list(inflight.values())  # counted (their layers stay), never touched
     needed: set[str] = {blob for sb in live + busy for blob in sb.layers}
     mounts = linux.read_mounts()
-    with shim.state.read() as t:
+    with state.read() as t:
         layer_recs = {lm.blob: lm for lm in t.layers()}
 
     gen: str | None = None
     if needed:
-        gen = shim.blobs.ensure()  # restarts a dead daemon (detaching its dead mount first)
+        gen = blobs.ensure()  # restarts a dead daemon (detaching its dead mount first)
     rep.daemon_generation = gen
 
     # Layer mounts live processes are making (claimed, outside the lock): theirs to finish.
@@ -185,11 +196,11 @@ def recover(shim: Shim) -> RecoverReport:
     failed: dict[str, str] = {}
     for blob in sorted(stale):
         try:
-            fresh[blob] = shim.layers.mount(blob, gen or "")
+            fresh[blob] = layers.mount(blob, gen or "")
             rep.remounted_layers.append(blob)
         except LayerstoreError as e:
             failed[blob] = str(e)
-    with shim.state.write() as t:
+    with state.write() as t:
         for blob in needed:
             lm = fresh.get(blob) or layer_recs.get(blob)
             if blob in failed or lm is None:
@@ -199,14 +210,14 @@ def recover(shim: Shim) -> RecoverReport:
             t.put_layer(lm)
         for blob, lm in layer_recs.items():
             if blob not in needed and blob not in claimed:
-                shim.layers.unmount(lm)  # (and its pin, for a direct mount)
+                layers.unmount(lm)  # (and its pin, for a direct mount)
                 t.delete_layer(blob)
                 rep.unmounted_layers.append(blob)
 
-    with shim.state.read() as t:
+    with state.read() as t:
         layer_now = {lm.blob: lm for lm in t.layers()}
-    if any(shim._under_roots(sb.target) for sb in redo):
-        shim._ensure_roots()
+    if any(lifecycle.under_roots(sb.target) for sb in redo):
+        lifecycle.ensure_roots()
     for sb in redo:
         bad = [b for b in sb.layers if b in failed]
         try:
@@ -221,7 +232,7 @@ def recover(shim: Shim) -> RecoverReport:
         else:
             sb.status, sb.error = MOUNTED, ""
             rep.remounted_sandboxes.append(sb.id)
-        with shim.state.write() as t:
+        with state.write() as t:
             t.put_sandbox(sb)
 
     # Orphans: mounts under the node directory (or overlays on its uppers) that nobody owns.
@@ -243,57 +254,52 @@ def recover(shim: Shim) -> RecoverReport:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
 
-    _reconcile_pins(shim, layer_now)
+    _reconcile_pins(layers, blobs, layer_now)
     if not live and not busy:
-        shim._release_roots()
-    rep.deleted_containers = _leftover_containers(shim, {sb.id for sb in live + busy})
+        lifecycle.release_roots()
+    rep.deleted_containers = _leftover_workloads(backends, {sb.id for sb in live + busy})
     rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live + busy})
-    with shim.state.write() as t:
+    with state.write() as t:
         t.put_boot(boot_id())
     return rep
 
 
-def _reconcile_pins(shim: Shim, layers: dict[str, LayerMount]) -> None:
+def _reconcile_pins(layers: LayerMounts, blobs: BlobSource, records_now: dict[str, LayerMount]) -> None:
     """Unpin the shim's pins of this node that no layer record holds (a crash between a pin and
     the record of its mount, or an unpin that failed); a claimant still mounting keeps its pin."""
-    held = {lm.pin for lm in layers.values() if lm.pin}
-    busy = {shim.layers.holder(lm.blob) for lm in layers.values() if lm.in_flight}
+    held = {lm.pin for lm in records_now.values() if lm.pin}
+    busy = {layers.holder(lm.blob) for lm in records_now.values() if lm.in_flight}
     try:
-        pins = shim.blobs.pins(shim.layers.holder_prefix)
+        pins = blobs.pins(layers.holder_prefix)
     except LayerstoreError:
         return
     for blob, holder in pins:
         if holder not in held and holder not in busy:
             with contextlib.suppress(LayerstoreError):
-                shim.blobs.unpin(blob, holder)
+                blobs.unpin(blob, holder)
 
 
-def _leftover_containers(shim: Shim, live: set[str]) -> list[str]:
-    """Containers whose sandbox is gone, or which have stopped, are deleted (`runtime delete
-    --force`, which also removes their cgroup); a running container of a live sandbox is not
-    recovery's to stop. Looks only at the runtimes' state directories under NODE/oci."""
-    from .errors import RuntimeNotAvailable
-    from .oci_runtime import open_runtime
-
+def _leftover_workloads(backends: Mapping[str, SandboxBackend], live: set[str]) -> list[str]:
+    """Workloads (containers) whose sandbox is gone, or which have stopped, are deleted (for
+    the container backend `runtime delete --force`, which also removes their cgroup); a running
+    container of a live sandbox is not recovery's to stop. Asks each backend for the sandboxes it
+    keeps state for (the container backend: its state directory under NODE/oci). Returns
+    "<backend>:<sandbox>" for each one deleted."""
     out = []
-    for name in ("runc", "crun"):
-        root = shim.paths.root / "oci" / name
-        try:
-            ids = sorted(os.listdir(root))
-        except FileNotFoundError:
-            continue
+    for name, backend in backends.items():
+        ids = backend.leftovers()
         if not ids:
             continue
         try:
-            rt = open_runtime(name, shim.paths.root / "oci")
+            backend.check()
         except RuntimeNotAvailable:
             continue
-        for cid in ids:
-            if cid in live and rt.status(cid) != "stopped":
+        for sid in ids:
+            if sid in live and backend.status(sid) != "stopped":
                 continue
             try:
-                rt.delete(cid)
-            except (OSError, subprocess.SubprocessError):
+                backend.delete(sid)
+            except (OSError, ShimError):
                 continue
-            out.append(f"{name}:{cid}")
+            out.append(f"{name}:{sid}")
     return out

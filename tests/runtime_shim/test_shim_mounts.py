@@ -277,7 +277,7 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
 CRASH = """
 import json, os, sys
 from pathlib import Path
-from runtime_shim import records, shim as shim_module
+from runtime_shim import lifecycle, records, shim as shim_module
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.paths import NodePaths
@@ -300,7 +300,7 @@ elif point == "layers":
 elif point == "overlay":
     shim_module.mount_overlay = die_after(shim_module.mount_overlay)
 elif point == "detach":
-    shim_module.detach = die_after(shim_module.detach)
+    lifecycle.detach = die_after(lifecycle.detach)
 elif point == "trash":
     records.trash = die_after(records.trash)
 if op == "mount":
@@ -440,18 +440,18 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
 INFLIGHT = """
 import os, sys, time
 from pathlib import Path
-from runtime_shim import shim as shim_module
+from runtime_shim import lifecycle, shim as shim_module
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.paths import NodePaths
 
 node, blobs, marker, go = sys.argv[1:5]
-real = shim_module.detach
+real = lifecycle.detach
 def slow(path):
     Path(marker).write_text(str(os.getpid()))
     while not os.path.exists(go):
         time.sleep(0.02)
     return real(path)
-shim_module.detach = slow
+lifecycle.detach = slow
 with shim_module.Shim(NodePaths(Path(node)), DirBlobs(blobs)) as s:
     s.unmount("victim")
 """

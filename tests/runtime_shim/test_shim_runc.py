@@ -111,7 +111,7 @@ def test_crun_behind_the_same_driver(shim: Shim, image: tuple[Path, str]) -> Non
 
 def start_container(shim: Shim, sb_id: str, target: str) -> None:
     """A detached container (runc create + start), as a crashed `layerctl run` leaves one running."""
-    from runtime_shim.bundle import write_bundle
+    from runtime_shim.backends.bundle import write_bundle
 
     bundle = shim.paths.bundle(sb_id)
     write_bundle(bundle, target, {"cmd": ["/bin/sh"]}, ["sleep", "1000"], sandbox=sb_id,
@@ -123,9 +123,7 @@ def start_container(shim: Shim, sb_id: str, target: str) -> None:
 
 
 def container_status(shim: Shim, sb_id: str) -> str | None:
-    from runtime_shim.oci_runtime import open_runtime
-
-    return open_runtime("runc", shim.paths.root / "oci").status(sb_id)
+    return shim.backend("runc").status(sb_id)
 
 
 def test_recover_and_teardown_delete_leftover_containers(shim: Shim, image: tuple[Path, str]) -> None:
@@ -142,7 +140,7 @@ def test_recover_and_teardown_delete_leftover_containers(shim: Shim, image: tupl
     # SIGKILL takes effect asynchronously: wait until runc sees the container stopped.
     wait_until(lambda: container_status(shim, dead.id) != "running", 20, "the killed container to stop")
     with shim.lock:
-        shim._teardown(gone)  # its sandbox is gone (torn down as before the shim deleted containers)
+        shim.lifecycle.teardown(gone)  # its sandbox is gone (torn down as before the shim deleted containers)
     rep = shim.recover()
     assert sorted(rep.deleted_containers) == sorted([f"runc:{gone.id}", f"runc:{dead.id}"])
     assert container_status(shim, gone.id) is None and container_status(shim, dead.id) is None

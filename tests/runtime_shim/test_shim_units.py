@@ -9,7 +9,8 @@ import pytest
 
 from fuse_client import linux
 from layerstore.errors import BadInput, ConfigError
-from runtime_shim import bundle, overlay
+from runtime_shim import overlay
+from runtime_shim.backends import bundle
 from runtime_shim.commit import committed_layers, layer_entries
 from runtime_shim.environment import LayerSpec
 from runtime_shim.errors import ShimError

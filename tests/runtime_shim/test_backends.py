@@ -1,0 +1,316 @@
+"""The SandboxBackend seam without a kernel or an OCI runtime: the registry by name, the container
+backend's steps against a stand-in runtime binary (argv, exit codes, signal forwarding, state
+listing), `runner.run` driving any backend, and the shim's and recovery's clean-up going through
+the seam."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime_shim import runner
+from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
+from runtime_shim.backends.container import FORWARDED, ContainerBackend, CrunBackend, RuncBackend
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.errors import RuntimeNotAvailable
+from runtime_shim.paths import NodePaths
+from runtime_shim.shim import Shim
+from runtime_shim.state import MOUNTED, Sandbox
+
+
+class FakeBackend:
+    """Records every step; `fail` names a step that raises; `kept` the sandboxes it has state for."""
+
+    def __init__(self, paths: NodePaths | None = None, *, name: str = "fake", fail: str = "",
+                 kept: Sequence[str] = (), statuses: dict[str, str] | None = None, runnable: bool = True) -> None:
+        self.name = name
+        self.paths = paths
+        self.fail = fail
+        self.kept = list(kept)
+        self.statuses = statuses or {}
+        self.runnable = runnable
+        self.calls: list[tuple[str, Any]] = []
+
+    def step(self, name: str, arg: Any) -> None:
+        self.calls.append((name, arg))
+        if self.fail == name:
+            raise OSError(f"{name} failed")
+
+    def check(self) -> None:
+        self.step("check", None)
+        if not self.runnable:
+            raise RuntimeNotAvailable(f"{self.name} cannot run here")
+
+    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = ()) -> None:
+        self.step("prepare", (sb.id, list(command or []), list(extra_env)))
+
+    def start(self, sandbox: str, *, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> Execution:
+        self.step("start", sandbox)
+        return Execution(sandbox, None)  # type: ignore[arg-type]
+
+    def wait(self, execution: Execution) -> int:
+        self.step("wait", execution.sandbox)
+        return 3
+
+    def stop(self, execution: Execution, signum: int = signal.SIGTERM) -> None:
+        self.step("stop", (execution.sandbox, signum))
+
+    def delete(self, sandbox: str) -> None:
+        self.step("delete", sandbox)
+        if sandbox in self.kept:
+            self.kept.remove(sandbox)
+
+    def status(self, sandbox: str) -> str | None:
+        self.step("status", sandbox)
+        return self.statuses.get(sandbox)
+
+    def has(self, sandbox: str) -> bool:
+        return sandbox in self.kept
+
+    def leftovers(self) -> list[str]:
+        return sorted(self.kept)
+
+
+def sandbox(paths: NodePaths, sid: str = "sb-1", config: dict[str, Any] | None = None) -> Sandbox:
+    return Sandbox(id=sid, env="e:1", manifest="m", layers=[], config=config or {"cmd": ["/bin/sh"]},
+                   target=str(paths.rootfs(sid)), upper=str(paths.sandbox_dir(sid) / "upper"),
+                   work=str(paths.sandbox_dir(sid) / "work"), owned=True, status=MOUNTED)
+
+
+# -- the registry ----------------------------------------------------------------------------------
+def test_the_default_registry_has_the_container_backends(tmp_path: Path) -> None:
+    paths = NodePaths(tmp_path / "node")
+    assert REGISTRY.names() == ["runc", "crun"]
+    every = node_backends(paths)
+    assert list(every) == ["runc", "crun"]
+    assert isinstance(every["runc"], RuncBackend) and isinstance(every["crun"], CrunBackend)
+    assert every["runc"].state_root == paths.root / "oci" / "runc"  # type: ignore[attr-defined]
+    assert not (tmp_path / "node").exists()  # constructing a backend touches nothing
+
+
+def test_a_registry_by_name(tmp_path: Path) -> None:
+    paths = NodePaths(tmp_path)
+    reg = BackendRegistry()
+    reg.register("fake", FakeBackend)
+    reg.register("broken", lambda p: FakeBackend(p, name="broken", runnable=False))
+    with pytest.raises(ValueError, match="registered already"):
+        reg.register("fake", FakeBackend)
+    assert reg.names() == ["fake", "broken"]
+    fake = reg.open("fake", paths)
+    assert isinstance(fake, FakeBackend) and fake.paths == paths and fake.calls == [("check", None)]
+    assert reg.create("broken", paths).calls == []  # unchecked
+    with pytest.raises(RuntimeNotAvailable, match="cannot run here"):
+        reg.open("broken", paths)
+    with pytest.raises(RuntimeNotAvailable, match=r"unknown sandbox backend 'qemu' \(have: fake, broken\)"):
+        reg.open("qemu", paths)
+    assert list(reg.every(paths)) == ["fake", "broken"]
+
+
+def test_a_runtime_that_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    backend = RuncBackend(NodePaths(tmp_path))
+    with pytest.raises(RuntimeNotAvailable, match="runc is not installed"):
+        backend.check()
+    with pytest.raises(RuntimeNotAvailable, match="crun is not installed"):
+        open_backend("crun", NodePaths(tmp_path))
+    with pytest.raises(RuntimeNotAvailable, match="unshare"):
+        CrunBackend(NodePaths(tmp_path)).wrap(["crun", "state", "x"])
+
+
+# -- the container backend against a stand-in runtime ------------------------------------------------
+FAKE_RUNTIME = """#!/bin/sh
+# argv: --root ROOT VERB ... ; logs its argv, then acts out the verb
+echo "$*" >> "$FAKE_LOG"
+root=$2
+verb=$3
+case "$verb" in
+run) id=$6; mkdir -p "$root/$id"; exec /bin/sh -c "$FAKE_RUN" ;;
+state) test -d "$root/$4" || exit 1; echo '{"status": "stopped", "id": "'"$4"'"}' ;;
+delete) rm -rf "$root/$5" ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_runc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[RuncBackend, Path]]:
+    binary = tmp_path / "bin" / "runc"
+    binary.parent.mkdir()
+    binary.write_text(FAKE_RUNTIME)
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "runtime.log"
+    monkeypatch.setenv("PATH", f"{binary.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    yield RuncBackend(NodePaths(tmp_path / "node")), log
+
+
+def run_fake(backend: ContainerBackend, script: str, monkeypatch: pytest.MonkeyPatch, sid: str = "sb-1") -> int:
+    monkeypatch.setenv("FAKE_RUN", script)
+    return backend.wait(backend.start(sid, stdin=subprocess.DEVNULL))
+
+
+def test_container_steps(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, log = fake_runc
+    paths = backend.paths
+    sb = sandbox(paths, config={"cmd": ["/bin/sh"], "env": ["A=1"], "workdir": "/w"})
+    Path(sb.target).mkdir(parents=True)
+    backend.check()
+    backend.prepare(sb, ["echo", "hi"], extra_env=["B=2"])
+    cfg = json.loads((paths.bundle(sb.id) / "config.json").read_text())
+    assert cfg["root"] == {"path": sb.target, "readonly": False}
+    assert cfg["process"]["args"] == ["echo", "hi"] and cfg["process"]["env"][-2:] == ["A=1", "B=2"]
+    assert cfg["process"]["cwd"] == "/w" and cfg["linux"]["cgroupsPath"] == f"/layerstore/{sb.id}"
+    assert cfg["hostname"] == sb.id
+
+    assert not backend.has(sb.id) and backend.leftovers() == []
+    assert run_fake(backend, "exit 7", monkeypatch, sb.id) == 7
+    assert backend.has(sb.id) and backend.leftovers() == [sb.id]
+    assert backend.status(sb.id) == "stopped" and backend.status("other") is None
+    backend.delete(sb.id)
+    backend.delete(sb.id)  # idempotent
+    assert not backend.has(sb.id) and backend.leftovers() == []
+    root = str(paths.root / "oci" / "runc")
+    assert log.read_text().splitlines() == [
+        f"--root {root} run --bundle {paths.bundle(sb.id)} {sb.id}",
+        f"--root {root} state {sb.id}",
+        f"--root {root} state other",
+        f"--root {root} delete --force {sb.id}",
+        f"--root {root} delete --force {sb.id}",
+    ]
+
+
+def test_exit_codes(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _ = fake_runc
+    assert run_fake(backend, "exit 0", monkeypatch) == 0
+    assert run_fake(backend, "exit 255", monkeypatch) == 255
+    assert run_fake(backend, "kill -9 $$", monkeypatch) == 137  # died of signal N: 128+N
+    assert run_fake(backend, "kill -15 $$", monkeypatch) == 143
+
+
+def test_signals_are_forwarded_while_waiting(fake_runc: tuple[RuncBackend, Path],
+                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    backend, _ = fake_runc
+    ready = tmp_path / "ready"
+    before = {s: signal.getsignal(s) for s in FORWARDED}
+
+    def send_when_forwarding() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            h = signal.getsignal(signal.SIGTERM)
+            if callable(h) and getattr(h, "__name__", "") == "forward" and ready.exists():
+                os.kill(os.getpid(), signal.SIGTERM)  # to us: wait() passes it on to the runtime
+                return
+            time.sleep(0.01)
+
+    th = threading.Thread(target=send_when_forwarding)
+    th.start()
+    try:
+        code = run_fake(backend, f"trap 'exit 42' TERM; touch {ready}; while :; do sleep 0.05; done", monkeypatch)
+    finally:
+        th.join()
+    assert code == 42
+    assert {s: signal.getsignal(s) for s in FORWARDED} == before  # our handlers are restored
+
+
+def test_stop_signals_a_started_workload(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _ = fake_runc
+    monkeypatch.setenv("FAKE_RUN", "sleep 30")
+    ex = backend.start("sb-1", stdin=subprocess.DEVNULL)
+    backend.stop(ex, signal.SIGKILL)
+    assert backend.wait(ex) == 128 + signal.SIGKILL
+    backend.stop(ex)  # a workload that is gone: nothing to do
+
+
+# -- runner.run drives any backend ------------------------------------------------------------------
+class FakeShim:
+    def __init__(self, paths: NodePaths, backend: FakeBackend, mount_fails: bool = False) -> None:
+        self.paths = paths
+        self.be = backend
+        self.mount_fails = mount_fails
+        self.unmounted: list[str] = []
+
+    def mount(self, env: object, *, sandbox: str | None = None, eager: bool = False) -> Sandbox:
+        if self.mount_fails:
+            raise OSError("mount failed")
+        return sandbox_of(self.paths, sandbox or "sb-1")
+
+    def backend(self, name: str) -> FakeBackend:
+        self.be.check()
+        return self.be
+
+    def unmount(self, sid: str) -> None:
+        self.unmounted.append(sid)
+
+
+def sandbox_of(paths: NodePaths, sid: str) -> Sandbox:
+    return sandbox(paths, sid)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_runner_drives_the_steps_in_order(tmp_path: Path, keep: bool) -> None:
+    be = FakeBackend()
+    shim = FakeShim(NodePaths(tmp_path), be)
+    res = runner.run(shim, "e:1", ["true"], sandbox="s", keep=keep, runtime="fake", extra_env=["X=1"])  # type: ignore[arg-type]
+    assert (res.sandbox, res.exit_code, res.kept) == ("s", 3, keep)
+    assert [c[0] for c in be.calls] == ["check", "prepare", "start", "wait", "delete"]
+    assert be.calls[1] == ("prepare", ("s", ["true"], ["X=1"]))
+    assert shim.unmounted == ([] if keep else ["s"])
+
+
+@pytest.mark.parametrize("step", ["prepare", "start", "wait", "delete"])
+def test_runner_cleans_up_when_a_step_fails(tmp_path: Path, step: str) -> None:
+    be = FakeBackend(fail=step)
+    shim = FakeShim(NodePaths(tmp_path), be)
+    with pytest.raises(OSError, match=f"{step} failed"):
+        runner.run(shim, "e:1", None, sandbox="s", runtime="fake")  # type: ignore[arg-type]
+    steps = [c[0] for c in be.calls]
+    # once started (or trying to start), what the backend keeps is deleted; the sandbox goes
+    assert ("delete" in steps) == (step != "prepare")
+    assert shim.unmounted == ["s"]
+
+
+def test_runner_with_a_backend_that_cannot_run(tmp_path: Path) -> None:
+    be = FakeBackend(runnable=False)
+    shim = FakeShim(NodePaths(tmp_path), be)
+    with pytest.raises(RuntimeNotAvailable):
+        runner.run(shim, "e:1", None, sandbox="s", runtime="fake", keep=True)  # type: ignore[arg-type]
+    assert [c[0] for c in be.calls] == ["check"] and shim.unmounted == []
+
+
+# -- the shim's and recovery's clean-up go through the seam ------------------------------------------
+def test_shim_deletes_leftovers_through_its_backends(tmp_path: Path) -> None:
+    a = FakeBackend(name="a", kept=["sb-1", "sb-2"])
+    b = FakeBackend(name="b", kept=["sb-1"], runnable=False)
+    with Shim(NodePaths(tmp_path / "node"), DirBlobs(tmp_path / "blobs"), auto_recover=False,
+              backends={"a": a, "b": b}) as shim:
+        assert shim.delete_containers("sb-1") == ["a", "b"]
+        assert shim.delete_containers("sb-1") == []  # nothing left
+        assert a.kept == ["sb-2"] and b.kept == []
+        assert shim.backend("a") is a
+        with pytest.raises(RuntimeNotAvailable, match="cannot run here"):
+            shim.backend("b")
+        with pytest.raises(RuntimeNotAvailable, match=r"unknown sandbox backend 'c' \(have: a, b\)"):
+            shim.backend("c")
+
+
+def test_recovery_deletes_leftovers_through_the_backends(tmp_path: Path) -> None:
+    a = FakeBackend(name="a", kept=["gone", "also-gone"])
+    b = FakeBackend(name="b", kept=["x"], runnable=False)  # cannot run here: its leftovers stay
+    c = FakeBackend(name="c", kept=["y"], fail="delete")  # a failed delete is not reported
+    with Shim(NodePaths(tmp_path / "node"), DirBlobs(tmp_path / "blobs"), auto_recover=False,
+              backends={"a": a, "b": b, "c": c}) as shim:
+        rep = shim.recover()
+    assert rep.deleted_containers == ["a:also-gone", "a:gone"]
+    assert a.kept == [] and b.kept == ["x"] and c.kept == ["y"]
+    assert ("status", "gone") not in a.calls  # no live sandbox: its state is not even asked for
