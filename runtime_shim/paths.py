@@ -122,7 +122,7 @@ class NodePaths:
         return self.root / "roots"
 
     def rootfs(self, sandbox: str) -> Path:
-        """The default target. Not beside the upper: see `Shim._ensure_roots`."""
+        """The default target. Not beside the upper: see `SandboxLifecycle.ensure_roots`."""
         return self.roots / check_sandbox_id(sandbox)
 
     def bundle(self, sandbox: str) -> Path:
