@@ -219,3 +219,17 @@ def test_the_last_sandbox_out_releases_the_roots_mount(life: tuple[SandboxLifecy
     finally:
         while linux.is_mount_root(roots):
             linux.umount(roots, lazy=True)
+
+
+def test_the_shim_and_its_lifecycle_share_one_lock(tmp_path: Path) -> None:
+    """A wrapper put in place of `shim.lock` (a benchmark's timed lock) is the lock every step
+    takes, also the lifecycle's own (`undo_mount`)."""
+    from runtime_shim.blobs import DirBlobs
+    from runtime_shim.shim import Shim
+
+    with Shim(NodePaths(tmp_path / "node"), DirBlobs(tmp_path / "blobs"), auto_recover=False) as shim:
+        assert shim.lifecycle.lock is shim.lock and shim.lifecycle.state is shim.state
+        assert shim.lifecycle.layers is shim.layers
+        wrapped = NodeLock(shim.paths.lock)
+        shim.lock = wrapped
+        assert shim.lifecycle.lock is wrapped and shim.lock is wrapped
