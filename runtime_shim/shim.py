@@ -1,4 +1,4 @@
-"""The container backend of the runtime shim: mount, check and unmount a sandbox's root
+"""The runtime shim: mount, check and unmount a sandbox's root
 filesystem on this node, with the picture persisted (`state`) and rebuilt by `recover()`.
 
 A sandbox = a private upper + work directory + an overlay of the environment's layers, each of
