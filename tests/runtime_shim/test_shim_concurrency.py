@@ -97,7 +97,9 @@ def test_a_cold_layer_is_mounted_once_outside_the_lock_and_its_layers_side_by_si
             assert gate.entered[base].wait(WAIT) and gate.entered[tk].wait(WAIT)  # type: ignore[index]
             # every sandbox has its references and waits; nobody holds the node lock meanwhile
             assert wait_for(lambda: shim.layer_refs() == {base: 4, tk: 4})
-            assert node_lock_free(shim)
+            # (the last to take its references may still be finishing its locked section: wait for
+            # it; a layer mount made under the lock would keep it held while the gate is closed)
+            assert wait_for(lambda: node_lock_free(shim))
         finally:
             gate.go.set()
             for th, _ in threads:
