@@ -120,7 +120,7 @@ def prefetch_cmd(cache_dir: Path, digest: str, ranges_file: Path | None, all_chu
 
 
 def _read_ranges(path: Path, digest: str) -> dict[str, Any]:
-    from fuse_client.trace import parse_trace
+    from fuse_client.nodecache import parse_trace
 
     try:
         data = json.loads(path.read_text())
@@ -173,8 +173,8 @@ def _pin_options(fn: Any) -> Any:
 def cache_pin_cmd(cache_dir: Path, digest: str, holder: str, as_json: bool) -> None:
     """Pin a complete blob: print the path of its cache file, an EROFS image the daemon will not
     modify until unpinned (mount it file-backed). Exit 3 if the blob is not complete."""
-    from fuse_client.cache import BlobIncomplete
     from fuse_client.control import pin
+    from fuse_client.nodecache import BlobIncomplete
 
     path = pin(cache_dir, digestmod.parse(digest), holder)
     if path is None:
@@ -241,8 +241,8 @@ def cache_evict_cmd(cache_dir: Path, blob: str | None, evict_all: bool, to_bytes
 
 def _with_daemon_or_offline(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None,
                             what: str) -> Any:
-    from fuse_client import maintenance
     from fuse_client.control import DaemonNotRunning, request_json
+    from fuse_client.nodecache import maintenance
 
     try:
         return request_json(cache_dir, method, path, body, timeout=None)
@@ -252,7 +252,9 @@ def _with_daemon_or_offline(cache_dir: Path, method: str, path: str, body: dict[
         return maintenance.ls(cache_dir)
     if what == "verify":
         return maintenance.verify(cache_dir)
-    return maintenance.evict_offline(cache_dir, body or {})
+    req = body or {}
+    return maintenance.evict_offline(cache_dir, blob=req.get("blob"), all_chunks=bool(req.get("all")),
+                                     to_bytes=req.get("to_bytes"))
 
 
 @click.command("stats")

@@ -155,7 +155,7 @@ class DaemonBlobs:
             return
         lock = BlobLock(self.paths.fetch_lock(blob))
         try:
-            from fuse_client.control import request_json  # (imports trio: only when eager)
+            from fuse_client.control import request_json
 
             lock.hold()  # one eager fetch of a blob at a time on the node, across processes too
             try:
@@ -176,7 +176,7 @@ class DaemonBlobs:
                 self._fetching.pop(blob, None)
 
     def prefetch(self, blob: str, chunks: list[int]) -> None:
-        from fuse_client.control import request_json  # (imports trio: only when there are hints)
+        from fuse_client.control import request_json
 
         request_json(self.paths.cache, "POST", "/prefetch", {"blob": blob, "chunks": chunks, "wait": False})
 

@@ -17,16 +17,11 @@ import pytest
 import trio
 from testkit.fuse_helpers import CountingBackend
 
-import fuse_client.fs as fsmod
-from fuse_client.cache import NodeCache
-from fuse_client.cache_index import CacheIndex
-from fuse_client.daemon import INDEX_DIR, open_cache
-from fuse_client.eviction import Budget
-from fuse_client.fetcher import Fetcher
-from fuse_client.fs import BLOBS_INODE, ROOT_INODE, BlobFS
-from fuse_client.limiter import PREFETCH
-from fuse_client.stats import Stats
-from fuse_client.trace import TraceRecorder
+import fuse_client.nodecache.reader as readermod
+from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
+from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder, open_cache
+from fuse_client.nodecache.index import CacheIndex
+from fuse_client.nodecache.limiter import PREFETCH
 from layerstore import digest as digestmod
 from layerstore import keys
 from layerstore.backends.posix import PosixBackend
@@ -69,8 +64,11 @@ def data() -> bytes:
 
 
 class Rig:
-    def __init__(self, fs: BlobFS, cache: NodeCache, fetcher: Fetcher, stats: Stats) -> None:
-        self.fs, self.cache, self.fetcher, self.stats = fs, cache, fetcher, stats
+    def __init__(self, fs: BlobFS, lazy: LazyCache) -> None:
+        self.fs, self.lazy = fs, lazy
+        self.cache: NodeCache = lazy.cache
+        self.fetcher: Fetcher = lazy.fetcher
+        self.stats: Stats = lazy.stats
 
     async def open_blob(self, blob: str) -> int:
         attr = await self.fs.lookup(BLOBS_INODE, blob.encode())
@@ -93,9 +91,10 @@ async def rig(store: Store, cache_dir: Path, *, budget: Budget | None = None, de
         stats = Stats()
         async with trio.open_nursery() as nursery:
             await nursery.start(cache.run)
-            fetcher = Fetcher(store, cache, stats, nursery=nursery, concurrency=concurrency, deadline=deadline)
-            fs = BlobFS(fetcher, cache, stats, trace=trace)
-            yield Rig(fs, cache, fetcher, stats)
+            lazy = LazyCache(cache, store, nursery=nursery, stats=stats, trace=trace, concurrency=concurrency,
+                             deadline=deadline)
+            fs = BlobFS(lazy)
+            yield Rig(fs, lazy)
             await cache.shutdown_flush()
             nursery.cancel_scope.cancel()
 
@@ -409,7 +408,7 @@ def test_recovery_punches_uncommitted_and_drops_unbacked(store: Store, data: byt
             await r.fs.read(fh, 0, 4 * CHUNK)  # chunks 0..3 committed
 
     trio.run(fill)
-    from fuse_client.cache_files import BlobFiles, punch_hole
+    from fuse_client.nodecache.files import BlobFiles, punch_hole
 
     files = BlobFiles(tmp_path / "cache")
     fd = os.open(files.path(cmap.blob), os.O_RDWR)
@@ -432,7 +431,7 @@ def test_recovery_punches_uncommitted_and_drops_unbacked(store: Store, data: byt
 
 
 def test_prefetch_priority_constant_is_below_demand() -> None:
-    from fuse_client.limiter import DEMAND
+    from fuse_client.nodecache.limiter import DEMAND
 
     assert DEMAND < PREFETCH
 
@@ -461,7 +460,7 @@ async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, t
 @pytest.mark.trio
 async def test_a_long_stream_is_served_from_the_mapping_other_hits_by_pread(
         store: Store, data: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fsmod, "MAP_STREAM_MIN", 3 * CHUNK)
+    monkeypatch.setattr(readermod, "MAP_STREAM_MIN", 3 * CHUNK)
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
         fh = await r.open_blob(cmap.blob)
@@ -512,13 +511,13 @@ async def test_read_sync_refuses_a_closed_entry(store: Store, data: bytes, tmp_p
 async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
         store: Store, data: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    import fuse_client.cache as cachemod
+    import fuse_client.nodecache.entry as entrymod
 
     def no_map(*args: object, **kw: object) -> None:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(cachemod.mmap, "mmap", no_map)
-    monkeypatch.setattr(fsmod, "MAP_STREAM_MIN", 0)  # every hit tries the mapping
+    monkeypatch.setattr(entrymod.mmap, "mmap", no_map)
+    monkeypatch.setattr(readermod, "MAP_STREAM_MIN", 0)  # every hit tries the mapping
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
         fh = await r.open_blob(cmap.blob)

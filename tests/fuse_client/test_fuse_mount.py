@@ -18,7 +18,7 @@ from testkit.fuse_helpers import CountingBackend, DaemonThread, build_and_push, 
 
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import request_json
-from fuse_client.daemon import DEFAULT_KERNEL_READAHEAD_KB
+from fuse_client.fuse.mount import DEFAULT_KERNEL_READAHEAD_KB
 from layerstore import keys
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store

@@ -18,13 +18,12 @@ from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tr
 from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree
 
 from fuse_client import control
-from fuse_client.cache import BlobIncomplete, BlobPinned, NodeCache
-from fuse_client.cache_files import BlobFiles
-from fuse_client.cache_index import CacheIndex, DelChunk
-from fuse_client.control import ControlAPI, ControlServer, socket_path
-from fuse_client.daemon import INDEX_DIR
-from fuse_client.eviction import Budget
-from fuse_client.maintenance import pin_offline, unpin_offline
+from fuse_client.control import socket_path
+from fuse_client.control.server import ControlAPI, ControlServer
+from fuse_client.nodecache import INDEX_DIR, BlobIncomplete, BlobPinned, Budget, NodeCache
+from fuse_client.nodecache.files import BlobFiles
+from fuse_client.nodecache.index import CacheIndex, DelChunk
+from fuse_client.nodecache.maintenance import pin_offline, unpin_offline
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob, rig
@@ -109,8 +108,8 @@ async def test_eviction_skips_pinned_blobs_and_says_so(store: Store, data: bytes
         assert r.cache.usage == len(data)  # the pinned bytes still count against the budget
         assert not any(r.cache.get(other.blob).present)  # type: ignore[union-attr]
         with pytest.raises(BlobPinned):
-            await control.evict(r.cache, {"blob": pinned.blob})
-        res = await control.evict(r.cache, {"all": True})
+            await r.cache.evict(blob=pinned.blob)
+        res = await r.cache.evict(all_chunks=True)
         assert res["pinned_bytes"] == len(data) and res["used_bytes"] == len(data)
         # Unpinned, it is an ordinary blob again.
         await r.cache.unpin_blob(pinned.blob, "h")
@@ -166,7 +165,7 @@ async def test_pin_routes_and_the_blocking_client(store: Store, data: bytes, tmp
     cmap = put_blob(store, data)
     cache_dir = tmp_path / "cache"
     async with rig(store, cache_dir) as r, trio.open_nursery() as nursery:
-        server = ControlServer(socket_path(cache_dir), ControlAPI(r.cache, r.fetcher, r.stats, nursery=nursery))
+        server = ControlServer(socket_path(cache_dir), ControlAPI(r.lazy))
         await nursery.start(server.serve)
         # Unknown to the node: the route fetches the chunk map, so it can say what is missing.
         status, _, body = await server._dispatch("POST", "/pin", b'{"blob": "%s", "holder": "x"}' % cmap.blob.encode())

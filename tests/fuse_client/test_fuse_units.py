@@ -12,14 +12,14 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuse_client.cache_files import BlobFiles, punch_hole
-from fuse_client.cache_index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
-from fuse_client.control import prefetch_order
-from fuse_client.eviction import Budget, Candidate, choose_victims
-from fuse_client.limiter import DEMAND, PREFETCH, PriorityLimiter
 from fuse_client.linux import data_extents
-from fuse_client.readahead import MAX_STREAMS, Streams
-from fuse_client.trace import TraceRecorder, parse_trace, write_trace
+from fuse_client.nodecache.eviction import Budget, Candidate, choose_victims
+from fuse_client.nodecache.files import BlobFiles, punch_hole
+from fuse_client.nodecache.index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
+from fuse_client.nodecache.lazy import prefetch_order
+from fuse_client.nodecache.limiter import DEMAND, PREFETCH, PriorityLimiter
+from fuse_client.nodecache.readahead import MAX_STREAMS, Streams
+from fuse_client.nodecache.trace import TraceRecorder, parse_trace, write_trace
 from layerctl.cmd_daemon import parse_size
 from layerstore import digest as digestmod
 from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
@@ -126,14 +126,14 @@ def test_trace_format_round_trip(tmp_path: Path) -> None:
 def test_prefetch_order() -> None:
     refs = [ChunkRef(i * 100, 100, digestmod.of(bytes([i])), METADATA if i in (0, 4) else 0) for i in range(6)]
     cm = ChunkMap.build(BLOB, refs)
-    assert prefetch_order(cm, [0, 4], {"all": True}) == [0, 4, 1, 2, 3, 5]
-    assert prefetch_order(cm, [0, 4], {}) == [0, 4]
-    assert prefetch_order(cm, [0, 4], {"chunks": [3, 1, 3]}) == [3, 1]
-    assert prefetch_order(cm, [0, 4], {"ranges": [[150, 100], [0, 1], [590, 100]]}) == [1, 2, 0, 5]
+    assert prefetch_order(cm, [0, 4], all_chunks=True) == [0, 4, 1, 2, 3, 5]
+    assert prefetch_order(cm, [0, 4]) == [0, 4]
+    assert prefetch_order(cm, [0, 4], chunks=[3, 1, 3]) == [3, 1]
+    assert prefetch_order(cm, [0, 4], ranges=[[150, 100], [0, 1], [590, 100]]) == [1, 2, 0, 5]
     with pytest.raises(BadInput):
-        prefetch_order(cm, [], {"chunks": [6]})
+        prefetch_order(cm, [], chunks=[6])
     with pytest.raises(BadInput):
-        prefetch_order(cm, [], {"ranges": [[1]]})
+        prefetch_order(cm, [], ranges=[[1]])
 
 
 def test_parse_size() -> None:

@@ -261,7 +261,7 @@ class DaemonThread:
 
     def call(self, fn: Any, *args: Any) -> Any:
         """Run a sync function on the daemon's trio thread (to inspect its state safely)."""
-        return trio.from_thread.run_sync(fn, *args, trio_token=self.daemon._token)
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.daemon.token())
 
     def __enter__(self) -> DaemonThread:
         self._thread = threading.Thread(target=self._run, name="fuse-daemon", daemon=True)

@@ -51,6 +51,11 @@ class Stats:
             st = self.blobs[blob] = BlobStats(size)
         return st
 
+    def count_metadata_push(self, nbytes: int) -> None:
+        """A front end handed `nbytes` of metadata to the kernel's page cache at once."""
+        self.metadata_pushes += 1
+        self.metadata_pushed_bytes += nbytes
+
     def to_json(self) -> dict[str, object]:
         return {"blobs": {b: s.to_json() for b, s in sorted(self.blobs.items())},
                 "corrupt_chunks": self.corrupt_chunks, "store_errors": self.store_errors}

@@ -11,8 +11,9 @@
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Failures: a chunk that fails verification fails its flight (EIO for the readers; counted and
   logged with blob and chunk; nothing is written), and the next read starts a new flight. A store
-  that cannot be reached fails the flight too, but each waiting reader retries with exponential
-  backoff until its own deadline before giving up.
+  that cannot be reached fails the flight too, but each waiting reader retries until its own
+  deadline before giving up, on the project's one retry policy (`layerstore.retry`: 50 ms
+  doubling to 1 s, no jitter).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ import trio
 
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
+from layerstore.retry import RetryPolicy, Schedule
 
-from .cache import BlobEntry, Flight, NodeCache
-from .cache_files import CacheIOError
+from .cache import NodeCache
+from .entry import BlobEntry, Flight
+from .errors import CacheIOError
 from .limiter import DEMAND, PREFETCH, PriorityLimiter
 from .stats import Stats
 
@@ -65,6 +68,9 @@ class Fetcher:
         # cold blob needs many fetches in flight (GET latency x bandwidth), and a demand fetch
         # still finds a free slot at once or gets the next one (demand goes first).
         self._prefetch = trio.CapacityLimiter(prefetch_concurrency or max(1, concurrency * 3 // 4))
+        # Every retry of a chunk map or a chunk waits 50 ms doubling to 1 s, until the deadline
+        # (of the lookup, or of the read the chunk is for).
+        self.retry = RetryPolicy(first=BACKOFF_MIN, cap=BACKOFF_MAX, deadline=deadline, jitter=False)
         self._map_flights: dict[str, Flight] = {}
         self._last_error_log = 0.0
         self._suppressed = 0
@@ -92,8 +98,7 @@ class Fetcher:
         return e
 
     async def _fetch_map(self, blob: str, fl: Flight) -> None:
-        deadline = trio.current_time() + self.deadline
-        backoff = BACKOFF_MIN
+        sched = self.retry.schedule(trio.current_time())
         try:
             while True:
                 try:
@@ -101,14 +106,14 @@ class Fetcher:
                                                          limiter=self._threads)
                     break
                 except (NotFound, CorruptObject):
-                    raise
+                    raise  # the store's final word on this blob
                 except Exception as e:
                     err = _as_store_error(e)
                     self._store_error(f"blob {blob}: chunk map", err)
-                    if trio.current_time() + backoff >= deadline:
+                    delay = sched.next_delay(trio.current_time())
+                    if delay is None:
                         raise err from None
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX)
+                    await trio.sleep(delay)
             self.cache.add_blob(cmap)
         except LayerstoreError as e:
             fl.error = e
@@ -147,18 +152,23 @@ class Fetcher:
             raise next((e for e in errors if isinstance(e, CorruptObject)), errors[0])
 
     async def _ensure_one(self, entry: BlobEntry, idx: int, priority: int, deadline: float) -> None:
-        backoff = BACKOFF_MIN
+        sched: Schedule | None = None
         while not entry.present[idx]:
             try:
                 await self._join(entry, idx, priority, deadline)
             except CorruptObject:
-                raise
+                raise  # wrong bytes do not pass; the next read tries again
             except LayerstoreError as e:
-                if trio.current_time() + backoff >= deadline:
+                # Anything else may pass, a chunk the store says it lacks included: a chunk map
+                # is published only after its chunks, so the store itself is missing (a store
+                # directory renamed away, a filesystem unmounted) and may come back.
+                if sched is None:  # counted from `deadline - self.deadline`: when the read began
+                    sched = self.retry.schedule(deadline - self.deadline)
+                delay = sched.next_delay(trio.current_time())
+                if delay is None:
                     raise StoreUnavailable(f"blob {entry.blob} chunk {idx}: giving up after "
                                            f"{self.deadline:g} s: {e}") from None
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                await trio.sleep(delay)
 
     async def _join(self, entry: BlobEntry, idx: int, priority: int, deadline: float) -> None:
         key = (entry.blob, idx)
@@ -247,8 +257,17 @@ class Fetcher:
             self._suppressed += 1
 
     # -- prefetch ----------------------------------------------------------------------------
-    def readahead(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
-        """Fetch chunks ahead of a sequential reader, in the background, at prefetch priority."""
+    def readahead(self, entry: BlobEntry, start: int, stop: int) -> None:
+        """Fetch a sequential reader's new window [start, stop) of chunks (see
+        `readahead.Streams`) in the background, at prefetch priority, leaving out chunks present
+        or in flight (a prefetch task for a chunk in flight would hold a token just to wait)."""
+        busy, present, blob = self.cache.busy, entry.present, entry.blob
+        todo = [i for i in range(start, stop) if not present[i] and (blob, i) not in busy]
+        if todo:
+            self._nursery.start_soon(self.prefetch, entry, todo)
+
+    def prefetch_soon(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
+        """`prefetch` in the background (its outcome is only logged)."""
         self._nursery.start_soon(self.prefetch, entry, idxs)
 
     async def prefetch(self, entry: BlobEntry, idxs: Sequence[int]) -> tuple[int, int]:
@@ -278,7 +297,7 @@ class Fetcher:
 
 def _write(entry: BlobEntry, positions: list[int], payload: bytes) -> None:
     try:
-        NodeCache.write_sync(entry, positions, payload)
+        entry.write_sync(positions, payload)
     except OSError as e:
         raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}") from None
 

@@ -1,5 +1,5 @@
 """Cache commands when no daemon runs: the same `NodeCache` code, opened under the cache lock
-(so a daemon cannot start meanwhile), driven by a short trio run."""
+(so a daemon cannot start meanwhile: `CacheBusy` if one holds it), driven by a short trio run."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import trio
 from layerstore import digest as digestmod
 from layerstore.errors import NotFound
 
-from .cache import BlobIncomplete, NodeCache, check_holder
-from .control import evict, pin_blob, unpin_blob
-from .daemon import INDEX_DIR, open_cache
+from .cache import NodeCache, check_holder
+from .cachedir import is_cache_dir, open_cache
+from .errors import BlobIncomplete
 
 T = TypeVar("T")
 
 
 def _offline(cache_dir: Path, fn: Callable[[NodeCache], Awaitable[T]]) -> T:
-    if not (Path(cache_dir) / INDEX_DIR).is_dir():
+    if not is_cache_dir(cache_dir):
         raise NotFound(f"{cache_dir} is not a node cache (no daemon has used it)")
     with contextlib.ExitStack() as stack:
         cache = open_cache(Path(cache_dir), None, stack)
@@ -39,35 +39,39 @@ def verify(cache_dir: Path) -> dict[str, Any]:
     return _offline(cache_dir, NodeCache.verify)
 
 
-def evict_offline(cache_dir: Path, req: dict[str, Any]) -> dict[str, Any]:
+def evict_offline(cache_dir: Path, *, blob: str | None = None, all_chunks: bool = False,
+                  to_bytes: int | None = None) -> dict[str, Any]:
+    """`NodeCache.evict` without a daemon."""
+
     async def go(cache: NodeCache) -> dict[str, Any]:
-        return await evict(cache, req)
+        return await cache.evict(blob=blob, all_chunks=all_chunks, to_bytes=to_bytes)
 
     return _offline(cache_dir, go)
 
 
 def pin_offline(cache_dir: Path, blob: str, holder: str) -> Path | None:
-    """`control.pin` without a daemon: the path of the complete blob's data file, or None."""
+    """A durable pin without a daemon: the path of the complete blob's data file, or None (and
+    no pin) if the blob is not complete in the cache."""
     blob, holder = digestmod.parse(blob), check_holder(holder)
 
     async def go(cache: NodeCache) -> Path | None:
         try:
-            return Path((await pin_blob(cache, blob, holder))["path"])
+            return await cache.pin_blob(blob, holder)
         except BlobIncomplete:
             return None
 
-    if not (Path(cache_dir) / INDEX_DIR).is_dir():
+    if not is_cache_dir(cache_dir):
         return None
     return _offline(cache_dir, go)
 
 
 def unpin_offline(cache_dir: Path, blob: str, holder: str) -> bool:
-    """`control.unpin` without a daemon (e.g. after it died): False if there was no such pin."""
+    """Drop a pin without a daemon (e.g. after it died): False if there was no such pin."""
     blob, holder = digestmod.parse(blob), check_holder(holder)
 
     async def go(cache: NodeCache) -> bool:
-        return bool((await unpin_blob(cache, blob, holder))["removed"])
+        return await cache.unpin_blob(blob, holder)
 
-    if not (Path(cache_dir) / INDEX_DIR).is_dir():
+    if not is_cache_dir(cache_dir):
         return False
     return _offline(cache_dir, go)

@@ -1,7 +1,7 @@
 """The node cache's data files: one sparse file per blob, each chunk's bytes at its offset in
 the blob, so a cached read of any range is a single pread at the offset the kernel asked for.
 
-A byte range of a data file means nothing until the cache index (`cache_index`) says its chunk
+A byte range of a data file means nothing until the cache index (`index`) says its chunk
 is committed; ranges that are not committed are holes, or junk that recovery punches out.
 Eviction punches holes (fallocate PUNCH_HOLE | KEEP_SIZE), which frees the blocks and keeps the
 file's size. Punching only ever touches the bytes of the range given, so chunks that share a
@@ -18,14 +18,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from fuse_client import linux
 from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError
 
-from . import linux
-
-
-class CacheIOError(LayerstoreError):
-    """The node cache's own disk failed (not the store)."""
+from .errors import CacheIOError
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:

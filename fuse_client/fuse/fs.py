@@ -9,13 +9,12 @@ Inode numbers of blobs are handed out on first lookup and never reused while the
 Lookup counts (lookup +1, readdirplus entry +1, forget -n) and open file handles are counted
 explicitly; a blob's inode is forgotten when both reach zero.
 
-The read path (`read`): map the range to chunk indexes; if every one is present in the node cache,
-answer on the trio thread (no thread hop, no await) with a pread of the blob's data file, or, for
-a long sequential stream, a slice of its mapping (no syscall, no copy: the kernel copies from the
-page cache straight into its reply; see `_serve` for why not always). Otherwise pin
-the chunks (eviction skips pinned chunks), let the fetcher make them present (fetched in
-parallel, single-flight), and answer the same way. Handlers raise only `pyfuse3.FUSEError`: the
-project's errors are translated here, by their `.errno`.
+This module is a front end of the node cache (`fuse_client.nodecache`): it calls the cache's
+API and never reads or writes its fields. An open file is a `nodecache.Reader`. The read path
+(`read`): `Reader.read_cached` answers inline on the trio thread (no thread hop, no await) with a
+pread of the blob's data file or a slice of its mapping when every chunk of the range is cached;
+otherwise `read` awaits `Reader.read_missing` (fetch, then serve). Handlers raise only
+`pyfuse3.FUSEError`: the project's errors are translated here, by their `.errno`.
 
 The answer is valid until the next await: pyfuse3 sends the reply as soon as `read` returns,
 before any other task runs, and the pages cannot be evicted in between (eviction punches holes
@@ -42,13 +41,9 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from fuse_client.nodecache import BlobEntry, CacheIOError, LazyCache, Reader
 from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError, NotFound
-
-from .cache import BlobEntry, NodeCache
-from .fetcher import Fetcher
-from .stats import BlobStats, Stats
-from .trace import TraceRecorder
 
 log = logging.getLogger("layerstore.fuse.fs")
 
@@ -58,10 +53,7 @@ FIRST_BLOB_INODE = 3
 BLOBS_DIR = b"blobs"
 ATTR_TIMEOUT = 86400.0  # blobs are immutable: let the kernel cache entries and attributes
 BLKSIZE = 128 * 1024
-DEFAULT_READAHEAD = 16  # chunks: the largest readahead window of a sequential stream
 PUSH_THREADS = 2  # concurrent metadata pushes (notify_store) to the kernel
-# A hit is served from the data file's mapping once its stream has read this much (see `_serve`).
-MAP_STREAM_MIN = 4 << 20
 METADATA_PUSH_WINDOW = 4 << 20  # a metadata push also takes the following metadata chunks, up to this
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
@@ -91,14 +83,6 @@ def fuse_edge(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class Handle:
-    __slots__ = ("entry", "stats")
-
-    def __init__(self, entry: BlobEntry, stats: BlobStats) -> None:
-        self.entry = entry
-        self.stats = stats
-
-
 def _push_range(e: BlobEntry, ino: int, lo: int, hi: int) -> None:
     pyfuse3.notify_store(ino, lo, e.read_sync(lo, hi))
 
@@ -107,20 +91,14 @@ class BlobFS(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, fetcher: Fetcher, cache: NodeCache, stats: Stats, *, trace: TraceRecorder | None = None,
-                 readahead: int = DEFAULT_READAHEAD, uid: int = 0, gid: int = 0,
+    def __init__(self, lazy: LazyCache, *, uid: int = 0, gid: int = 0,
                  push_nursery: trio.Nursery | None = None) -> None:
         """`push_nursery`: where metadata pushes run (None: no pushes, e.g. without a kernel)."""
         super().__init__()
         self._push_nursery = push_nursery
-        self._pushing: set[tuple[str, int]] = set()
+        self._pushing: dict[str, set[int]] = {}  # blob -> metadata chunks being pushed
         self._push_threads = trio.CapacityLimiter(PUSH_THREADS)
-        self.readahead = readahead
-        self._clock = cache.clock
-        self.fetcher = fetcher
-        self.cache = cache
-        self.stats = stats
-        self.trace = trace
+        self.lazy = lazy
         self.uid = uid
         self.gid = gid
         self._ino_of: dict[str, int] = {}
@@ -128,7 +106,7 @@ class BlobFS(pyfuse3.Operations):
         self._lookups: dict[int, int] = {}
         self._opens: dict[int, int] = {}
         self._next_ino = FIRST_BLOB_INODE
-        self._handles: dict[int, Handle] = {}
+        self._handles: dict[int, Reader] = {}
         self._handle_ino: dict[int, int] = {}
         self._next_fh = 1
 
@@ -173,11 +151,6 @@ class BlobFS(pyfuse3.Operations):
         a.entry_timeout = a.attr_timeout = ATTR_TIMEOUT
         return a
 
-    async def _entry(self, blob: str) -> BlobEntry:
-        entry = await self.fetcher.entry(blob)
-        self.stats.blob(blob, entry.size)
-        return entry
-
     # -- namespace ----------------------------------------------------------------------------
     @fuse_edge
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
@@ -192,7 +165,7 @@ class BlobFS(pyfuse3.Operations):
         except LayerstoreError:
             raise pyfuse3.FUSEError(errno.ENOENT) from None
         try:
-            entry = await self._entry(blob)
+            entry = await self.lazy.entry(blob)
         except NotFound:
             raise pyfuse3.FUSEError(errno.ENOENT) from None
         ino = self._inode(blob)
@@ -212,7 +185,7 @@ class BlobFS(pyfuse3.Operations):
         blob = self._blob_of.get(inode)
         if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._blob_attr(inode, (await self._entry(blob)).size)
+        return self._blob_attr(inode, (await self.lazy.entry(blob)).size)
 
     @fuse_edge
     async def opendir(self, inode: int, ctx: Any = None) -> int:
@@ -227,11 +200,11 @@ class BlobFS(pyfuse3.Operations):
                 pyfuse3.readdir_reply(token, BLOBS_DIR, self._dir_attr(BLOBS_INODE), 1)
             return
         # The blobs this node has seen, in a stable order (start_id is an index into it).
-        blobs = sorted(self.cache.entries)
+        blobs = self.lazy.blobs()
         for k in range(start_id, len(blobs)):
-            blob = blobs[k]
+            blob, size = blobs[k]
             ino = self._inode(blob)
-            attr = self._blob_attr(ino, self.cache.entries[blob].size)
+            attr = self._blob_attr(ino, size)
             if not pyfuse3.readdir_reply(token, os.fsencode(blob), attr, k + 1):
                 self._maybe_forget(ino)
                 return
@@ -244,10 +217,11 @@ class BlobFS(pyfuse3.Operations):
     async def statfs(self, ctx: Any = None) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
-        total = sum(e.size for e in self.cache.entries.values())
+        blobs = self.lazy.blobs()
+        total = sum(size for _, size in blobs)
         s.f_blocks = (total + 4095) // 4096
         s.f_bfree = s.f_bavail = 0
-        s.f_files = len(self.cache.entries) + 2
+        s.f_files = len(blobs) + 2
         s.f_ffree = s.f_favail = 0
         s.f_namemax = 255
         return s
@@ -262,142 +236,56 @@ class BlobFS(pyfuse3.Operations):
         blob = self._blob_of.get(inode)
         if blob is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        entry = await self._entry(blob)
-        if entry.metadata and entry.missing(entry.metadata):
-            # The kernel's EROFS mount reads superblock, inodes and directories first, chunk by
-            # chunk: fetch all of them, in parallel, before the open returns.
-            self.cache.pin(entry, entry.metadata)
-            try:
-                await self.fetcher.ensure(entry, entry.metadata)
-            finally:
-                self.cache.unpin(entry, entry.metadata)
+        entry = await self.lazy.entry(blob)
+        # The kernel's EROFS mount reads superblock, inodes and directories first, chunk by
+        # chunk: fetch all of them, in parallel, before the open returns.
+        await self.lazy.ensure_metadata(entry)
         fh = self._next_fh
         self._next_fh += 1
-        self._handles[fh] = Handle(entry, self.stats.blob(blob, entry.size))
+        self._handles[fh] = self.lazy.open_reader(
+            entry, on_metadata_read=self._push_metadata if self._push_nursery is not None else None)
         self._handle_ino[fh] = inode
         self._opens[inode] = self._opens.get(inode, 0) + 1
-        entry.open_count += 1
         # keep_cache: the blob never changes, so pages cached by an earlier open stay valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        h = self._handles.get(fh)
-        if h is None:
+        r = self._handles.get(fh)
+        if r is None:
             raise pyfuse3.FUSEError(errno.EBADF)
-        e = h.entry
-        cmap = e.cmap
-        end = off + size
-        if end > cmap.size:
-            end = cmap.size
-        if off >= end:
-            return b""
-        first = cmap.index_at(off)
-        last = cmap.index_at(end - 1) + 1
-        if e.present.find(0, first, last) < 0:
-            # Fast path: one lookup (above) and a slice of the mapped data file, inline. No
-            # await between the check and the reply, so no eviction can slip in between.
-            data = self._serve(e, off, end)
-            now = self._clock()
-            lu = e.last_use
-            for i in range(first, last):
-                lu[i] = now
-            e.use_dirty = True
-            if not e.is_meta[first]:  # metadata reads interleave with streams; they neither start nor end one
-                self._follow_stream(e, off, end, first, last, now)
-            elif self._push_nursery is not None and end - off < cmap.chunks[first].length:
-                self._push_metadata(e, first)
-            st = h.stats
-            st.hits += 1
-            st.served_bytes += len(data)
-            if self.trace is not None:
-                self.trace.record(e.blob, len(e.present), first, last)
-            return data
-        return await self._read_missing(h, off, end, first, last)
-
-    def _serve(self, e: BlobEntry, off: int, end: int) -> bytes | memoryview:
-        """Bytes [off, end) of a blob whose chunks there are all committed.
-
-        Where the pages are not in the page cache (a warm node cache after a reboot, or after
-        reclaim), how they are read decides the speed. A pread reads ahead as the kernel does
-        for any file: a small read reads little, a stream's windows grow and are read
-        asynchronously. A fault on the mapping reads the device's whole readahead window
-        around the page, synchronously (8 MiB, 5 ms, here), while the kernel waits for our
-        reply: a stall for a small file, but large reads with large folios for a stream, and
-        no copy in the daemon. So a request that continues a stream of `MAP_STREAM_MIN`
-        bytes or more is a slice of the mapping, any other a pread (walk + hash of a tree of
-        small files, warm, page cache dropped: 0.67 -> 0.85 of EROFS on a local file; 0.94
-        with the 4 MiB kernel readahead, docs/benchmarks-read.md)."""
-        if e.streams.run_to(off) >= MAP_STREAM_MIN:
-            return self._from_mapping(e, off, end)
-        return self._pread(e, off, end)
-
-    def _from_mapping(self, e: BlobEntry, off: int, end: int) -> bytes | memoryview:
-        """A slice of the mapping, or a pread where the file cannot be mapped."""
-        v = e.mapped_range(off, end)
-        return v if v is not None else self._pread(e, off, end)
-
-    def _follow_stream(self, e: BlobEntry, off: int, end: int, first: int, last: int, now: float) -> None:
-        """Let a data read extend its sequential stream, and read ahead of it if that opens a window."""
-        w = e.streams.on_read(off, end, last, len(e.present), self.readahead, now, e.cmap.chunks[first].length)
-        if w is not None:
-            self._readahead(e, w)
-
-    @staticmethod
-    def _pread(e: BlobEntry, off: int, end: int) -> bytes:
         try:
-            return os.pread(e.fd, end - off, off)
-        except OSError as err:
-            log.error("blob %s: reading the cache at %d+%d: %s", e.blob, off, end - off, err)
+            data = r.read_cached(off, size)  # inline: no await between the check and the reply
+        except CacheIOError:  # logged by the reader
             raise pyfuse3.FUSEError(errno.EIO) from None
+        if data is None:
+            return await self._read_missing(r, off, size)
+        return data
 
     @fuse_edge
-    async def _read_missing(self, h: Handle, off: int, end: int, first: int, last: int) -> bytes | memoryview:
-        e = h.entry
-        idxs = range(first, last)
-        if self.trace is not None:
-            self.trace.record(e.blob, len(e.present), first, last)
-        if not e.is_meta[first]:
-            # Read ahead before this read waits: the fetches overlap.
-            self._follow_stream(e, off, end, first, last, self._clock())
-        self.cache.pin(e, idxs)
-        try:
-            await self.fetcher.ensure(e, idxs)
-            # Present now, and nothing awaits before the reply. The chunks just fetched were just
-            # written, so their pages are in the page cache: the mapping, no copy.
-            data = self._from_mapping(e, off, end)
-        finally:
-            self.cache.unpin(e, idxs)
-        e.touch(first, last, self.cache.clock())
-        h.stats.misses += 1
-        h.stats.served_bytes += len(data)
-        return data
+    async def _read_missing(self, r: Reader, off: int, size: int) -> bytes | memoryview:
+        return await r.read_missing(off, size)
 
     def _push_metadata(self, e: BlobEntry, i: int) -> None:
         """Start pushing metadata chunk `i` into the kernel's page cache (see the module doc),
         unless a push of it is under way (a read of it reaching us means the kernel lacks it),
         together with the nearest other metadata chunks, up to `METADATA_PUSH_WINDOW` bytes: a
         walk of the tree reads them soon."""
-        if self._push_nursery is None or (e.blob, i) in self._pushing or not e.present[i]:
+        if self._push_nursery is None:
             return
         ino = self._ino_of.get(e.blob)
         if ino is None:
             return
-        chunks = e.cmap.chunks
-        idxs = [i]
-        budget = METADATA_PUSH_WINDOW - chunks[i].length
-        # The other metadata chunks, nearest first (EROFS jumps between inodes and directories
-        # all over the metadata region). Pushed again even if pushed before: a read of one of
-        # them reaching us says the kernel dropped what we pushed (reclaim drops it together).
-        for j in sorted(e.metadata, key=lambda j: abs(j - i)):
-            if budget <= 0:
-                break
-            if j != i and e.present[j] and (e.blob, j) not in self._pushing:
-                idxs.append(j)
-                budget -= chunks[j].length
-        idxs.sort()
-        for k in idxs:
-            self._pushing.add((e.blob, k))
-        self.cache.pin(e, idxs)  # no eviction (a punched hole reads as zeros) until pushed
+        # The other metadata chunks come along, nearest first. Pushed again even if pushed
+        # before: a read of one of them reaching us says the kernel dropped what we pushed
+        # (reclaim drops it together).
+        pushing = self._pushing.get(e.blob)
+        idxs = e.metadata_near(i, METADATA_PUSH_WINDOW, skip=pushing or ())
+        if not idxs:
+            return
+        if pushing is None:
+            pushing = self._pushing[e.blob] = set()
+        pushing.update(idxs)
+        self.lazy.cache.pin(e, idxs)  # no eviction (a punched hole reads as zeros) until pushed
         self._push_nursery.start_soon(self._push, e, ino, idxs)
 
     async def stop_pushes(self, timeout: float = 5.0) -> None:
@@ -425,8 +313,7 @@ class BlobFS(pyfuse3.Operations):
                 # pread: faults on the mapping would read the device's readahead window around
                 # every page they miss.
                 await trio.to_thread.run_sync(_push_range, e, ino, lo, hi, limiter=self._push_threads)
-                self.stats.metadata_pushes += 1
-                self.stats.metadata_pushed_bytes += hi - lo
+                self.lazy.stats.count_metadata_push(hi - lo)
         except OSError as err:
             if err.errno == errno.ENOSYS:
                 log.warning("the kernel does not take FUSE notify_store: no metadata push")
@@ -434,27 +321,21 @@ class BlobFS(pyfuse3.Operations):
             elif err.errno != errno.ENOENT:  # ENOENT: the kernel forgot the inode meanwhile
                 log.warning("blob %s: pushing metadata to the kernel: %s", e.blob, err)
         finally:
-            self.cache.unpin(e, idxs)
-            for k in idxs:
-                self._pushing.discard((e.blob, k))
-
-    def _readahead(self, e: BlobEntry, window: tuple[int, int]) -> None:
-        """Fetch a stream's new window (see `readahead.Streams`) in the background, at prefetch
-        priority, leaving out chunks present or in flight (a prefetch task for a chunk in flight
-        would hold a token just to wait)."""
-        busy = self.cache.busy
-        todo = [i for i in range(*window) if not e.present[i] and (e.blob, i) not in busy]
-        if todo:
-            self.fetcher.readahead(e, todo)
+            self.lazy.cache.unpin(e, idxs)
+            pushing = self._pushing.get(e.blob)
+            if pushing is not None:
+                pushing.difference_update(idxs)
+                if not pushing:
+                    del self._pushing[e.blob]
 
     async def flush(self, fh: int) -> None:
         pass
 
     async def release(self, fh: int) -> None:
-        h = self._handles.pop(fh, None)
+        r = self._handles.pop(fh, None)
         ino = self._handle_ino.pop(fh, None)
-        if h is not None:
-            h.entry.open_count -= 1
+        if r is not None:
+            r.close()
         if ino is not None:
             self._opens[ino] = self._opens.get(ino, 1) - 1
             self._maybe_forget(ino)

@@ -2,15 +2,11 @@
 
 State and ownership (see docs/fuse-client.md for the full protocol and the crash table):
 
-- `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served: its bytes
-  are in the blob's data file. A cache hit is this lookup plus a pread of the data file, or, for a
-  long sequential stream, a slice of its read-only mapping (`BlobEntry.mapped_range`): then the
-  kernel copies the bytes from the page cache into its reply, and the daemon copies nothing.
-  The pages mapped that way are unmapped again every `RELEASE_INTERVAL` (they stay in the page
-  cache), so the daemon's resident size does not grow with what it served.
+- `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served (see
+  `entry`); readers reach it only through `reader.Reader` and the methods of `BlobEntry`.
 - `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
   time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
-- The LMDB index (`cache_index`) is the durable commit record, written only by the journal task
+- The LMDB index (`index`) is the durable commit record, written only by the journal task
   (`run`), one batch at a time, in the order operations were made.
 
 Commit: fetched bytes are pwritten to the data file (worker thread), then `commit` marks them
@@ -23,11 +19,8 @@ leave data without a record (recovery punches it), never a record without data.
 from __future__ import annotations
 
 import bisect
-import errno
 import logging
-import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -35,17 +28,17 @@ from pathlib import Path
 import blake3
 import trio
 
+from fuse_client.linux import data_extents
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import BadInput, CorruptObject, LayerstoreError
-from layerstore.fileio import pwrite_all
+from layerstore.errors import BadInput, ConfigError, CorruptObject
 
-from . import cache_index as ci
-from .cache_files import BlobFiles, CacheIOError, punch_hole
+from . import index as ci
+from .entry import BlobEntry, Flight
+from .errors import BlobIncomplete, BlobPinned, CacheIOError
 from .eviction import Budget, Candidate, choose_victims
+from .files import BlobFiles, punch_hole
 from .limiter import DEMAND
-from .linux import data_extents
-from .readahead import Streams
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -57,159 +50,10 @@ PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning 
 MAX_HOLDER = 256  # bytes of a pin holder's name (utf-8)
 
 
-class BlobIncomplete(LayerstoreError):
-    """A pin was asked for a blob whose chunks are not all committed in the node cache."""
-
-    exit_code = 3
-    http_status = 409
-
-    def __init__(self, message: str, missing_bytes: int | None = None) -> None:
-        super().__init__(message)
-        self.missing_bytes = missing_bytes
-
-    def details(self) -> dict[str, object]:
-        return {"complete": False, "missing_bytes": self.missing_bytes}
-
-
-class BlobPinned(LayerstoreError):
-    """An explicit eviction of a blob that a holder has pinned (its data file is in use as an image)."""
-
-    exit_code = 2
-    http_status = 409
-
-
 def check_holder(holder: object) -> str:
     if not isinstance(holder, str) or not holder or len(holder.encode()) > MAX_HOLDER:
         raise BadInput(f"a pin holder is a non-empty string of at most {MAX_HOLDER} bytes, got {holder!r}")
     return holder
-
-
-class Flight:
-    """One operation in progress on some chunk positions; waiters block on `done`."""
-
-    __slots__ = ("priority", "done", "error", "kind")
-
-    def __init__(self, priority: int, kind: str) -> None:
-        self.priority = priority
-        self.kind = kind
-        self.done = trio.Event()
-        self.error: BaseException | None = None
-
-
-class BlobEntry:
-    """The cache's picture of one blob. Mutated only on the trio thread."""
-
-    __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
-                 "is_meta", "use_dirty", "streams", "_positions", "view", "mapped",
-                 "_map", "_map_failed", "io_lock", "closed")
-
-    def __init__(self, cmap: ChunkMap, fd: int) -> None:
-        n = len(cmap.chunks)
-        self.blob = cmap.blob
-        self.cmap = cmap
-        self.fd = fd
-        self.present = bytearray(n)
-        self.last_use = [0.0] * n
-        self.pins: dict[int, int] = {}
-        self.open_count = 0
-        self.metadata = [i for i, c in enumerate(cmap.chunks) if c.metadata]
-        self.is_meta = bytearray(1 if c.metadata else 0 for c in cmap.chunks)
-        self.use_dirty = False
-        self.streams = Streams()  # sequential readers of this blob (readahead)
-        self._positions: dict[str, list[int]] | None = None
-        # The data file mapped read-only (on first use): `mapped_range` answers long streams and misses.
-        self.view: memoryview | None = None
-        self.mapped = False  # pages may have been mapped by reads since the last `release_pages`
-        self._map: mmap.mmap | None = None
-        self._map_failed = False
-        # Fetch threads may outlive their flight (abandoned at shutdown): they write under this
-        # lock and only while the entry is open, so no write ever reaches a closed (and maybe
-        # reused) descriptor.
-        self.io_lock = threading.Lock()
-        self.closed = False
-
-    @property
-    def size(self) -> int:
-        return self.cmap.size
-
-    def positions(self, digest: str) -> list[int]:
-        """Every index of this blob whose chunk has `digest` (identical files share chunks)."""
-        if self._positions is None:
-            pos: dict[str, list[int]] = {}
-            for i, c in enumerate(self.cmap.chunks):
-                pos.setdefault(c.digest, []).append(i)
-            self._positions = pos
-        return self._positions.get(digest, [])
-
-    def missing(self, idxs: Iterable[int]) -> list[int]:
-        present = self.present
-        return [i for i in idxs if not present[i]]
-
-    def cached_bytes(self) -> int:
-        chunks = self.cmap.chunks
-        return sum(chunks[i].length for i, p in enumerate(self.present) if p)
-
-    def missing_bytes(self) -> int:
-        chunks = self.cmap.chunks
-        return sum(chunks[i].length for i, p in enumerate(self.present) if not p)
-
-    def map(self) -> memoryview | None:
-        """The read-only view of the whole data file, mapped on first use; None if it cannot be
-        mapped (e.g. vm.max_map_count reached): then reads fall back to pread."""
-        if self.view is None and not self._map_failed and self.cmap.size:
-            try:
-                self._map = mmap.mmap(self.fd, self.cmap.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            except (OSError, ValueError) as e:
-                log.warning("blob %s: cannot map the cache file (%s); serving it with pread", self.blob, e)
-                self._map_failed = True
-                return None
-            self.view = memoryview(self._map)
-        return self.view
-
-    def mapped_range(self, off: int, end: int) -> memoryview | None:
-        """Bytes [off, end) of the data file, a slice of its mapping (None if the file cannot be
-        mapped). A fault on a page that is not in the page cache reads the device's whole
-        readahead window around it, synchronously: right for a long sequential stream, a
-        stall for a small read (see `BlobFS._serve`)."""
-        v = self.view if self.view is not None else self.map()
-        if v is None:
-            return None
-        self.mapped = True
-        return v[off:end]
-
-    def read_sync(self, off: int, end: int) -> bytes:
-        """Any thread: bytes [off, end) of the data file by pread; EBADF once the entry is
-        closed (its descriptor may have been reused)."""
-        with self.io_lock:
-            if self.closed:
-                raise OSError(errno.EBADF, "the cache is closed")
-            return os.pread(self.fd, end - off, off)
-
-    def release_pages(self) -> None:
-        """Unmap the pages reads touched (they stay in the page cache, reclaimable as usual).
-        Trio thread only: a reply that uses the mapping is sent before any other task runs."""
-        self.mapped = False
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)
-
-    def close(self) -> None:
-        with self.io_lock:
-            self.closed = True
-        if self._map is not None:
-            assert self.view is not None
-            try:
-                self.view.release()
-                self._map.close()
-            except BufferError:  # a slice is still referenced somewhere: unmapped when it goes
-                pass
-            self._map = self.view = None
-        os.close(self.fd)
-
-    def touch(self, start: int, stop: int, now: float) -> None:
-        lu = self.last_use
-        for i in range(start, stop):
-            lu[i] = now
-        self.use_dirty = True
 
 
 class NodeCache:
@@ -310,6 +154,10 @@ class NodeCache:
     def get(self, blob: str) -> BlobEntry | None:
         return self.entries.get(blob)
 
+    def blobs(self) -> list[tuple[str, int]]:
+        """(blob, size) of every blob this node has seen (whose chunk map it holds), sorted."""
+        return sorted((blob, e.size) for blob, e in self.entries.items())
+
     def add_blob(self, cmap: ChunkMap) -> BlobEntry:
         entry = self.entries.get(cmap.blob)
         if entry is not None:
@@ -394,20 +242,14 @@ class NodeCache:
             undo()
             raise CacheIOError(f"cannot record the pin change of blob {op.blob} in the cache index (see the log)")
 
+    def holders(self, blob: str) -> list[str]:
+        """Who pins the blob (sorted; [] if nobody)."""
+        return sorted(self.pins.get(blob, ()))
+
     def pinned_bytes(self) -> int:
         return sum(e.cached_bytes() for b, e in self.entries.items() if b in self.pins)
 
     # -- writers ---------------------------------------------------------------------------
-    @staticmethod
-    def write_sync(entry: BlobEntry, positions: Sequence[int], payload: bytes) -> None:
-        """Worker thread: put a chunk's bytes at each position (not yet servable)."""
-        chunks = entry.cmap.chunks
-        with entry.io_lock:
-            if entry.closed:
-                raise OSError(errno.EBADF, "the cache is closed")
-            for i in positions:
-                pwrite_all(entry.fd, payload, chunks[i].offset)
-
     def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
         """Trio thread, after `write_sync` returned: the positions become servable now and
         durable at the journal's next batch."""
@@ -570,6 +412,23 @@ class NodeCache:
                             len(self.pins))
         return res
 
+    async def evict(self, *, blob: str | None = None, all_chunks: bool = False,
+                    to_bytes: int | None = None) -> dict[str, int]:
+        """An explicit eviction (`cache evict`, through the daemon or offline): every chunk of
+        one blob, every chunk, down to `to_bytes`, or else down to the low watermark."""
+        if blob:
+            n, b = await self.drop_blob(digestmod.parse(blob))
+        elif all_chunks:
+            n, b = await self.evict_to(0)
+        elif to_bytes is not None:
+            n, b = await self.evict_to(int(to_bytes))
+        elif self.budget is not None:
+            n, b = await self.evict_to(self.budget.low)
+        else:
+            raise ConfigError("no cache budget set: say which blob, --all or --to BYTES")
+        return {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": self.usage,
+                "pinned_bytes": self.pinned_bytes()}
+
     async def drop_blob(self, blob: str) -> tuple[int, int]:
         holders = self.pins.get(blob)
         if holders:
@@ -655,6 +514,21 @@ class NodeCache:
                 e.present[i] = 0
                 self.usage -= chunks[i].length
         self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
+
+    def gauges(self) -> dict[str, float]:
+        """The cache's gauges for the metrics endpoint."""
+        g: dict[str, float] = {
+            "cache_used_bytes": self.usage,
+            "cache_blobs": len(self.entries),
+            "cache_busy_chunks": len(self.busy),
+            "cache_evicted_chunks": self.evicted_chunks,
+            "cache_evicted_bytes": self.evicted_bytes,
+        }
+        if self.budget is not None:
+            g["cache_budget_bytes"] = self.budget.size
+            g["cache_high_watermark_bytes"] = self.budget.high
+            g["cache_low_watermark_bytes"] = self.budget.low
+        return g
 
     def ls(self) -> dict[str, object]:
         blobs = []

@@ -1,0 +1,12 @@
+"""The daemon's control socket (HTTP/1.1 over DIR/control.sock).
+
+`client` is the blocking client (the CLI, the runtime shim): importing it, or this package,
+never imports trio. `server` is the daemon's side, on its trio thread. The client's names are
+here too: `fuse_client.control.request_json`, `.pin`, `.unpin`, `.DaemonNotRunning`, ...
+"""
+
+from __future__ import annotations
+
+from .client import SOCKET_NAME, DaemonNotRunning, pin, request, request_json, socket_path, unpin
+
+__all__ = ["SOCKET_NAME", "DaemonNotRunning", "pin", "request", "request_json", "socket_path", "unpin"]

@@ -1,0 +1,69 @@
+"""The node cache, a library with no transport: everything that owns cached chunks.
+
+It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the control socket
+(`fuse_client.control`) and a coming fanotify listener sit beside each other on this API:
+
+- open: `open_cache(dir, budget, stack)` locks the directory (`CacheBusy`), opens the index and
+  recovers (`NodeCache.recover`); `NodeCache.run` starts its background tasks (journal, touches,
+  page release, watermark eviction), `shutdown_flush` commits the last batch.
+- online: `LazyCache(cache, store, nursery=...)` fills it from the store: `entry(blob)`,
+  `blobs()`, `open_reader(entry)` -> `Reader` (`read_cached(off, size)`: the inline hot path,
+  data or None; `read_missing(off, size)`: fetch, then serve; `close()`), `ensure`,
+  `ensure_metadata`, `prefetch`, `pin_blob`.
+- maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `verify`, `evict`,
+  `pin_blob` / `unpin_blob` / `holders` (durable pins), `pin` / `unpin` (a reader's chunks),
+  `gauges`; `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
+- errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`.
+
+The names below load their module on first use, so that importing `errors` (what the blocking
+control client needs) does not import trio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cache import NodeCache, check_holder
+    from .cachedir import INDEX_DIR, LOCK_NAME, is_cache_dir, lock_cache_dir, open_cache
+    from .entry import BlobEntry
+    from .errors import BlobIncomplete, BlobPinned, CacheBusy, CacheIOError
+    from .eviction import DEFAULT_HIGH, DEFAULT_LOW, Budget
+    from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
+    from .lazy import LazyCache, prefetch_order
+    from .reader import DEFAULT_READAHEAD, Reader
+    from .stats import Stats
+    from .trace import TraceRecorder, parse_trace, write_trace
+
+_WHERE = {
+    "NodeCache": "cache", "check_holder": "cache",
+    "INDEX_DIR": "cachedir", "LOCK_NAME": "cachedir", "is_cache_dir": "cachedir", "lock_cache_dir": "cachedir",
+    "open_cache": "cachedir",
+    "BlobEntry": "entry",
+    "BlobIncomplete": "errors", "BlobPinned": "errors", "CacheBusy": "errors", "CacheIOError": "errors",
+    "DEFAULT_HIGH": "eviction", "DEFAULT_LOW": "eviction", "Budget": "eviction",
+    "DEFAULT_CONCURRENCY": "fetcher", "DEFAULT_DEADLINE": "fetcher", "ChunkSource": "fetcher", "Fetcher": "fetcher",
+    "LazyCache": "lazy", "prefetch_order": "lazy",
+    "DEFAULT_READAHEAD": "reader", "Reader": "reader",
+    "Stats": "stats",
+    "TraceRecorder": "trace", "parse_trace": "trace", "write_trace": "trace",
+}
+
+__all__ = ["BlobEntry", "BlobIncomplete", "BlobPinned", "Budget", "CacheBusy", "CacheIOError", "ChunkSource",
+           "DEFAULT_CONCURRENCY", "DEFAULT_DEADLINE", "DEFAULT_HIGH", "DEFAULT_LOW", "DEFAULT_READAHEAD", "Fetcher",
+           "INDEX_DIR", "LOCK_NAME", "LazyCache", "NodeCache", "Reader", "Stats", "TraceRecorder", "check_holder",
+           "is_cache_dir", "lock_cache_dir", "open_cache", "parse_trace", "prefetch_order", "write_trace"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

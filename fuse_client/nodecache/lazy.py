@@ -1,0 +1,125 @@
+"""The node cache filled lazily from the store: what every front end (the FUSE file system, a
+fanotify listener) and the control socket use. It knows no transport: no FUSE, no HTTP.
+
+`LazyCache` puts together the node cache (`NodeCache`: what is on this node's disk; it also
+works offline, without a store), the fetcher (chunk maps and chunks from the store), the
+counters and the access trace. A front end looks a blob up (`entry`), opens a `Reader` per open
+file (`open_reader`; `Reader.read_cached` is the inline hot path, `read_missing` the slow one),
+and may fetch ahead (`ensure`, `ensure_metadata`, `prefetch`). Maintenance (`ls`, `verify`,
+`evict`, durable pins) is `NodeCache`'s, reachable as `.cache`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from layerstore.chunkmap import ChunkMap
+from layerstore.errors import BadInput
+
+from .cache import NodeCache
+from .entry import BlobEntry
+from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
+from .reader import DEFAULT_READAHEAD, MetadataHook, Reader
+from .stats import Stats
+from .trace import TraceRecorder
+
+
+class LazyCache:
+    def __init__(self, cache: NodeCache, store: ChunkSource, *, nursery: trio.Nursery, stats: Stats | None = None,
+                 trace: TraceRecorder | None = None, concurrency: int = DEFAULT_CONCURRENCY,
+                 deadline: float = DEFAULT_DEADLINE, readahead: int = DEFAULT_READAHEAD) -> None:
+        """`nursery`: where fetches run (a reader giving up must not cancel a fetch that others
+        wait for); `readahead`: the largest window of a sequential stream, in chunks (0: none)."""
+        self.cache = cache
+        self.stats = stats if stats is not None else Stats(gauges=cache.gauges)
+        self.trace = trace
+        self.readahead = readahead
+        self.fetcher = Fetcher(store, cache, self.stats, nursery=nursery, concurrency=concurrency, deadline=deadline)
+
+    # -- blobs ---------------------------------------------------------------------------------
+    async def entry(self, blob: str) -> BlobEntry:
+        """The blob's entry, its chunk map fetched from the store on first use (`NotFound` if
+        the store does not have it); the blob is counted in the stats from now on."""
+        entry = await self.fetcher.entry(blob)
+        self.stats.blob(blob, entry.size)
+        return entry
+
+    def blobs(self) -> list[tuple[str, int]]:
+        """(blob, size) of every blob this node has seen, sorted (not the whole store)."""
+        return self.cache.blobs()
+
+    def open_reader(self, entry: BlobEntry, *, on_metadata_read: MetadataHook | None = None) -> Reader:
+        """A reader of the blob, for one open file; `Reader.close` when the file is closed."""
+        return Reader(entry, self.cache, self.fetcher, self.stats.blob(entry.blob, entry.size), self.trace,
+                      self.readahead, on_metadata_read)
+
+    # -- fetching ahead -------------------------------------------------------------------------
+    async def ensure(self, entry: BlobEntry, idxs: list[int]) -> None:
+        """Return once the chunks are present (missing ones fetched in parallel, at demand
+        priority, pinned until then), or raise `CorruptObject` / `StoreUnavailable`."""
+        self.cache.pin(entry, idxs)
+        try:
+            await self.fetcher.ensure(entry, idxs)
+        finally:
+            self.cache.unpin(entry, idxs)
+
+    async def ensure_metadata(self, entry: BlobEntry) -> None:
+        """Every metadata chunk present: an EROFS mount reads superblock, inodes and
+        directories first, chunk by chunk; this fetches all of them in parallel at once."""
+        if entry.metadata and entry.metadata_missing():
+            await self.ensure(entry, entry.metadata)
+
+    async def prefetch(self, blob: str, *, chunks: list[int] | None = None, ranges: list[Any] | None = None,
+                       all_chunks: bool = False, wait: bool = False) -> dict[str, Any]:
+        """Fetch chunks of a blob below demand priority (see `prefetch_order`), in the
+        background, or waited for with `wait`."""
+        entry = await self.fetcher.entry(blob)
+        idxs = prefetch_order(entry.cmap, entry.metadata, chunks=chunks, ranges=ranges, all_chunks=all_chunks)
+        if wait:
+            done, failed = await self.fetcher.prefetch(entry, idxs)
+            return {"blob": blob, "queued": len(idxs), "done": done, "failed": failed}
+        self.fetcher.prefetch_soon(entry, idxs)
+        return {"blob": blob, "queued": len(idxs)}
+
+    # -- durable pins ---------------------------------------------------------------------------
+    async def pin_blob(self, blob: str, holder: str) -> Path:
+        """`NodeCache.pin_blob`, after fetching the chunk map of a blob the node has not seen
+        (`NotFound` if the store lacks it; else `BlobIncomplete` says how much is missing)."""
+        if self.cache.get(blob) is None:
+            await self.fetcher.entry(blob)
+        return await self.cache.pin_blob(blob, holder)
+
+
+def prefetch_order(cmap: ChunkMap, metadata: list[int], *, chunks: list[Any] | None = None,
+                   ranges: list[Any] | None = None, all_chunks: bool = False) -> list[int]:
+    """Chunk indexes to prefetch, in order, without repeats: every chunk (metadata first) for
+    `all_chunks`, else the given chunk indexes, else the chunks of the given [offset, length]
+    byte ranges, else the metadata chunks."""
+    n = len(cmap.chunks)
+    if all_chunks:
+        meta = set(metadata)
+        return list(metadata) + [i for i in range(n) if i not in meta]
+    out: list[int] = []
+    seen: set[int] = set()
+    if chunks is not None:
+        cand: list[int] = []
+        for i in chunks:
+            if not isinstance(i, int) or not 0 <= i < n:
+                raise BadInput(f"chunk index {i!r} out of range for {cmap.blob} ({n} chunks)")
+            cand.append(i)
+    elif ranges is not None:
+        cand = []
+        for r in ranges:
+            if not (isinstance(r, list | tuple) and len(r) == 2 and all(isinstance(x, int) and x >= 0 for x in r)):
+                raise BadInput(f"bad range {r!r} (want [offset, length])")
+            cand.extend(cmap.span(r[0], r[1]))
+    else:
+        cand = list(metadata)
+    for i in cand:
+        if i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out
