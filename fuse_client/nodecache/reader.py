@@ -54,14 +54,6 @@ class Reader:
         self.closed = False
         entry.open_count += 1
 
-    @property
-    def blob(self) -> str:
-        return self.entry.blob
-
-    @property
-    def size(self) -> int:
-        return self.entry.cmap.size
-
     def close(self) -> None:
         if not self.closed:
             self.closed = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import random
 import subprocess
 import sys
 import time
@@ -170,3 +171,41 @@ async def test_chunk_fetches_retry_a_missing_chunk_but_not_a_corrupt_one(store: 
                 nursery.cancel_scope.cancel()
         # tries at 0, 0.05, 0.15, 0.35; the next (0.4 s later) would end past 0.5 s
         assert len(source.calls) == tries, (error, source.calls)
+
+
+def test_the_node_cache_knows_no_transport() -> None:
+    lib = Path(fuse_client.__file__).parent / "nodecache"
+    found = []
+    for path in sorted(lib.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name.split(".")[0] in ("pyfuse3", "http", "httpx", "fastapi") or \
+                        name.startswith(("fuse_client.fuse", "fuse_client.control", "fuse_client.daemon")):
+                    found.append(f"{path.name}: {name}")
+    assert found == []
+
+
+@pytest.mark.trio
+async def test_a_reader_through_the_library_api(store: Store, tmp_path: Path) -> None:
+    data = random.Random(5).randbytes(3 * CHUNK) + b"tail"
+    cmap = put_blob(store, data, meta=(0,))
+    async with rig(store, tmp_path / "cache") as r:
+        lazy = r.lazy
+        entry = await lazy.entry(cmap.blob)
+        assert entry.size == len(data) and entry.metadata_missing() == [0]
+        await lazy.ensure_metadata(entry)
+        assert entry.metadata_missing() == [] and lazy.blobs() == [(cmap.blob, len(data))]
+        reader = lazy.open_reader(entry)
+        assert reader.read_cached(10, 100) == data[10:110]
+        assert reader.read_cached(CHUNK + 5, 100) is None  # missing: the caller awaits read_missing
+        assert bytes(await reader.read_missing(CHUNK + 5, 100)) == data[CHUNK + 5:CHUNK + 105]
+        assert bytes(reader.read_cached(CHUNK + 5, 100)) == data[CHUNK + 5:CHUNK + 105]  # type: ignore[arg-type]
+        assert reader.read_cached(len(data), 10) == b""
+        st = lazy.stats.blobs[cmap.blob]
+        assert (st.hits, st.misses) == (2, 1)
+        assert r.cache.ls()["blobs"][0]["open"] == 1
+        reader.close()
+        reader.close()  # idempotent
+        assert r.cache.ls()["blobs"][0]["open"] == 0
