@@ -125,7 +125,6 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 in progress")
 def test_import_graph_has_no_circles() -> None:
     # A package's __init__ importing its own modules is not a circle of the house: drop the
     # edge module -> its package __init__ when the package is only a namespace for it.
@@ -175,7 +174,6 @@ def private_uses() -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11 in progress")
 def test_no_private_name_used_outside_its_module() -> None:
     assert private_uses() == []
 
