@@ -196,9 +196,6 @@ class LayerstoreNode:
 
     def _run_api(self, sid: str, env: str, command: list[str], result: SandboxResult) -> tuple[str, str, int]:
         """`runtime_shim.runner.run`, step by step so that each step is timed."""
-        from runtime_shim.bundle import write_bundle
-        from runtime_shim.oci_runtime import open_runtime
-
         shim = self.shim
         t0 = time.time()
         spec_ = shim.resolve(self.env_refs[env])  # timed apart; mount() takes the resolved environment
@@ -207,14 +204,13 @@ class LayerstoreNode:
         t1 = time.time()
         lock_wait = shim.lock.waited
         try:
-            rt = open_runtime("runc", shim.paths.root / "oci")
-            bundle = shim.paths.bundle(sb.id)
-            write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, cgroups_path=f"/layerstore/{sb.id}")
+            backend = shim.backend("runc")
+            backend.prepare(sb, command)  # the OCI bundle, in the sandbox's /layerstore/<id> cgroup
             with tempfile.TemporaryFile() as fout, tempfile.TemporaryFile() as ferr:
                 try:
-                    rc = rt.run(bundle, sb.id, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr)
+                    rc = backend.wait(backend.start(sb.id, stdin=subprocess.DEVNULL, stdout=fout, stderr=ferr))
                 finally:
-                    rt.delete(sb.id)
+                    backend.delete(sb.id)
                 fout.seek(0)
                 ferr.seek(0)
                 out, err = fout.read().decode(errors="replace"), ferr.read().decode(errors="replace")
