@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from .mounts import DaemonRun
-from .project import BLOBS_INODE, BlobFS, Fetcher, Stats, Store, open_cache
+from .project import BLOBS_INODE, BlobFS, LazyCache, Stats, Store, open_cache
 from .spec import HIT_PATH_HANDLER_BLOCKS, HIT_PATH_KERNEL_BLOCKS, HIT_PATH_SPAN
 
 
@@ -64,7 +64,7 @@ def hit_path_handler(store_url: str, cache_dir: Path, blob: str, size: int) -> l
             stats = Stats()
             async with trio.open_nursery() as nursery:
                 await nursery.start(cache.run)
-                fs = BlobFS(Fetcher(store, cache, stats, nursery=nursery), cache, stats)
+                fs = BlobFS(LazyCache(cache, store, nursery=nursery, stats=stats))
                 attr = await fs.lookup(BLOBS_INODE, blob.encode())
                 fh = (await fs.open(attr.st_ino, os.O_RDONLY)).fh
                 entry = cache.get(blob)

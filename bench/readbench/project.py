@@ -7,13 +7,11 @@ from erofs_builder.build import build_layer, push_layer
 from erofs_builder.source_dir import dir_entries
 from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, pin, request_json, unpin
-from fuse_client.daemon import open_cache
-from fuse_client.fetcher import DEFAULT_CONCURRENCY, Fetcher
-from fuse_client.fs import BLOBS_INODE, BlobFS
-from fuse_client.stats import Stats
+from fuse_client.fuse.fs import BLOBS_INODE, BlobFS
+from fuse_client.nodecache import DEFAULT_CONCURRENCY, LazyCache, Stats, open_cache
 from layerstore import digest as digestmod
 from layerstore.store import Store
 
-__all__ = ["BLOBS_INODE", "DEFAULT_CONCURRENCY", "BlobFS", "DaemonNotRunning", "Fetcher", "Stats", "Store",
+__all__ = ["BLOBS_INODE", "DEFAULT_CONCURRENCY", "BlobFS", "DaemonNotRunning", "LazyCache", "Stats", "Store",
            "build_layer", "digestmod", "dir_entries", "linux", "open_cache", "pin", "push_layer", "request_json",
            "unpin"]
