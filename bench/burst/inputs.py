@@ -15,7 +15,6 @@ a temporary directory and renamed into place, so an interrupted build is never m
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -102,10 +101,8 @@ def _cached(out: Path) -> dict[str, int] | None:
 
 
 def base_key() -> str:
-    """The base layer's cache key: a hash of what it is built from, computed as spec computes the
-    toolkits' and workspaces' keys (same digest, so existing cache entries keep their names)."""
-    facts = {"suite": spec.BASE_SUITE, "include": spec.BASE_INCLUDE, "variant": "minbase"}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+    """The base layer's cache key: a hash of what it is built from, as for every other input."""
+    return spec.input_key({"suite": spec.BASE_SUITE, "include": spec.BASE_INCLUDE, "variant": "minbase"})
 
 
 def build_base(root: Path) -> Layer:

@@ -28,7 +28,7 @@ class Toolkit:
     requirements: tuple[str, ...]  # every distribution pinned, transitive ones included
 
     def key(self) -> str:
-        return _key(asdict(self))
+        return input_key(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Workspace:
     test_args: tuple[str, ...] = ()
 
     def key(self) -> str:
-        return _key(asdict(self))
+        return input_key(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -183,5 +183,6 @@ sys.exit(rc)
 '''
 
 
-def _key(obj: object) -> str:
+def input_key(obj: object) -> str:
+    """The cache key of a benchmark input: a short hash of the facts it is built from."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
