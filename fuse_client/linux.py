@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import mmap
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ FUSE_MAGIC = 0x65735546
 MOUNTINFO = "/proc/self/mountinfo"
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
+                                               "nr_recently_evicted")]
+
+
 class _Statfs(ctypes.Structure):
     _fields_ = [("f_type", ctypes.c_long), ("f_bsize", ctypes.c_long), ("f_blocks", ctypes.c_ulong),
                 ("f_bfree", ctypes.c_ulong), ("f_bavail", ctypes.c_ulong), ("f_files", ctypes.c_ulong),
@@ -56,6 +66,15 @@ libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 libc.fallocate.restype = ctypes.c_int
 libc.statfs.argtypes = [ctypes.c_char_p, ctypes.POINTER(_Statfs)]
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+libc.syncfs.argtypes = [ctypes.c_int]
+libc.syscall.restype = ctypes.c_long
+MAP_FAILED = ctypes.c_void_p(-1).value
+SYS_CACHESTAT = 451  # x86_64 and most others (Linux 6.5+)
+PAGE = mmap.PAGESIZE
 
 
 class MountError(LayerstoreError):
@@ -297,3 +316,51 @@ def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
             return
         yield start, end
         pos = end
+
+
+def syncfs(path: str | os.PathLike[str]) -> None:
+    """syncfs(2): write back the whole filesystem holding `path`."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs {os.fsdecode(path)}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+# -- the page cache (benchmarks measure with these) -----------------------------------------------
+def resident_pages(path: str | os.PathLike[str]) -> bytes:
+    """mincore(2) of a whole file: one byte per page, bit 0 set when the page is in the page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr == MAP_FAILED or addr is None:
+            raise OSError(ctypes.get_errno(), f"mmap {os.fsdecode(path)}")
+        try:
+            vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {os.fsdecode(path)}")
+            return vec.raw
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def cached_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of `path` in the page cache (cachestat(2)); 0 if it cannot be asked."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        rng, st = _CachestatRange(0, 0), _Cachestat()
+        if libc.syscall(SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+            return 0
+        return int(st.nr_cache) * PAGE
+    finally:
+        os.close(fd)

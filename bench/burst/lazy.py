@@ -299,16 +299,11 @@ def tree_bytes(root: Path) -> int:
 
 def sweep_mounts(root: Path) -> None:
     """Unmount whatever is still mounted under `root`, deepest first (a crashed run's leftovers)."""
-    prefix = str(root.resolve()) + "/"
-    mounts = []
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            mp = line.split(" ")[4].encode("latin-1", "surrogateescape").decode("unicode_escape", "surrogateescape")
-            if mp.startswith(prefix):
-                mounts.append(mp)
-    for mp in sorted(set(mounts), key=lambda m: m.count("/"), reverse=True):
-        if subprocess.run(["umount", mp], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", mp], capture_output=True)
+    from fuse_client import linux
+
+    for m in linux.mounts_under(linux.read_mounts(), str(root.resolve())):  # deepest first
+        with contextlib.suppress(linux.MountError):
+            linux.detach(m.mountpoint)
 
 
 def remove_tree(path: Path) -> None:

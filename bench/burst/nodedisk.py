@@ -10,8 +10,6 @@ page cache left from the one before (unmounting drops it).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
@@ -20,6 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from fuse_client.linux import syncfs
 
 SECTOR = 512
 
@@ -44,16 +44,6 @@ def diskstats(dev_name: str, text: str | None = None) -> DiskCounters:
         if len(f) >= 10 and f[2] == dev_name:
             return DiskCounters(int(f[5]) * SECTOR, int(f[9]) * SECTOR, int(f[7]))
     raise KeyError(f"{dev_name} not in /proc/diskstats")
-
-
-def syncfs(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.syncfs(fd) != 0:
-            raise OSError(ctypes.get_errno(), "syncfs failed")
-    finally:
-        os.close(fd)
 
 
 class NodeDisk:

@@ -9,8 +9,6 @@ workload's property, the same for every contender, and the yardstick for "bytes 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import os
 import stat
@@ -19,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fuse_client.linux import resident_pages
+
 from . import oci, spec
 from .conventional import mount_overlay
 from .inputs import env_layers
@@ -26,36 +26,6 @@ from .nodedisk import NodeDisk, diskstats
 from .sandbox import SandboxResult, parse_output, tail
 
 PAGE = mmap.PAGESIZE
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def resident_pages(path: str | os.PathLike[str]) -> bytes:
-    """mincore(2) of a whole file: one byte per page, bit 0 set when the page is in the page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return b""
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr == _MAP_FAILED or addr is None:
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
-        try:
-            pages = (size + PAGE - 1) // PAGE
-            vec = ctypes.create_string_buffer(pages)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {path}")
-            return vec.raw
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
 
 def resident_bytes(path: str | os.PathLike[str]) -> int:
     """How much of a file is in the page cache (whole pages; the last one counts fully)."""

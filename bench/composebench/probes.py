@@ -138,7 +138,7 @@ def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) ->
 
     facts: dict[str, Any] = {}
     t = time.perf_counter()
-    with open("/proc/self/mountinfo", "rb") as f:
+    with open(linux.MOUNTINFO, "rb") as f:
         size = len(f.read())
     read_s = time.perf_counter() - t
     t = time.perf_counter()

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .mounts import daemon, erofs_mount
-from .probes import cached_bytes, drop_caches, timed, tree_cached_bytes
-from .project import pin, unpin
+from .probes import drop_caches, timed, tree_cached_bytes
+from .project import linux, pin, unpin
 from .spec import PIN_HOLDER
 from .workloads import WORKLOADS
 
@@ -52,7 +52,7 @@ def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> 
             if not hot:
                 drop_caches()
             out["seconds"], out["bytes"] = timed(fn, m, out)
-            out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(image)}
+            out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
         return out
     blob = im.blobs[tree]
     if kind == "promoted":
@@ -74,8 +74,8 @@ def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> 
                 c0 = d.counters(blob)
                 out["seconds"], out["bytes"] = timed(fn, m, out)
                 c1 = d.counters(blob)
-                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(d.blob(blob)),
-                                 "node_cache_file": cached_bytes(d.data_file(blob))}
+                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(d.blob(blob)),
+                                 "node_cache_file": linux.cached_bytes(d.data_file(blob))}
             out["fuse"] = {k: c1[k] - c0[k] for k in c0}
     finally:
         if cold:
@@ -102,7 +102,7 @@ def run_promoted(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, ou
                 c0 = d.counters(blob)
                 out["seconds"], out["bytes"] = timed(fn, m, out)
                 c1 = d.counters(blob)
-                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": cached_bytes(image)}
+                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
             out["daemon_requests"] = c1["requests"] - c0["requests"]  # 0: the daemon is not on the path
         finally:
             unpin(im.warm_cache, blob, PIN_HOLDER)

@@ -4,13 +4,14 @@ process, of one thread (schedstat), of the machine, and the timer every workload
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .project import linux
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -22,41 +23,13 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-class _CachestatRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _Cachestat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted",
-                                               "nr_recently_evicted")]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-SYS_CACHESTAT = 451  # x86_64 and most others (Linux 6.5+)
-
-
-def cached_bytes(path: str | Path) -> int:
-    """Bytes of `path` in the page cache (cachestat(2)); 0 if it cannot be asked."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return 0
-    try:
-        rng, st = _CachestatRange(0, 0), _Cachestat()
-        if _libc.syscall(SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-            return 0
-        return st.nr_cache * PAGE
-    finally:
-        os.close(fd)
-
-
 def tree_cached_bytes(root: Path) -> int:
     total = 0
     for dirpath, _dirs, names in os.walk(root):
         for n in names:
             p = os.path.join(dirpath, n)
             if not os.path.islink(p):
-                total += cached_bytes(p)
+                total += linux.cached_bytes(p)
     return total
 
 

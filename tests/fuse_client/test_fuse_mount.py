@@ -17,6 +17,7 @@ from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tr
 from testkit.fuse_helpers import CountingBackend, DaemonThread, build_and_push, make_tree, read_errno, wait_until
 
 from erofs_builder.build import BuiltLayer
+from fuse_client import linux
 from fuse_client.control import request_json
 from fuse_client.fuse.mount import DEFAULT_KERNEL_READAHEAD_KB
 from layerstore import keys
@@ -81,9 +82,9 @@ def test_erofs_directio_on_fuse_equals_source(store: Store, src: Path, layer: Bu
 
 
 def _fuse_bdi(mountpoint: Path) -> Path:
-    with open("/proc/self/mountinfo") as f:
-        (dev,) = [line.split()[2] for line in f if line.split()[4] == str(mountpoint)]
-    return Path("/sys/class/bdi") / dev
+    ra = linux.bdi_read_ahead_kb(mountpoint)
+    assert ra is not None
+    return Path(ra).parent
 
 
 def test_kernel_readahead_survives_fuse_init(store: Store, layer: BuiltLayer, tmp_path: Path) -> None:

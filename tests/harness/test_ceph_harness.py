@@ -19,6 +19,8 @@ import pytest
 from testkit import ceph_cluster
 from testkit.ceph_cluster import CephCluster, CephError
 
+from fuse_client import linux
+
 pytestmark = [pytest.mark.ceph, pytest.mark.root]
 
 HARNESS = Path(ceph_cluster.__file__)
@@ -51,8 +53,7 @@ def _listening_addresses(pids: list[int]) -> set[str]:
 
 
 def _mounts_under(path: Path) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4] for line in f if line.split()[4].startswith(str(path))]
+    return [m.mountpoint for m in linux.mounts_under(linux.read_mounts(), str(path))]
 
 
 def test_cluster_is_up_on_loopback_only(ceph: CephCluster) -> None:

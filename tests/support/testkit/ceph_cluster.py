@@ -7,7 +7,7 @@ on a free loopback port), one mds with a CephFS filesystem, and ceph-fuse client
 in the foreground (`-f`) as our child and is tracked by PID; `state.json` in `workdir` records the
 PIDs and mounts so that another process (`python -m testkit.ceph_cluster stop DIR`) can tear it down.
 
-Only the standard library is used, so the shell entry point also works outside the project venv:
+The shell entry point, with the project's Python (mounts go through the project's `fuse_client.linux`):
 
     python -m testkit.ceph_cluster start DIR    # prints endpoint, keys and mount as JSON, leaves it running
     python -m testkit.ceph_cluster stop DIR
@@ -18,8 +18,6 @@ See docs/ceph-test-cluster.md for the design notes.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
 import random
@@ -35,12 +33,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from fuse_client import linux
+
 STATE_FILE = "state.json"
 CONF_FILE = "ceph.conf"
 S3_USER = "layerstore"
 FS_NAME = "cephfs"
 
-_MNT_DETACH = 2
 
 
 class CephError(RuntimeError):
@@ -85,17 +84,11 @@ def _port_open(port: int) -> bool:
 
 
 def _mountpoints() -> set[str]:
-    out = set()
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            field = line.split(" ")[4]
-            out.add(field.encode("latin-1", "surrogateescape").decode("unicode_escape", "surrogateescape"))
-    return out
+    return set(linux.read_mounts())
 
 
 def _umount(path: str, *, lazy: bool = False) -> bool:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return libc.umount2(os.fsencode(path), _MNT_DETACH if lazy else 0) == 0
+    return linux.umount2(path, linux.MNT_DETACH if lazy else 0) == 0
 
 
 def _alive(pid: int) -> bool:
