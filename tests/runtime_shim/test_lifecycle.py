@@ -13,37 +13,31 @@ from testkit.shim_support import needs_root
 from fuse_client import linux
 from runtime_shim import records
 from runtime_shim.errors import SandboxExists, SandboxNotFound
+from runtime_shim.layers import LayerMounts
 from runtime_shim.lifecycle import SandboxLifecycle
 from runtime_shim.lock import NodeLock
 from runtime_shim.paths import NodePaths
-from runtime_shim.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox, Txn
+from runtime_shim.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox
 
 A, B = "b3:" + "a" * 64, "b3:" + "b" * 64
 
 
-class FakeLayers:
-    """The reference counting of LayerMounts, without mounts: the last release records an unmount."""
+class FakeLayers(LayerMounts):
+    """The real reference counting of LayerMounts, with the unmount recorded instead of made."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: NodePaths) -> None:
+        super().__init__(paths, None)  # type: ignore[arg-type]  (no blob source: nothing is mounted)
         self.unmounted: list[str] = []
 
-    def release(self, t: Txn, blob: str) -> None:
-        lm = t.layer(blob)
-        if lm is None:
-            return
-        lm.refs -= 1
-        if lm.refs > 0:
-            t.put_layer(lm)
-            return
-        self.unmounted.append(blob)
-        t.delete_layer(blob)
+    def unmount(self, lm: LayerMount) -> None:
+        self.unmounted.append(lm.blob)
 
 
 @pytest.fixture
 def life(tmp_path: Path) -> Iterator[tuple[SandboxLifecycle, FakeLayers]]:
     paths = NodePaths(tmp_path / "node")
     paths.create()
-    layers = FakeLayers()
+    layers = FakeLayers(paths)
     with NodeState(paths.state) as state:
         yield SandboxLifecycle(paths, state, NodeLock(paths.lock), layers), layers  # type: ignore[arg-type]
 
