@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 
 from layerstore.chunkmap import METADATA
 
-from .format import BLOCK_SIZE
-
 SLICE = 1 << 20  # the default `max_chunk`: data runs are hashed in pieces this long as they are written
 
 
@@ -241,7 +239,3 @@ def check_cover(cuts: list[Cut], size: int) -> None:
         pos += c.length
     if pos != size:
         raise ValueError(f"chunks cover {pos} of {size} bytes")
-
-
-def block_align(n: int) -> int:
-    return (n + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE

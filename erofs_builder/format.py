@@ -48,18 +48,18 @@ XATTR_PREFIXES: tuple[tuple[bytes, int, bool], ...] = (
 )
 XATTR_IBODY_HEADER = 12
 XATTR_ENTRY_HEADER = 4
+# The on-disk structures (erofs_fs.h), shared by the writer and the image reader (parent.py).
 MAX_SHARED_PER_INODE = 128
 
-_SUPER = struct.Struct("<IIIBBHQQIIII16s16sIH42x")
-_COMPACT = struct.Struct("<HHHHIIIIHHI")
-_EXTENDED = struct.Struct("<HHHHQIIIIQII16x")
-_DIRENT = struct.Struct("<QHBx")
-_XATTR_ENTRY = struct.Struct("<BBH")
+SUPERBLOCK = struct.Struct("<IIIBBHQQIIII16s16sIH42x")
+COMPACT_INODE = struct.Struct("<HHHHIIIIHHI")
+EXTENDED_INODE = struct.Struct("<HHHHQIIIIQII16x")
+DIRENT = struct.Struct("<QHBx")
+XATTR_ENTRY = struct.Struct("<BBH")
 _IBODY = struct.Struct("<IB7x")
 
-COMPACT_INODE, EXTENDED_INODE = _COMPACT, _EXTENDED  # for callers that pack many inodes
 
-assert _SUPER.size == 128 and _COMPACT.size == 32 and _EXTENDED.size == 64 and _DIRENT.size == 12
+assert SUPERBLOCK.size == 128 and COMPACT_INODE.size == 32 and EXTENDED_INODE.size == 64 and DIRENT.size == 12
 
 
 def align(n: int, to: int) -> int:
@@ -74,7 +74,7 @@ def pack_superblock(*, root_nid: int, inos: int, build_time: int, build_time_nse
                     meta_blkaddr: int, xattr_blkaddr: int, uuid: bytes, feature_incompat: int) -> bytes:
     if not 0 <= root_nid < 1 << 16:
         raise BadInput(f"root nid {root_nid} does not fit the superblock")
-    return _SUPER.pack(MAGIC, 0, 0, BLOCK_BITS, 0, root_nid, inos, build_time, build_time_nsec, blocks,
+    return SUPERBLOCK.pack(MAGIC, 0, 0, BLOCK_BITS, 0, root_nid, inos, build_time, build_time_nsec, blocks,
                        meta_blkaddr, xattr_blkaddr, uuid, b"", feature_incompat, 0)
 
 
@@ -83,20 +83,6 @@ def encode_dev(major: int, minor: int) -> int:
     if not (0 <= major < 1 << 12 and 0 <= minor < 1 << 20):
         raise BadInput(f"device number {major}:{minor} out of range")
     return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
-
-
-def decode_dev(dev: int) -> tuple[int, int]:
-    return (dev & 0xFFF00) >> 8, (dev & 0xFF) | ((dev >> 12) & 0xFFF00)
-
-
-def pack_inode(*, extended: bool, layout: int, xattr_icount: int, mode: int, nlink: int, size: int, i_u: int,
-               ino: int, uid: int, gid: int, mtime: int, mtime_nsec: int) -> bytes:
-    """One on-disk inode. `i_u` is the raw block address, the encoded rdev, or the chunk format."""
-    if extended:
-        fmt = VERSION_EXTENDED | (layout << 1)
-        return _EXTENDED.pack(fmt, xattr_icount, mode, 0, size, i_u, ino, uid, gid, mtime, mtime_nsec, nlink)
-    fmt = VERSION_COMPACT | (layout << 1)
-    return _COMPACT.pack(fmt, xattr_icount, mode, nlink, size, 0, i_u, ino, uid, gid, 0)
 
 
 # -- xattrs ---------------------------------------------------------------------------------
@@ -117,7 +103,7 @@ def split_xattr_name(name: bytes) -> tuple[int, bytes]:
 def xattr_entry(index: int, suffix: bytes, value: bytes) -> bytes:
     if len(value) > 0xFFFF:
         raise BadInput(f"xattr value of {len(value)} bytes is too large")
-    raw = _XATTR_ENTRY.pack(len(suffix), index, len(value)) + suffix + value
+    raw = XATTR_ENTRY.pack(len(suffix), index, len(value)) + suffix + value
     return raw + b"\0" * (align(len(raw), 4) - len(raw))
 
 
@@ -180,7 +166,7 @@ def pack_dir(entries: Sequence[tuple[bytes, int, int]]) -> bytes:
         heads = bytearray()
         tails = bytearray()
         for name, nid, ftype in block:
-            heads += _DIRENT.pack(nid, nameoff + len(tails), ftype)
+            heads += DIRENT.pack(nid, nameoff + len(tails), ftype)
             tails += name
         blk = heads + tails
         if i < len(entries):

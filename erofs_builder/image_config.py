@@ -11,23 +11,11 @@ its first. Everything else that breaks the schema is refused with `BadInput`.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from layerstore.errors import BadInput
 from manifest.config import RuntimeConfig
 from manifest.errors import InvalidManifest
-
-
-def parse_image_config(raw: bytes, what: str) -> dict[str, Any]:
-    """The image config document (JSON object) of an image."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadInput(f"{what}: image config is not JSON") from None
-    if not isinstance(doc, dict):
-        raise BadInput(f"{what}: image config is not a JSON object")
-    return doc
 
 
 def runtime_config(image_config: dict[str, Any], what: str = "image config") -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import struct
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,11 +42,6 @@ if TYPE_CHECKING:
     from layerstore.store import Store
 
 BS = fmt.BLOCK_SIZE
-_SUPER = struct.Struct("<IIIBBHQQIIII16s16sIH42x")
-_COMPACT = struct.Struct("<HHHHIIIIHHI")
-_EXTENDED = struct.Struct("<HHHHQIIIIQII16x")
-_DIRENT = struct.Struct("<QHBx")
-_XATTR_ENTRY = struct.Struct("<BBH")
 _CHUNK_INDEXES = 0x20
 _READ = 1 << 20
 _PREFIX_OF = {index: (prefix, whole) for prefix, index, whole in fmt.XATTR_PREFIXES}
@@ -114,10 +108,10 @@ class _Reader:
         if i_format & 1:
             if pos + fmt.EXTENDED_SIZE > len(self.meta):
                 raise self.bad(f"nid {nid} lies outside the metadata area")
-            _f, xcount, mode, _r, size, i_u, *_rest = _EXTENDED.unpack_from(self.meta, pos)
+            _f, xcount, mode, _r, size, i_u, *_rest = fmt.EXTENDED_INODE.unpack_from(self.meta, pos)
             isize = fmt.EXTENDED_SIZE
         else:
-            _f, xcount, mode, _nlink, size, _r, i_u, *_rest = _COMPACT.unpack_from(self.meta, pos)
+            _f, xcount, mode, _nlink, size, _r, i_u, *_rest = fmt.COMPACT_INODE.unpack_from(self.meta, pos)
             isize = fmt.COMPACT_SIZE
         xsize = fmt.XATTR_IBODY_HEADER + (xcount - 1) * 4 if xcount else 0
         shared: list[int] = []
@@ -178,10 +172,10 @@ class _Reader:
             blk = raw[off:off + BS]
             if len(blk) < fmt.DIRENT_SIZE:
                 raise self.bad(f"directory nid {ino.nid} is truncated")
-            count = _DIRENT.unpack_from(blk, 0)[1] // fmt.DIRENT_SIZE
+            count = fmt.DIRENT.unpack_from(blk, 0)[1] // fmt.DIRENT_SIZE
             if not 0 < count <= len(blk) // fmt.DIRENT_SIZE:
                 raise self.bad(f"directory nid {ino.nid} has a corrupt block")
-            heads = [_DIRENT.unpack_from(blk, i * fmt.DIRENT_SIZE) for i in range(count)]
+            heads = [fmt.DIRENT.unpack_from(blk, i * fmt.DIRENT_SIZE) for i in range(count)]
             for i, (nid, nameoff, ftype) in enumerate(heads):
                 end = heads[i + 1][1] if i + 1 < count else len(blk)
                 name = bytes(blk[nameoff:end])
@@ -203,9 +197,9 @@ def read_parent(image: str | os.PathLike[str], refs: Sequence[ChunkRef | Cut]) -
 
 
 def _read(fd: int, size: int, path: Path, refs: Sequence[ChunkRef | Cut]) -> ParentImage:
-    sb = os.pread(fd, _SUPER.size, fmt.SUPER_OFFSET).ljust(_SUPER.size, b"\0")
+    sb = os.pread(fd, fmt.SUPERBLOCK.size, fmt.SUPER_OFFSET).ljust(fmt.SUPERBLOCK.size, b"\0")
     (magic, _csum, _compat, blkbits, _ext, root_nid, _inos, bt, bt_nsec, blocks, meta_blkaddr, xattr_blkaddr,
-     uuid, _vol, incompat, _u1) = _SUPER.unpack(sb)
+     uuid, _vol, incompat, _u1) = fmt.SUPERBLOCK.unpack(sb)
     if magic != fmt.MAGIC or blkbits != fmt.BLOCK_BITS:
         raise BadInput(f"parent image {path}: not an EROFS image with 4 KiB blocks")
     if incompat & ~fmt.FEATURE_INCOMPAT_CHUNKED_FILE or blocks * BS != size or not 1 <= meta_blkaddr < blocks:
@@ -319,7 +313,7 @@ def _xattr_area(r: _Reader, blkaddr: int, ids: set[int]) -> tuple[bytes, dict[tu
     while off // 4 <= last:
         if not BS <= start + off + 4 <= r.data_end:
             raise r.bad("shared xattrs run past the data area")
-        name_len, index, value_len = _XATTR_ENTRY.unpack(r.read(start + off, 4))
+        name_len, index, value_len = fmt.XATTR_ENTRY.unpack(r.read(start + off, 4))
         if start + off + 4 + name_len + value_len > r.data_end:
             raise r.bad("shared xattrs run past the data area")
         body = r.read(start + off + 4, name_len + value_len)

@@ -98,9 +98,6 @@ class BlobEntry:
         """The metadata chunks (METADATA in the chunk map) that are not cached."""
         return self.missing(self.metadata)
 
-    def is_complete(self) -> bool:
-        return all(self.present)
-
     def cached_bytes(self) -> int:
         chunks = self.cmap.chunks
         return sum(chunks[i].length for i, p in enumerate(self.present) if p)
