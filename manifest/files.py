@@ -13,7 +13,7 @@ from layerstore.fileio import write_atomic
 from . import canonical
 from .config import RuntimeConfig
 from .errors import InvalidManifest
-from .signing import PrivateKey, TrustPolicy
+from .signing import PrivateKey, TrustPolicy, combine_policies
 from .trace import parse_trace
 
 MAX_FILE = 64 << 20
@@ -56,10 +56,19 @@ def read_policy(path: str | os.PathLike[str]) -> TrustPolicy:
 
 
 def load_policy(path: str | os.PathLike[str] | None = None) -> TrustPolicy | None:
-    """The trust policy a runtime applies: `path`, else $LAYERSTORE_TRUST_POLICY, else none
-    (no signature checks)."""
+    """The caller's trust policy: `path`, else $LAYERSTORE_TRUST_POLICY, else none. A runtime
+    applies it on top of its node's policy (`node_policy`), never in its place."""
     chosen = path or os.environ.get(POLICY_ENV) or None
     return read_policy(chosen) if chosen else None
+
+
+def node_policy(node_file: str | os.PathLike[str], caller: str | os.PathLike[str] | None = None) -> TrustPolicy | None:
+    """The policy a node applies: its own policy file `node_file` when it exists (the floor),
+    combined with the caller's (`load_policy(caller)`), so that the result accepts only what
+    both accept: a caller can tighten the node's policy, never loosen it. A node policy file that
+    exists but cannot be read or parsed is an error, never "no policy"."""
+    floor = read_policy(node_file) if os.path.lexists(node_file) else None
+    return combine_policies(floor, load_policy(caller))
 
 
 def read_private_key(path: str | os.PathLike[str]) -> PrivateKey:

@@ -14,6 +14,11 @@ A trust policy is a JSON file:  {"require_signature": true, "trusted_keys": ["ed
 one valid signature by a trusted key; signatures by other keys and invalid ones never count.
 Without it every manifest passes and the valid trusted signers are only reported.
 
+Policies combine (`TrustPolicy.combine`, used to put a caller's policy on top of the node's):
+the result accepts exactly the manifests that both accept, so a caller can tighten a node's
+policy and never loosen it. A combined policy may need more than one signature (one by a key
+each policy trusts); it has no file form.
+
 `cryptography` is imported only when a key is used, so commands that never sign stay quick.
 """
 
@@ -190,10 +195,21 @@ def sign_manifest(manifest: str, key: PrivateKey) -> Signature:
     return Signature(digestmod.parse(manifest), key.public_key(), key.sign(signing_message(manifest)))
 
 
+KeySet = frozenset[PublicKey]
+
+
 @dataclass(frozen=True)
 class TrustPolicy:
+    """What may run. `require_signature`: a valid signature by one of `trusted_keys` is needed;
+    without it every manifest passes and `trusted_keys` are only reported (`signed_by`).
+
+    `also_required` is set only by `combine`: further key sets, each of which must also have
+    signed (with `require_signature` true). A policy read from a file never has it.
+    """
+
     require_signature: bool
-    trusted_keys: frozenset[PublicKey] = frozenset()
+    trusted_keys: KeySet = frozenset()
+    also_required: tuple[KeySet, ...] = ()
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "trust policy") -> TrustPolicy:
@@ -224,15 +240,71 @@ class TrustPolicy:
         return cls.from_json(obj, where)
 
     def to_json(self) -> dict[str, Any]:
-        return {"require_signature": self.require_signature,
-                "trusted_keys": sorted(str(k) for k in self.trusted_keys)}
+        """The file form; a combined policy adds `also_required` (which no file may hold)."""
+        out: dict[str, Any] = {"require_signature": self.require_signature,
+                               "trusted_keys": _key_list(self.trusted_keys)}
+        if self.also_required:
+            out["also_required"] = [_key_list(s) for s in self.also_required]
+        return out
+
+    @property
+    def requirements(self) -> tuple[KeySet, ...]:
+        """The key sets that must each have a valid signature (empty: nothing is required)."""
+        if not self.require_signature:
+            return ()
+        return _minimal((self.trusted_keys, *self.also_required))
+
+    def accepts(self, signers: Iterable[PublicKey]) -> bool:
+        """Whether manifests validly signed by exactly `signers` pass."""
+        have = frozenset(signers)
+        return all(have & keys for keys in self.requirements)
+
+    def combine(self, other: TrustPolicy | None) -> TrustPolicy:
+        """The policy that accepts a manifest exactly when both `self` and `other` do.
+
+        Signatures are required if either policy requires them; every key set either policy
+        requires must have signed (one signature can meet several sets when its key is in each);
+        the reported keys are both policies' keys. Commutative, associative and idempotent;
+        `None` (no policy) changes nothing. The result is in a normal form, so combining a
+        policy with itself gives the policy back.
+        """
+        if other is None:
+            return self
+        keys = self.trusted_keys | other.trusted_keys
+        required = _minimal((*self.requirements, *other.requirements))
+        if not required:
+            return TrustPolicy(False, keys)
+        also = () if required == (keys,) else required
+        return TrustPolicy(True, keys, also)
+
+
+def combine_policies(*policies: TrustPolicy | None) -> TrustPolicy | None:
+    """All of `policies` at once (see `TrustPolicy.combine`); None when none is given."""
+    out: TrustPolicy | None = None
+    for p in policies:
+        if p is not None:
+            out = p if out is None else out.combine(p)
+    return out
+
+
+def _minimal(sets: Iterable[KeySet]) -> tuple[KeySet, ...]:
+    """The sets that no smaller one implies (a signature by a key of S also meets any superset of
+    S), without repeats, in a fixed order."""
+    unique = set(sets)
+    kept = {s for s in unique if not any(t < s for t in unique)}
+    return tuple(sorted(kept, key=lambda s: sorted(k.raw for k in s)))
+
+
+def _key_list(keys: KeySet) -> list[str]:
+    return sorted(str(k) for k in keys)
 
 
 def check_trust(manifest: str, signatures: Iterable[Signature], policy: TrustPolicy, *,
                 unreadable: int = 0, what: str | None = None) -> tuple[PublicKey, ...]:
     """The trusted keys with a valid signature of `manifest`, or `UntrustedManifest` when the policy
-    requires one and there is none. `unreadable` counts stored signatures that did not even parse;
-    it only makes the error clearer."""
+    requires one and there is none (or, for a combined policy, when one of the key sets it
+    requires has none). `unreadable` counts stored signatures that did not even parse; it only
+    makes the error clearer."""
     what = what or f"manifest {manifest}"
     valid: list[PublicKey] = []
     invalid = unreadable
@@ -251,6 +323,11 @@ def check_trust(manifest: str, signatures: Iterable[Signature], policy: TrustPol
         if invalid:
             parts.append(f"{invalid} invalid signature(s)")
         raise UntrustedManifest(f"{what} has no valid signature by a trusted key ({', '.join(parts)})")
+    unmet = [keys for keys in policy.requirements if not keys & set(valid)]
+    if unmet:
+        wanted = ", ".join(_key_list(unmet[0]))
+        raise UntrustedManifest(f"{what} is not signed by a key every trust policy in force trusts "
+                                f"(it needs a valid signature by one of: {_short(wanted, 200)})")
     return trusted
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from layerstore.store import Store
 
+NODE_POLICY = "policy.json"  # NODE/policy.json: the node's trust policy, the floor for every caller
 DEFAULT_CONFIG: dict[str, Any] = {"entrypoint": [], "cmd": ["/bin/sh"], "env": [], "workdir": "/", "user": ""}
 
 
@@ -102,14 +103,10 @@ class CachingResolver:
         self.store.close()
 
 
-def read_policy(path: str | os.PathLike[str]) -> Any:
+def node_policy(node_root: str | os.PathLike[str], caller: str | os.PathLike[str] | None) -> Any:
+    """The trust policy a shim on the node at `node_root` applies: NODE/policy.json when present,
+    combined with the caller's (`caller`, else $LAYERSTORE_TRUST_POLICY) so that a caller can
+    only tighten it (see manifest.files.node_policy); None when neither exists."""
     from manifest import files
 
-    return files.read_policy(Path(path))
-
-
-def load_policy(path: str | os.PathLike[str] | None) -> Any:
-    """`path`, else $LAYERSTORE_TRUST_POLICY, else None."""
-    from manifest import files
-
-    return files.load_policy(path)
+    return files.node_policy(Path(node_root) / NODE_POLICY, caller)

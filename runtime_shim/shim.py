@@ -99,16 +99,16 @@ class Shim:
         """The production shim: blobs from the node daemon, environments from the store (one
         client for the shim's lifetime; environments cached by manifest digest). Without an
         explicit store the running daemon's store is used, else the default store. The trust
-        policy is `policy`, else $LAYERSTORE_TRUST_POLICY, else NODE/policy.json when the node has one, else none."""
+        policy is NODE/policy.json when the node has one, combined with the caller's (`policy`, else
+        $LAYERSTORE_TRUST_POLICY): a caller can tighten the node's policy, never loosen it."""
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import CachingResolver, load_policy, read_policy
+        from .environment import CachingResolver, node_policy
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
-        node_policy = paths.root / "policy.json"
-        trust = load_policy(policy) or (read_policy(node_policy) if node_policy.exists() else None)
+        trust = node_policy(paths.root, policy)
         state = NodeState(paths.state)
         try:
             if store_url is None:
