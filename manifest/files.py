@@ -62,13 +62,16 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> TrustPolicy | Non
     return read_policy(chosen) if chosen else None
 
 
-def node_policy(node_file: str | os.PathLike[str], caller: str | os.PathLike[str] | None = None) -> TrustPolicy | None:
+def node_policy(node_file: str | os.PathLike[str], caller: str | os.PathLike[str] | None = None, *,
+                caller_env: bool = True) -> TrustPolicy | None:
     """The policy a node applies: its own policy file `node_file` when it exists (the floor),
-    combined with the caller's (`load_policy(caller)`), so that the result accepts only what
-    both accept: a caller can tighten the node's policy, never loosen it. A node policy file that
-    exists but cannot be read or parsed is an error, never "no policy"."""
+    combined with the caller's (`load_policy(caller)`; with `caller_env` false only `caller`
+    itself, not $LAYERSTORE_TRUST_POLICY), so that the result accepts only what both accept: a
+    caller can tighten the node's policy, never loosen it. A node policy file that exists but
+    cannot be read or parsed is an error, never "no policy"."""
     floor = read_policy(node_file) if os.path.lexists(node_file) else None
-    return combine_policies(floor, load_policy(caller))
+    mine = load_policy(caller) if caller_env else (read_policy(caller) if caller else None)
+    return combine_policies(floor, mine)
 
 
 def read_private_key(path: str | os.PathLike[str]) -> PrivateKey:

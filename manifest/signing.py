@@ -278,6 +278,11 @@ class TrustPolicy:
         return TrustPolicy(True, keys, also)
 
 
+    def at_least_as_strict_as(self, other: TrustPolicy | None) -> bool:
+        """Whether every manifest this policy accepts, `other` accepts too."""
+        return other is None or self.combine(other).requirements == self.requirements
+
+
 def combine_policies(*policies: TrustPolicy | None) -> TrustPolicy | None:
     """All of `policies` at once (see `TrustPolicy.combine`); None when none is given."""
     out: TrustPolicy | None = None

@@ -110,3 +110,10 @@ def node_policy(node_root: str | os.PathLike[str], caller: str | os.PathLike[str
     from manifest import files
 
     return files.node_policy(Path(node_root) / NODE_POLICY, caller)
+
+
+def node_floor(node_root: str | os.PathLike[str]) -> Any:
+    """The node's own trust policy (NODE/policy.json), None when it has none."""
+    from manifest import files
+
+    return files.node_policy(Path(node_root) / NODE_POLICY, None, caller_env=False)

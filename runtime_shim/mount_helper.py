@@ -5,7 +5,9 @@
     umount.layerstore TARGET [-flnrv] [-N NS] [-t TYPE]      (or `layerctl umount TARGET`)
 
 The argv grammar is parsed purely (`parse_mount_argv`); exit codes follow mount(8): 0 success,
-1 bad usage, 32 mount failure. `mount.layerstore` records the root in /run/mount/utab with
+1 bad usage, 32 mount failure. The node's trust policy (NODE/policy.json) is a floor:
+`-o policy=FILE` combines with it (it can only tighten), and `-o node_dir=` cannot pick a node
+whose policy is weaker than the default node's. `mount.layerstore` records the root in /run/mount/utab with
 `helper=layerstore` (see `utab`), so that a plain `umount TARGET` calls `umount.layerstore` and
 the sandbox is torn down, not only detached. A node installs the helpers with
     ln -sf "$(command -v mount.layerstore)" /sbin/mount.layerstore
@@ -19,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from layerstore.errors import ConfigError, LayerstoreError
+from layerstore.errors import ConfigError, LayerstoreError, PermissionDenied
 
 EXIT_USAGE, EXIT_FAILURE = 1, 32
 # Generic options mount(8) may pass along; they mean nothing to an overlay root and are ignored.
@@ -114,6 +116,28 @@ def node_dir_of(target: str) -> str | None:
     return found.group(1) if found else None
 
 
+def check_node_dir(req: MountRequest) -> None:
+    """`-o node_dir=` cannot move a mount out from under the node's trust policy: when the
+    default node (`$LAYERSTORE_NODE_DIR`, else /var/lib/layerstore) has a policy.json, the node
+    directory chosen must have one at least as strict. (`-o policy=` only tightens, in
+    `Shim.for_node`.)"""
+    if req.node_dir is None:
+        return
+    from .environment import node_floor
+    from .paths import resolve_node_dir
+
+    default, chosen = resolve_node_dir(None), resolve_node_dir(req.node_dir)
+    if chosen == default:
+        return
+    floor = node_floor(default)
+    if floor is None:
+        return
+    mine = node_floor(chosen)
+    if mine is None or not mine.at_least_as_strict_as(floor):
+        raise PermissionDenied(f"node_dir={req.node_dir}: its trust policy is weaker than the node's "
+                               f"({default}/policy.json); a mount option cannot loosen it")
+
+
 def _fail(e: LayerstoreError, code: int) -> int:
     print(f"layerstore: {e}", file=sys.stderr)
     return code
@@ -129,6 +153,7 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
     if req.fake:
         return 0
     try:
+        check_node_dir(req)
         with Shim.for_node(req.node_dir, req.store, policy=req.policy) as shim:
             # the utab entry makes a plain `umount TARGET` come back to umount.layerstore
             sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
