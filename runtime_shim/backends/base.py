@@ -95,6 +95,18 @@ class SandboxBackend(Protocol):
         """The sandboxes the backend keeps state for on this node (sorted)."""
         ...
 
+    def pause(self, sandbox: str) -> bool:
+        """Freeze the sandbox's workload (every process of it stopped where it is, e.g. by the
+        cgroup freezer) so that nothing of it runs until `resume`: what a commit reading the
+        sandbox's files needs. True if this call froze it (the caller then resumes it); False if
+        nothing of it runs (none, stopped, or paused already: not this caller's to resume).
+        `ShimError` if it runs and could not be frozen."""
+        ...
+
+    def resume(self, sandbox: str) -> None:
+        """Thaw a workload `pause` froze."""
+        ...
+
 
 BackendFactory = Callable[[NodePaths], SandboxBackend]
 

@@ -105,6 +105,30 @@ class ContainerBackend:
         except subprocess.SubprocessError as e:
             raise ShimError(f"{self.name} delete {sandbox}: {e}") from None
 
+    # -- freezing (commit) ------------------------------------------------------------------------
+    def pause(self, sandbox: str) -> bool:
+        """`runtime pause` (the cgroup freezer) if the container is created or running; checked
+        to have taken (status "paused") before it returns True."""
+        if self.status(sandbox) not in ("created", "running"):
+            return False
+        argv = self.wrap([*self.base(), "pause", sandbox])
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        now = self.status(sandbox)
+        if p.returncode == 0 and now == "paused":
+            return True
+        if now in (None, "stopped"):
+            return False  # it ended meanwhile: nothing runs
+        if p.returncode == 0:  # frozen by the call but not seen so: do not leave it half done
+            self.resume(sandbox)
+        why = p.stderr.strip().splitlines()[-1:] or [f"status {now}"]
+        raise ShimError(f"{self.name} pause {sandbox}: the container could not be frozen ({why[0]})")
+
+    def resume(self, sandbox: str) -> None:
+        argv = self.wrap([*self.base(), "resume", sandbox])
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if p.returncode != 0 and self.status(sandbox) == "paused":
+            raise ShimError(f"{self.name} resume {sandbox}: {p.stderr.strip() or 'failed'}")
+
     # -- clean-up ----------------------------------------------------------------------------------
     def status(self, sandbox: str) -> str | None:
         argv = self.wrap([*self.base(), "state", sandbox])
