@@ -133,7 +133,9 @@ def sandbox_rm_cmd(node_dir: str | None, sandbox: str) -> None:
 @json_option
 @click.argument("sandbox")
 def commit_cmd(store_url: str | None, node_dir: str | None, tag: str, as_json: bool, sandbox: str) -> None:
-    """Commit SANDBOX's writes as a new layer; tag the environment with it on top."""
+    """Commit SANDBOX's writes as a new layer; tag the environment with it on top.
+
+    A container still running in SANDBOX is frozen (paused) while its files are read."""
     from layerstore.store import Store
     from runtime_shim.commit import commit
 
@@ -141,7 +143,7 @@ def commit_cmd(store_url: str | None, node_dir: str | None, tag: str, as_json: b
         sb = shim.find(sandbox)
         with Store.open(store_url or shim.store_url) as store:
             store.check()
-            res = commit(store, sb, tag)
+            res = commit(store, sb, tag, backends=shim.backends.values())  # a running workload is frozen
     if as_json:
         emit_json(res.to_json())
     else:
