@@ -4,6 +4,12 @@ Depth-first, names sorted bytewise within each directory, so the same tree alway
 same entries. Hard links are found by (st_dev, st_ino): the first path seen carries the data,
 later ones become `hardlink` entries. Sparse files are read with SEEK_DATA/SEEK_HOLE and their
 holes handed on as `Hole`s. File contents are read lazily, when the writer consumes them.
+
+A tree someone else may be changing while it is read (a running sandbox's upper being committed)
+is walked by `untrusted_entries` instead: through directory descriptors, one component at a
+time, never following a symlink, opening nothing but a regular file it has just checked to be the
+inode its walk saw (the opening itself is handed in: `Beneath`, Linux's openat2 in
+`fuse_client.linux`, which sits above the builder).
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from layerstore.errors import BadInput
+from layerstore.errors import BadInput, LayerstoreError
 
 from .tree import Data, Entry, Hole, Kind
 
@@ -48,31 +55,37 @@ def file_data(path: bytes, size: int, sparse: bool) -> Data:
     """The content of a regular file as byte strings and `Hole`s, read when iterated."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        pos = 0
-        while pos < size:
-            if sparse:
-                try:
-                    data_at = os.lseek(fd, pos, os.SEEK_DATA)
-                except OSError as e:
-                    if e.errno != errno.ENXIO:
-                        raise
-                    data_at = size  # only a hole is left
-                data_at = min(data_at, size)
-                if data_at > pos:
-                    yield Hole(data_at - pos)
-                    pos = data_at
-                    continue
-                hole_at = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
-            else:
-                hole_at = size
-            while pos < hole_at:
-                buf = os.pread(fd, min(READ_SIZE, hole_at - pos), pos)
-                if not buf:
-                    raise BadInput(f"{os.fsdecode(path)}: file shrank while it was read")
-                yield buf
-                pos += len(buf)
+        yield from fd_data(fd, size, sparse, path)
     finally:
         os.close(fd)
+
+
+def fd_data(fd: int, size: int, sparse: bool, path: bytes) -> Data:
+    """The first `size` bytes of an open regular file as byte strings and `Hole`s (the caller
+    closes `fd`)."""
+    pos = 0
+    while pos < size:
+        if sparse:
+            try:
+                data_at = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                data_at = size  # only a hole is left
+            data_at = min(data_at, size)
+            if data_at > pos:
+                yield Hole(data_at - pos)
+                pos = data_at
+                continue
+            hole_at = min(os.lseek(fd, pos, os.SEEK_HOLE), size)
+        else:
+            hole_at = size
+        while pos < hole_at:
+            buf = os.pread(fd, min(READ_SIZE, hole_at - pos), pos)
+            if not buf:
+                raise BadInput(f"{os.fsdecode(path)}: file shrank while it was read")
+            yield buf
+            pos += len(buf)
 
 
 SMALL_READ = 256 << 10  # regular files up to this size are read in one call when their entry is made
@@ -162,3 +175,151 @@ def _entry(rel: bytes, disk: bytes, st: os.stat_result, all_root: bool,
     elif kind in (Kind.CHR, Kind.BLK):
         entry.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
     yield entry, data
+
+
+# -- trees someone else may be changing (a running sandbox's upper) --------------------------------
+@dataclass(frozen=True)
+class Beneath:
+    """The safe opening `untrusted_entries` needs, handed in by the caller (`fuse_client.linux`
+    implements both; the builder sits below it and binds no Linux call itself)."""
+
+    # (directory fd, relative path, expect=(st_dev, st_ino)) -> a read-only fd of that regular
+    # file, resolved without following any symlink and without leaving the directory; BadInput
+    # (or NotFound) for anything else, which is never opened
+    open_regular: Callable[..., int]
+    # (directory fd, one name) -> a path naming that entry through the descriptor, for the
+    # calls that take no directory descriptor (llistxattr)
+    entry_path: Callable[[int, bytes], bytes]
+
+
+DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def untrusted_entries(root: Path, beneath: Beneath, *, all_root: bool = False) -> Iterator[tuple[Entry, Data | None]]:
+    """`dir_entries` for a tree its owner may be changing while it is read, and whose owner may
+    be hostile (a sandbox's upper): the same entries, in the same order, for a tree that holds
+    still; for one that does not, sandbox content only or `BadInput`, never a hang.
+
+    `root` itself is the caller's (followed as given). Below it every directory is opened from
+    its parent's descriptor by one name with O_NOFOLLOW and checked to be the directory the
+    walk's lstat saw; every regular file is opened through `beneath.open_regular` and checked
+    likewise (content read later, for a large file, is opened again from the root, beneath it,
+    and checked again); a symlink is recorded by readlinkat, never followed; nothing on another
+    filesystem than the root's is taken. Whiteouts (character device 0/0), FIFOs and sockets are
+    recorded as nodes and never opened; any other device node is refused (`BadInput`)."""
+    top = os.fsencode(root)
+    rootfd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # depth first, names sorted: (layer path prefix, directory fd, sorted names, next index); every
+    # fd on the stack is closed in the end, whatever happens
+    stack: list[tuple[bytes, int, list[bytes], int]] = [(b"", rootfd, [], 0)]
+    try:
+        st = os.fstat(rootfd)
+        walk = _UntrustedWalk(top, beneath, all_root, st.st_dev)
+        stack[0] = (b"", rootfd, _names(rootfd), 0)
+        yield _make(b"", Kind.DIR, st, all_root, read_xattrs(rootfd)), None
+        while stack:
+            prefix, dfd, names, i = stack[-1]
+            if i == len(names):
+                stack.pop()
+                os.close(dfd)
+                continue
+            stack[-1] = (prefix, dfd, names, i + 1)
+            path = prefix + names[i]
+            entry, data, subfd = walk.entry(dfd, names[i], path)
+            if subfd is not None:  # descend; come back to the next name afterwards
+                stack.append((path + b"/", subfd, [], 0))
+                stack[-1] = (path + b"/", subfd, _names(subfd), 0)
+            yield entry, data
+    finally:
+        for _prefix, fd, _listed, _i in stack:
+            os.close(fd)
+
+
+def _names(dirfd: int) -> list[bytes]:
+    """A directory's names, sorted bytewise (listing a descriptor gives str: back to bytes, lossless)."""
+    return sorted(os.fsencode(name) for name in os.listdir(dirfd))
+
+
+class _UntrustedWalk:
+    def __init__(self, top: bytes, beneath: Beneath, all_root: bool, dev: int) -> None:
+        self.top, self.beneath, self.all_root, self.dev = top, beneath, all_root, dev
+        self.first_path: dict[tuple[int, int], bytes] = {}
+
+    def changed(self, path: bytes, why: object) -> BadInput:
+        return BadInput(f"{os.fsdecode(path)}: changed while the tree was read ({why})")
+
+    def entry(self, dfd: int, name: bytes, path: bytes) -> tuple[Entry, Data | None, int | None]:
+        """The entry for `name` in the directory `dfd`, its content, and (a directory) its fd."""
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except OSError as e:
+            raise self.changed(path, e.strerror) from None
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode))
+        if kind is None:
+            raise BadInput(f"{os.fsdecode(path)}: unsupported file type")
+        if st.st_dev != self.dev:
+            raise BadInput(f"{os.fsdecode(path)}: on another filesystem than the tree's root (refused)")
+        if kind is Kind.BLK or (kind is Kind.CHR and st.st_rdev != 0):
+            raise BadInput(f"{os.fsdecode(path)}: a device node ({os.major(st.st_rdev)}:{os.minor(st.st_rdev)}) "
+                           "in an untrusted tree (refused, not opened; only 0:0 whiteouts are taken)")
+        if kind is Kind.DIR:
+            try:
+                subfd = os.open(name, DIR_OPEN, dir_fd=dfd)
+            except OSError as e:  # ELOOP: a symlink now; ENOTDIR: a file now
+                raise self.changed(path, e.strerror) from None
+            try:
+                got = os.fstat(subfd)
+                if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+                    raise self.changed(path, "another directory is at its path now")
+                return _make(path, kind, got, self.all_root, read_xattrs(subfd)), None, subfd
+            except BaseException:
+                os.close(subfd)
+                raise
+        if st.st_nlink > 1:
+            key = (st.st_dev, st.st_ino)
+            if key in self.first_path:
+                return Entry(path, kind, hardlink=self.first_path[key]), None, None
+            self.first_path[key] = path
+        if kind is Kind.REG:
+            return *self.regular(dfd, name, path, st), None
+        xattrs = read_xattrs(self.beneath.entry_path(dfd, name))  # llistxattr: nothing is opened
+        entry = _make(path, kind, st, self.all_root, xattrs)
+        if kind is Kind.SYMLINK:
+            try:
+                entry.symlink = os.readlink(name, dir_fd=dfd)
+            except OSError as e:  # EINVAL: not a symlink any more
+                raise self.changed(path, e.strerror) from None
+        elif kind is Kind.CHR:
+            entry.rdev = (0, 0)
+        return entry, None, None
+
+    def open(self, dirfd: int, rel: bytes, path: bytes, st: os.stat_result) -> int:
+        try:
+            return self.beneath.open_regular(dirfd, rel, expect=(st.st_dev, st.st_ino))
+        except LayerstoreError as e:
+            raise self.changed(path, e) from None
+
+    def regular(self, dfd: int, name: bytes, path: bytes, st: os.stat_result) -> tuple[Entry, Data]:
+        fd = self.open(dfd, name, path, st)
+        try:
+            xattrs = read_xattrs(fd)
+            sparse = st.st_blocks * 512 < st.st_size
+            if st.st_size <= SMALL_READ and not sparse:
+                buf = _read_all(fd, st.st_size, path) if st.st_size else b""
+                return _make(path, Kind.REG, st, self.all_root, xattrs), (buf,)
+        finally:
+            os.close(fd)
+        return _make(path, Kind.REG, st, self.all_root, xattrs), self.later(path, st, sparse)
+
+    def later(self, path: bytes, st: os.stat_result, sparse: bool) -> Data:
+        """A large file's content, read when the writer gets to it: opened again from the root,
+        beneath it, and only if it is still the inode the walk saw."""
+        rootfd = os.open(self.top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = self.open(rootfd, path, path, st)
+        finally:
+            os.close(rootfd)
+        try:
+            yield from fd_data(fd, st.st_size, sparse, path)
+        finally:
+            os.close(fd)

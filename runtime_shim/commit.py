@@ -4,22 +4,38 @@ sandbox's layers plus that one (pause here, resume anywhere).
 The upper holds exactly what overlayfs (redirect_dir, metacopy and index off; see `overlay`)
 writes: whole copied-up or new files, whiteouts (chr 0/0) for deletions and opaque directories
 (trusted.overlay.opaque=y). Those are layer semantics already, so the layer is built from the upper
-as it is; only overlayfs's private bookkeeping xattrs (origin, impure, ...) are dropped. Writers in
-the sandbox should be stopped for a consistent commit: a file changing while it is read fails the
-build instead of yielding a torn layer.
+as it is; only overlayfs's private bookkeeping xattrs (origin, impure, ...) are dropped.
+
+The sandbox may still run, and may be hostile: everything in its upper is its to change at any
+moment, to a symlink to a host directory, a FIFO or a device node in particular. So a commit
+(1) freezes it first: every backend that keeps a workload for the sandbox is asked to `pause` it
+(the container backend: the cgroup freezer) for the whole read, and resumes it afterwards; a
+workload that runs and cannot be frozen refuses the commit; and (2) reads the upper as an
+untrusted tree whatever (`erofs_builder.source_dir.untrusted_entries` with `fuse_client.linux`'s
+openat2): no symlink is ever followed, nothing but a regular file checked to be the inode the walk
+saw is ever opened, no device node but a whiteout is taken, so a writer the freezer does not
+reach (a process outside the sandbox's cgroup writing to a caller's upper) gets the commit
+refused (`BadInput`, "changed while the tree was read") instead of host files into the layer or
+a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from layerstore.errors import LayerstoreError
 from layerstore.store import Store
 
+from .backends.base import SandboxBackend
 from .errors import ShimError
 from .state import Sandbox
+
+if TYPE_CHECKING:
+    from erofs_builder.workflow import LayerSource
 
 OVERLAY_XATTR = b"trusted.overlay."
 OPAQUE = b"trusted.overlay.opaque"
@@ -33,9 +49,10 @@ class CommitResult:
     tag: str
     size: int
     files: int
+    frozen: tuple[str, ...] = ()  # the backends whose workload of the sandbox was frozen meanwhile
 
     def to_json(self) -> dict[str, Any]:
-        return {"manifest": self.manifest, "layer": self.layer, "tag": self.tag}
+        return {"manifest": self.manifest, "layer": self.layer, "tag": self.tag, "frozen": list(self.frozen)}
 
 
 def layer_entries(entries: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
@@ -67,8 +84,44 @@ def committed_layers(old: Iterable[Any], new_blob: str, new_size: int, layer_cls
     return tuple(out)
 
 
-def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None) -> CommitResult:
-    from erofs_builder.workflow import Source, build_and_push, dir_layer
+@contextlib.contextmanager
+def frozen(sandbox: str, backends: Iterable[SandboxBackend]) -> Iterator[list[str]]:
+    """Every workload of the sandbox frozen for the duration (the backends that froze one are
+    yielded, and resume it on the way out, also on failure). A workload that runs and cannot be
+    frozen refuses: `ShimError`."""
+    with contextlib.ExitStack() as thaw:
+        froze = []
+        for backend in backends:
+            if not backend.has(sandbox):
+                continue
+            try:
+                paused = backend.pause(sandbox)
+            except (LayerstoreError, OSError) as e:  # the runtime failed or is gone: it may run on
+                raise ShimError(f"sandbox {sandbox}: not committed while it may be writing: {e}") from None
+            if paused:
+                thaw.callback(backend.resume, sandbox)
+                froze.append(backend.name)
+        yield froze
+
+
+def upper_source(upper: Path) -> LayerSource:
+    """A sandbox's upper as a layer source: walked as an untrusted tree (see the module's notes),
+    overlayfs's bookkeeping xattrs dropped. Not refusable: a failure half-way is the commit's,
+    so its chunks may be stored while it is built."""
+    from erofs_builder.source_dir import Beneath, untrusted_entries
+    from erofs_builder.workflow import LayerSource
+    from fuse_client.linux import entry_path, open_regular_beneath
+
+    beneath = Beneath(open_regular_beneath, entry_path)
+    return LayerSource(str(upper), lambda _progress: layer_entries(untrusted_entries(upper, beneath)), None,
+                       counts_input=False, refusable=False)
+
+
+def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
+           backends: Iterable[SandboxBackend] = ()) -> CommitResult:
+    """Build a layer from the sandbox's upper (its workloads in `backends` frozen meanwhile),
+    push it, and tag the new environment `tag`."""
+    from erofs_builder.workflow import Source, build_and_push
     from manifest import Layer, Manifest
     from manifest.environment import check_environment_tag, create_environment, load_manifest
 
@@ -76,10 +129,8 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None) 
     if not sb.manifest:
         raise ShimError(f"sandbox {sb.id} was not started from a stored environment: nothing to commit onto")
     old = load_manifest(store, sb.manifest)
-    # the upper is the sandbox's own tree, not an archive handed in: a failure half-way is the
-    # commit's (a file changing under it), so its chunks may be stored while it is built
-    upper = dir_layer(Path(sb.upper), transform=layer_entries, refusable=False)
-    (res,) = build_and_push(Source([upper], None, False), store=store, workdir=workdir)
+    with frozen(sb.id, backends) as froze:
+        (res,) = build_and_push(Source([upper_source(Path(sb.upper))], None, False), store=store, workdir=workdir)
     built = res.layer
     layers = committed_layers(old.layers, built.blob, built.size, Layer)
     prefetch = {b: idx for b, idx in old.prefetch.items() if any(layer.blob == b for layer in layers)}
@@ -87,4 +138,4 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None) 
     annotations["org.layerstore.committed-from"] = sb.manifest
     m = Manifest(layers=layers, config=old.config, prefetch=prefetch, annotations=annotations)
     created = create_environment(store, m, tag)
-    return CommitResult(sb.id, created.manifest, built.blob, tag, built.size, built.files)
+    return CommitResult(sb.id, created.manifest, built.blob, tag, built.size, built.files, tuple(froze))
