@@ -102,15 +102,18 @@ def test_mount_helper_options_cannot_loosen_the_node(tmp_path: Path, store: str,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv(NODE_DIR_ENV, str(node))
+    # A sandbox id the shim refuses right after resolving: code that let the environment through
+    # fails there, before anything is mounted (no daemon is started by this test either way).
+    opts = f"sandbox=-never-valid,store={store}"
     loose = write_policy(tmp_path / "loose.json", require=False)
     target = tmp_path / "t"
-    assert mount_main(["e:unsigned", str(target), "-o", f"sandbox=s1,store={store},policy={loose}"]) == EXIT_FAILURE
+    assert mount_main(["e:unsigned", str(target), "-o", f"{opts},policy={loose}"]) == EXIT_FAILURE
     assert "is not signed" in capsys.readouterr().err
     # another node directory without the node's policy is no way around it either
     weak = tmp_path / "weak-node"
     write_policy(weak / "policy.json", OTHER_KEY)
     for other in (tmp_path / "empty-node", weak):
-        assert mount_main(["e:other", str(target), "-o", f"sandbox=s1,store={store},node_dir={other}"]) == EXIT_FAILURE
+        assert mount_main(["e:other", str(target), "-o", f"{opts},node_dir={other}"]) == EXIT_FAILURE
         assert "trust policy is weaker than the node's" in capsys.readouterr().err
         assert not (other / "state").exists()  # refused before the node was even set up
     assert not target.exists()
