@@ -1,17 +1,62 @@
 """`layerctl run`: create a sandbox, mount its root, run one command in it with a sandbox backend
 (runc or crun today), stream its output, tear the sandbox down (unless kept) and hand back the
 command's exit code. Any backend is driven the same way, through the `SandboxBackend` steps:
-prepare, start, wait, and delete (always, also when the run failed)."""
+prepare, start, wait, and delete (always, also when the run failed).
+
+Least privilege by default: the workload is confined as `Confinement` says (seccomp, masked
+paths, no new privileges, limits), its root is mounted nosuid and nodev, and the upper of a
+sandbox that is not kept lives on a size-limited tmpfs of its own. Limits come from the caller,
+else from the node's defaults (`NodeDefaults`: NODE/limits.json, else built in).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
-from .backends.base import Stdio
+from layerstore.errors import ConfigError
+
+from .backends.base import Confinement, Stdio
 from .environment import EnvSpec
+from .paths import NodePaths
 from .shim import Shim
+
+LIMITS_FILE = "limits.json"
+
+
+@dataclass(frozen=True)
+class NodeDefaults:
+    """The limits a sandbox gets when its caller names none. NODE/limits.json may override each
+    (a JSON object with these keys; null = no limit)."""
+
+    pids: int | None = 1024
+    memory: int | None = 4 << 30
+    cpus: float | None = 2.0
+    upper_size: int | None = 1 << 30  # (a tmpfs: memory, charged to the sandbox's memory limit)
+
+    @classmethod
+    def load(cls, paths: NodePaths) -> NodeDefaults:
+        path = paths.root / LIMITS_FILE
+        try:
+            raw: Any = json.loads(path.read_text())
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        known = {f.name for f in fields(cls)}
+        if not isinstance(raw, dict) or set(raw) - known:
+            raise ConfigError(f"{path}: want an object with keys among {', '.join(sorted(known))}")
+        for key, value in raw.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+                raise ConfigError(f"{path}: {key}: want a positive number or null")
+        return replace(cls(), **raw)
+
+    def confinement(self) -> Confinement:
+        """Every measure on, with these limits."""
+        return Confinement(pids=self.pids, memory=self.memory, cpus=self.cpus)
 
 
 @dataclass
@@ -23,11 +68,20 @@ class RunResult:
 
 def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbox: str | None = None,
         eager: bool = False, keep: bool = False, runtime: str = "runc", extra_env: Sequence[str] = (),
+        confinement: Confinement | None = None, upper_size: int | None = None, nodev: bool = True,
         stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> RunResult:
-    sb = shim.mount(env, sandbox=sandbox, eager=eager)
+    """`confinement`: None = the node's defaults. `upper_size`: bytes of the upper's tmpfs
+    (None: the node's default; 0: no quota, on the node disk); a kept sandbox's upper is always
+    on the node disk (it is for commit, and survives a reboot). `extra_env` may hold secrets: they
+    go to the backend's prepare and nowhere else."""
+    defaults = NodeDefaults.load(shim.paths)
+    confinement = confinement or defaults.confinement()
+    size = defaults.upper_size if upper_size is None else upper_size
+    sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
+                    nosuid=not confinement.new_privileges, nodev=nodev)
     try:
         backend = shim.backend(runtime)
-        backend.prepare(sb, command, extra_env=extra_env)
+        backend.prepare(sb, command, extra_env=extra_env, confinement=confinement)
         try:
             code = backend.wait(backend.start(sb.id, stdin=stdin, stdout=stdout, stderr=stderr))
         finally:

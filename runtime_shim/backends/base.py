@@ -45,6 +45,32 @@ from ..state import Sandbox
 Stdio = IO[bytes] | int | None
 
 
+@dataclass(frozen=True)
+class Confinement:
+    """What a sandbox's workload may do and use: least privilege, every measure on by default,
+    each relaxed only by an explicit choice of the caller (`layerctl run` options). A backend
+    applies every measure it knows of; limits set to None are not applied.
+
+    seccomp          the default syscall profile (`backends.seccomp`); off = unconfined
+    ptrace           allow ptrace and its relatives (debuggers, strace) through the profile
+    new_privileges   allow gaining privileges at exec (setuid binaries, file capabilities):
+                     no_new_privileges off (the shim also mounts the root without nosuid)
+    system_paths     leave /proc and /sys paths unmasked and writable (runc's masked and
+                     read-only lists)
+    pids             at most this many tasks (a fork bomb stays inside)
+    memory           bytes of memory (the page cache and tmpfs pages it writes included)
+    cpus             CPU time, in CPUs (1.5 = one and a half CPUs' worth per period)
+    """
+
+    seccomp: bool = True
+    ptrace: bool = False
+    new_privileges: bool = False
+    system_paths: bool = False
+    pids: int | None = None
+    memory: int | None = None
+    cpus: float | None = None
+
+
 @dataclass
 class Execution:
     """A started workload: the sandbox it runs in and the process the caller waits for (for the
@@ -61,9 +87,11 @@ class SandboxBackend(Protocol):
         """Raise `RuntimeNotAvailable` unless the backend can run on this node."""
         ...
 
-    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = ()) -> None:
+    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = (),
+                confinement: Confinement | None = None) -> None:
         """Write what `start` needs to run `command` (else the environment's default) in the
-        mounted sandbox `sb`."""
+        mounted sandbox `sb`, confined as `confinement` says (None: the defaults).
+        `extra_env` may hold secrets: it never reaches a command line, a log or an error message."""
         ...
 
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:

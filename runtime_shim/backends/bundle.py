@@ -6,6 +6,14 @@ a minimal /proc, /dev, /sys and /tmp as runc's default spec has them; it runs as
 environment names a user) in its own pid, ipc, uts, mount and network namespaces (the network
 namespace has only loopback). Node paths are never bind-mounted in: the daemon's socket, the
 store, the cache and other sandboxes' uppers are simply not in its mount tree.
+
+Least privilege (`Confinement`, every measure on unless the caller relaxes it): the default
+seccomp profile (`seccomp`), Docker's default capability set (nothing else, none inheritable or
+ambient), no_new_privileges, runc's and Docker's masked and read-only /proc and /sys paths, and
+limits on tasks, memory and CPU in the sandbox's cgroup (`linux.resources`).
+
+The environment (and the secrets in it) reaches the runtime only through config.json, 0600 in a
+0700 bundle directory: never a command line.
 """
 
 from __future__ import annotations
@@ -17,8 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from layerstore.errors import BadInput
+from fuse_client.linux import read_regular_beneath
+from layerstore.errors import BadInput, NotFound
 from layerstore.fileio import write_atomic
+
+from .base import Confinement
+from .seccomp import default_profile
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Docker's default capability set: enough for package managers and build tools run as root.
@@ -27,9 +39,16 @@ CAPABILITIES = [
     "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_SETFCAP", "CAP_SETGID", "CAP_SETPCAP", "CAP_SETUID",
     "CAP_SYS_CHROOT",
 ]
-MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
-          "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware", "/proc/scsi"]
+# runc's default spec (`runc spec`) masks and makes read-only these; Docker adds the powercap
+# energy counters (CVE-2020-8694: a side channel on what the node's CPUs compute) and
+# /proc/interrupts (what the node's devices do). Masked = a file bound over by /dev/null, a
+# directory by an empty read-only tmpfs.
+MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+          "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
+          "/sys/devices/virtual/powercap"]
 READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+CPU_PERIOD = 100_000  # microseconds: the CFS period a CPU limit is a quota of
+PASSWD_MAX = 4 << 20  # the most of the rootfs's etc/passwd or etc/group that is read
 
 
 def process_args(config: dict[str, Any], command: Sequence[str] | None) -> list[str]:
@@ -47,10 +66,24 @@ def process_env(config: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
     return env
 
 
+def resources(confinement: Confinement) -> dict[str, Any]:
+    """`linux.resources`: no device but the defaults, and the limits that are set (pure)."""
+    res: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
+    if confinement.pids is not None:
+        res["pids"] = {"limit": confinement.pids}
+    if confinement.memory is not None:
+        res["memory"] = {"limit": confinement.memory}
+    if confinement.cpus is not None:
+        res["cpu"] = {"quota": max(1000, round(confinement.cpus * CPU_PERIOD)), "period": CPU_PERIOD}
+    return res
+
+
 def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str = "/", uid: int = 0,
                gid: int = 0, hostname: str = "sandbox", cgroups_path: str = "",
-               terminal: bool = False, nofile: int = 1024) -> dict[str, Any]:
+               terminal: bool = False, nofile: int = 1024,
+               confinement: Confinement | None = None) -> dict[str, Any]:
     """A complete config.json (OCI runtime spec 1.0.2) for a sandbox (pure)."""
+    conf = confinement or Confinement()
     caps = list(CAPABILITIES)
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
@@ -66,11 +99,14 @@ def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str
          "options": ["nosuid", "nodev", "mode=1777", "size=1048576k"]},
     ]
     linux: dict[str, Any] = {
-        "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+        "resources": resources(conf),
         "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-        "maskedPaths": MASKED,
-        "readonlyPaths": READONLY,
     }
+    if not conf.system_paths:
+        linux["maskedPaths"] = list(MASKED)
+        linux["readonlyPaths"] = list(READONLY)
+    if conf.seccomp:
+        linux["seccomp"] = default_profile(ptrace=conf.ptrace)
     if cgroups_path:
         linux["cgroupsPath"] = cgroups_path
     return {
@@ -83,7 +119,7 @@ def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str
             "cwd": cwd or "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
-            "noNewPrivileges": True,
+            "noNewPrivileges": not conf.new_privileges,
         },
         "root": {"path": rootfs, "readonly": False},
         "hostname": hostname[:63],
@@ -121,28 +157,35 @@ def parse_user(user: str, passwd: str = "", group: str = "") -> tuple[int, int]:
     return uid, gid
 
 
-def _read(rootfs: str, rel: str) -> str:
-    # The rootfs is the sandbox's own tree: read it without following a link out of it.
-    path = Path(rootfs, rel)
+def read_rootfs_file(rootfs: str, rel: str) -> str:
+    """A small regular file of the sandbox's root, which its layers (a hostile store) and its
+    writer made: resolved beneath the root (no symlink, no mount crossed), never a FIFO (it
+    would hang the read) or a device (/dev/zero would never end), at most PASSWD_MAX bytes.
+    "" if it is absent; `BadInput` naming the file if it is refused."""
     try:
-        if path.is_symlink():
-            return ""
-        return path.read_text(errors="replace")
-    except OSError:
+        return read_regular_beneath(rootfs, rel, PASSWD_MAX).decode(errors="replace")
+    except NotFound:
         return ""
+    except BadInput as e:
+        raise BadInput(f"the environment's {e}") from None
 
 
 def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Sequence[str] | None, *,
-                 sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "") -> Path:
+                 sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "",
+                 confinement: Confinement | None = None) -> Path:
     """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`."""
-    uid, gid = parse_user(config.get("user", ""), _read(rootfs, "etc/passwd"), _read(rootfs, "etc/group"))
+    user = config.get("user", "")
+    # (the rootfs's account files are read only when a user is to be looked up in them)
+    passwd = read_rootfs_file(rootfs, "etc/passwd") if user else ""
+    group = read_rootfs_file(rootfs, "etc/group") if ":" in user else ""
+    uid, gid = parse_user(user, passwd, group)
     spec = oci_config(rootfs, process_args(config, command), env=process_env(config, extra_env),
                       cwd=config.get("workdir") or "/", uid=uid, gid=gid, hostname=sandbox,
-                      cgroups_path=cgroups_path,
+                      cgroups_path=cgroups_path, confinement=confinement,
                       # never above the runtime's own hard limit: raising it needs CAP_SYS_RESOURCE
                       nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     bundle.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(bundle, 0o700)  # (also when it was there already)
     path = bundle / "config.json"
-    write_atomic(path, json.dumps(spec, indent=1).encode())
-    os.chmod(path, 0o600)
+    write_atomic(path, json.dumps(spec, indent=1).encode(), mode=0o600)  # created 0600, never wider
     return path

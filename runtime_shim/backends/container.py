@@ -27,7 +27,7 @@ from types import FrameType
 from ..errors import RuntimeNotAvailable, ShimError
 from ..paths import NodePaths
 from ..state import Sandbox
-from .base import Execution, Stdio
+from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -66,9 +66,12 @@ class ContainerBackend:
         return self.paths.bundle(sandbox)
 
     # -- the steps -------------------------------------------------------------------------------
-    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = ()) -> None:
+    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = (),
+                confinement: Confinement | None = None) -> None:
+        # the environment reaches the runtime through config.json only (0600 in a 0700 bundle):
+        # never its command line
         write_bundle(self.bundle(sb.id), sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
-                     cgroups_path=f"/layerstore/{sb.id}")
+                     cgroups_path=f"/layerstore/{sb.id}", confinement=confinement)
 
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:
         """`runtime run` in the foreground: the container's stdio is the caller's."""

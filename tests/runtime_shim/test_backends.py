@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
+from layerstore.errors import ConfigError
 from runtime_shim import runner
 from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
+from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.container import FORWARDED, ContainerBackend, CrunBackend, RuncBackend
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import RuntimeNotAvailable
@@ -51,7 +53,9 @@ class FakeBackend:
         if not self.runnable:
             raise RuntimeNotAvailable(f"{self.name} cannot run here")
 
-    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = ()) -> None:
+    def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = (),
+                confinement: Confinement | None = None) -> None:
+        self.confinement = confinement
         self.step("prepare", (sb.id, list(command or []), list(extra_env)))
 
     def start(self, sandbox: str, *, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> Execution:
@@ -239,8 +243,10 @@ class FakeShim:
         self.be = backend
         self.mount_fails = mount_fails
         self.unmounted: list[str] = []
+        self.mount_options: dict[str, Any] = {}
 
-    def mount(self, env: object, *, sandbox: str | None = None, eager: bool = False) -> Sandbox:
+    def mount(self, env: object, *, sandbox: str | None = None, eager: bool = False, **options: Any) -> Sandbox:
+        self.mount_options = options
         if self.mount_fails:
             raise OSError("mount failed")
         return sandbox_of(self.paths, sandbox or "sb-1")
@@ -266,6 +272,27 @@ def test_runner_drives_the_steps_in_order(tmp_path: Path, keep: bool) -> None:
     assert [c[0] for c in be.calls] == ["check", "prepare", "start", "wait", "delete"]
     assert be.calls[1] == ("prepare", ("s", ["true"], ["X=1"]))
     assert shim.unmounted == ([] if keep else ["s"])
+    # least privilege by default: the node's limits, every measure on, the root nosuid and nodev,
+    # the upper on a size-limited tmpfs unless the sandbox is kept
+    assert be.confinement == Confinement(pids=1024, memory=4 << 30, cpus=2.0)
+    assert shim.mount_options == {"upper_size": None if keep else 1 << 30, "nosuid": True, "nodev": True}
+
+
+def test_runner_takes_the_nodes_defaults_and_the_callers_relaxations(tmp_path: Path) -> None:
+    (tmp_path / "limits.json").write_text('{"pids": 64, "memory": null, "upper_size": 1048576}')
+    be = FakeBackend()
+    shim = FakeShim(NodePaths(tmp_path), be)
+    runner.run(shim, "e:1", None, sandbox="s", runtime="fake")  # type: ignore[arg-type]
+    assert be.confinement == Confinement(pids=64, memory=None, cpus=2.0)
+    assert shim.mount_options["upper_size"] == 1 << 20
+    relaxed = Confinement(seccomp=False, new_privileges=True, pids=None)
+    runner.run(shim, "e:1", None, sandbox="s", runtime="fake", confinement=relaxed, upper_size=0,  # type: ignore[arg-type]
+               nodev=False)
+    assert be.confinement is relaxed
+    assert shim.mount_options == {"upper_size": None, "nosuid": False, "nodev": False}
+    (tmp_path / "limits.json").write_text('{"pids": -1}')
+    with pytest.raises(ConfigError, match="pids"):
+        runner.run(shim, "e:1", None, sandbox="s", runtime="fake")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("step", ["prepare", "start", "wait", "delete"])
