@@ -10,6 +10,12 @@ Formats: ustar, v7, GNU (long names and links, old and pax sparse files) and pax
 size, uid, gid, fractional mtime, `SCHILY.xattr.*`, `LIBARCHIVE.xattr.*`, `RHT.security.selinux`).
 Compression, detected by magic (decompress.py): none, gzip, zstd, xz, bzip2.
 
+What a hostile archive can make the reader hold is bounded (the constants below): a member's
+name, its extended headers (their total size, at most one of each kind per member), the pax
+records of one header, the global pax keys, sparse maps and the number of members. Paths are
+interned in a `PathIndex`, so checking a member costs time and memory linear in its name's
+length, however deep it is (keeping every prefix as a byte string would cost the square).
+
 Normalisation: leading '/' are stripped (absolute members become relative), '.' and empty
 components ('./' prefixes, '//') are dropped. Everything else that is odd is refused with a
 `BadInput` naming the archive and the member; see docs/image-inputs.md for the list.
@@ -30,13 +36,19 @@ from layerstore.errors import BadInput
 from .decompress import DECODE_ERRORS, READ_SIZE, Reader, open_decompressed
 from .tree import NAME_MAX, Data, Entry, Hole, Kind
 
-__all__ = ["OPAQUE_XATTR", "Reader", "open_decompressed", "show", "tar_entries"]
+__all__ = ["OPAQUE_XATTR", "PathIndex", "Reader", "open_decompressed", "show", "tar_entries"]
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 MAX_FILE_SIZE = 1 << 40  # 1 TiB: anything larger in a layer is a corrupt size field
-MAX_META_SIZE = 8 << 20  # pax headers, GNU long names
-PATH_MAX = 4096
+MAX_META_SIZE = 8 << 20  # one member's extended headers (pax, GNU long names) together
+PATH_MAX = 4096  # a member name, link target or symlink target must be shorter (Linux's PATH_MAX)
+MAX_PAX_RECORDS = 4096  # records in one pax header
+MAX_GLOBAL_KEYS = 256  # pax global header keys in force at once
+MAX_GLOBAL_SIZE = 1 << 20  # their keys and values together
+MAX_GLOBAL_HEADERS = 4096  # pax global headers and volume labels in one archive
+MAX_SPARSE_SEGMENTS = 1 << 18  # data segments of one sparse file
+MAX_MEMBERS = 1 << 22  # members of one archive
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 
@@ -157,10 +169,13 @@ class _Header:
 
 
 def _parse_pax(data: bytes, what: str) -> list[tuple[str, bytes]]:
-    records, pos = [], 0
+    records: list[tuple[str, bytes]] = []
+    pos = 0
     while pos < len(data):
-        if not data[pos:].strip(b"\0"):
+        if data.find(b"\0", pos) == pos and not data[pos:].strip(b"\0"):
             break  # NUL padding counted in the size by some writers
+        if len(records) >= MAX_PAX_RECORDS:
+            raise BadInput(f"{what}: more than {MAX_PAX_RECORDS} pax records in one header")
         sp = data.find(b" ", pos, pos + 24)
         if sp < 0 or not data[pos:sp].isdigit():
             raise BadInput(f"{what}: malformed pax record at byte {pos}")
@@ -245,10 +260,13 @@ class _MemberData:
 class _Parser:
     def __init__(self, src: _Input, name: str) -> None:
         self.src, self.name = src, name
-        self.kinds: dict[bytes, Kind] = {}  # explicit entries; hard links carry their target's kind
+        self.paths = PathIndex()
+        self.kinds: dict[int, Kind] = {}  # explicit entries by node; hard links carry their target's kind
         self.links: dict[bytes, bytes] = {}  # hard link -> the original it points at
-        self.parents: set[bytes] = set()  # every ancestor of an entry, used as a directory
+        self.parents: set[int] = set()  # every ancestor of an entry (by node), used as a directory
         self.global_pax: dict[str, bytes] = {}
+        self.global_size = 0  # bytes of keys and values in global_pax
+        self.global_headers = self.members = 0
         self.last = "the start of the archive"
 
     def fail(self, what: str, why: str) -> BadInput:
@@ -258,6 +276,8 @@ class _Parser:
         records: list[tuple[str, bytes]] = []
         longname = longlink = None
         data: _MemberData | None = None
+        pending: set[bytes] = set()  # kinds of extended header seen for the coming member
+        pending_size = 0
         while True:
             if data is not None:
                 data.finish()
@@ -280,32 +300,65 @@ class _Parser:
             t = h.typeflag
             if t in (b"x", b"X", b"g", b"L", b"K"):
                 if not 0 <= h.size <= MAX_META_SIZE:
-                    raise self.fail(where, f"extended header of absurd size {h.size}")
+                    raise self.fail(where, f"extended header of absurd size {h.size} "
+                                           f"(the limit is {MAX_META_SIZE} bytes)")
+                if t == b"g":
+                    self._count_global(where)
+                else:
+                    kind = b"x" if t == b"X" else t
+                    if kind in pending:
+                        raise self.fail(where, f"repeated extended header ({t.decode()!r} twice before one member)")
+                    pending.add(kind)
+                    pending_size += h.size
+                    if pending_size > MAX_META_SIZE:
+                        raise self.fail(where, f"extended headers of one member over {MAX_META_SIZE} bytes")
                 raw = self.src.exact(h.size, f"{where}: extended header")
                 self.src.skip(-h.size % BLOCK, f"{where}: extended header")
                 if t in (b"x", b"X"):
                     records += _parse_pax(raw, f"{self.name}: {where}")
                 elif t == b"g":
-                    for key, value in _parse_pax(raw, f"{self.name}: {where}"):
-                        if key in ("path", "linkpath", "size") or key.startswith("GNU.sparse."):
-                            continue
-                        if value:
-                            self.global_pax[key] = value
-                        else:
-                            self.global_pax.pop(key, None)
+                    self._set_global(_parse_pax(raw, f"{self.name}: {where}"), where)
                 elif t == b"L":
                     longname = _str(raw)
                 else:
                     longlink = _str(raw)
                 continue
             if t == b"V":  # a volume label names the archive, not a member
+                self._count_global(where)
                 self.src.skip(h.size + (-h.size % BLOCK), f"{where}: volume label")
                 records, longname, longlink = [], None, None
+                pending, pending_size = set(), 0
                 continue
+            self.members += 1
+            if self.members > MAX_MEMBERS:
+                raise self.fail(where, f"more than {MAX_MEMBERS} members")
             entry, data = self._member(h, records, longname, longlink)
             records, longname, longlink = [], None, None
+            pending, pending_size = set(), 0
             self.last = f"member {show(entry.path or b'.')}"
             yield entry, (data if entry.kind is Kind.REG and entry.hardlink is None else None)
+
+    def _count_global(self, where: str) -> None:
+        self.global_headers += 1
+        if self.global_headers > MAX_GLOBAL_HEADERS:
+            raise self.fail(where, f"more than {MAX_GLOBAL_HEADERS} global headers and volume labels")
+
+    def _set_global(self, records: list[tuple[str, bytes]], where: str) -> None:
+        """Apply a global header; the keys in force stay within MAX_GLOBAL_KEYS/MAX_GLOBAL_SIZE
+        (each member copies them, so they must stay small)."""
+        for key, value in records:
+            if key in ("path", "linkpath", "size") or key.startswith("GNU.sparse."):
+                continue
+            old = self.global_pax.pop(key, None)
+            if old is not None:
+                self.global_size -= len(key) + len(old)
+            if value:
+                self.global_pax[key] = value
+                self.global_size += len(key) + len(value)
+        if len(self.global_pax) > MAX_GLOBAL_KEYS or self.global_size > MAX_GLOBAL_SIZE:
+            raise self.fail(where, f"global pax keys over the limit ({len(self.global_pax)} keys, "
+                                   f"{self.global_size} bytes; at most {MAX_GLOBAL_KEYS} keys and "
+                                   f"{MAX_GLOBAL_SIZE} bytes)")
 
     # -- one member ---------------------------------------------------------------------------
     def _member(self, h: _Header, records: list[tuple[str, bytes]], longname: bytes | None,
@@ -358,7 +411,8 @@ class _Parser:
                 raise ValueError(f"hard link with {size} bytes of content")
             target = self._normalise(pax.get("linkpath") or longlink or h.linkname)
             target = self.links.get(target, target)
-            kind = self.kinds.get(target)
+            node = self.paths.find(target)
+            kind = None if node is None else self.kinds.get(node)
             if kind is None:
                 raise ValueError(f"hard link to missing target {show(target)}")
             if kind is Kind.DIR:
@@ -405,6 +459,8 @@ class _Parser:
             realsize = _num(h.raw[483:495], "realsize")
             self._gnu_sparse(h.raw[386:482], nums)
             while ext:
+                if len(nums) > 2 * MAX_SPARSE_SEGMENTS:
+                    raise ValueError(f"sparse map of more than {MAX_SPARSE_SEGMENTS} segments")
                 block = self.src.exact(BLOCK, f"{label}: sparse header")
                 self._gnu_sparse(block[:504], nums)
                 ext = block[504]
@@ -427,12 +483,16 @@ class _Parser:
                     raise ValueError("bad sparse map")
                 if count is None:
                     count = int(line)
+                    if count > MAX_SPARSE_SEGMENTS:
+                        raise ValueError(f"sparse map of more than {MAX_SPARSE_SEGMENTS} segments")
                 else:
                     nums.append(int(line))
             stored = size - used
         elif "GNU.sparse.map" in pax or pairs:
             realsize = _pax_int(pax.get("GNU.sparse.size", b""), "GNU.sparse.size", 0, MAX_FILE_SIZE)
-            text = pax["GNU.sparse.map"].split(b",") if "GNU.sparse.map" in pax else pairs
+            text = pax["GNU.sparse.map"].split(b",", 2 * MAX_SPARSE_SEGMENTS) if "GNU.sparse.map" in pax else pairs
+            if len(text) > 2 * MAX_SPARSE_SEGMENTS:
+                raise ValueError(f"sparse map of more than {MAX_SPARSE_SEGMENTS} segments")
             if any(not x.isdigit() for x in text) or len(text) % 2:
                 raise ValueError("bad sparse map")
             nums, stored = [int(x) for x in text], size
@@ -483,6 +543,8 @@ class _Parser:
     def _normalise(self, raw: bytes) -> bytes:
         if b"\0" in raw:
             raise ValueError("name contains NUL")
+        if len(raw) >= PATH_MAX:
+            raise ValueError(f"a name of {len(raw)} bytes (the limit is {PATH_MAX - 1})")
         comps = [c for c in raw.split(b"/") if c not in (b"", b".")]
         if b".." in comps:
             raise ValueError("'..' component")
@@ -492,22 +554,54 @@ class _Parser:
         return b"/".join(comps)
 
     def _claim(self, path: bytes, kind: Kind) -> None:
-        if path in self.kinds:
+        nodes = self.paths.prefixes(path)
+        node = nodes[-1] if nodes else PathIndex.ROOT
+        if node in self.kinds:
             raise ValueError("duplicate entry")
-        if kind is not Kind.DIR and path in self.parents:
+        if kind is not Kind.DIR and node in self.parents:
             raise ValueError(f"is a {_TYPE_NAMES[kind]} but an earlier member uses it as a directory")
-        if path:
-            parts = path.split(b"/")
-            for i in range(1, len(parts)):
-                anc = b"/".join(parts[:i])
-                if anc in self.parents:
-                    continue
-                akind = self.kinds.get(anc)
-                if akind is not None and akind is not Kind.DIR:
-                    why = "a symlink" if akind is Kind.SYMLINK else f"a {_TYPE_NAMES[akind]}"
-                    raise ValueError(f"would be written through {show(anc)}, which is {why}")
-                self.parents.add(anc)
-        self.kinds[path] = kind
+        for i, anc in enumerate(nodes[:-1]):
+            akind = self.kinds.get(anc)
+            if akind is not None and akind is not Kind.DIR:
+                why = "a symlink" if akind is Kind.SYMLINK else f"a {_TYPE_NAMES[akind]}"
+                raise ValueError(f"would be written through {show(b'/'.join(path.split(b'/')[:i + 1]))}, "
+                                 f"which is {why}")
+        self.parents.update(nodes[:-1])
+        self.kinds[node] = kind
+
+
+class PathIndex:
+    """Interned layer paths: one int per path, given to each prefix of a path as it is seen, so
+    that facts about prefixes (used as a directory, whited out) can be kept by node at a cost
+    linear in a path's length. Keeping every prefix as a byte string instead costs the square of
+    the depth (a name of 2,000 one-letter components has 2,000 prefixes of 2,000 bytes on average)."""
+
+    ROOT = 0  # the root directory, b""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, bytes], int] = {}
+
+    def prefixes(self, path: bytes) -> list[int]:
+        """The nodes of `path`'s prefixes, shortest first ([] for the root), made as needed."""
+        out: list[int] = []
+        node = self.ROOT
+        for comp in path.split(b"/") if path else ():
+            key = (node, comp)
+            nxt = self._ids.get(key)
+            if nxt is None:
+                nxt = self._ids[key] = len(self._ids) + 1
+            out.append(nxt)
+            node = nxt
+        return out
+
+    def find(self, path: bytes) -> int | None:
+        """The node of `path`, None when no path seen so far has it as a prefix."""
+        node: int | None = self.ROOT
+        for comp in path.split(b"/") if path else ():
+            node = self._ids.get((node, comp))  # type: ignore[arg-type]
+            if node is None:
+                return None
+        return node
 
 
 def tar_entries(stream: BinaryIO | Reader, *, name: str) -> Iterator[tuple[Entry, Data | None]]:
