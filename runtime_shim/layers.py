@@ -34,13 +34,19 @@ from layerstore.fileio import rmdir_quiet
 
 from .blobs import BlobSource
 from .errors import ShimError
-from .overlay import explain
+from .overlay import SAFE, explain
 from .paths import NodePaths
 from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
 DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
 CLAIMED = "claimed"
 PIN_PREFIX = "shim:"
+
+
+def mount_layer(image: str | os.PathLike[str], target: str | os.PathLike[str], options: str) -> None:
+    """File-backed EROFS, read-only, nosuid and nodev: a layer's setuid binaries and device
+    nodes give nothing to whoever reaches the layer mount."""
+    linux.mount(image, target, "erofs", linux.MS_RDONLY | SAFE, options)
 
 
 class LayerMounts:
@@ -69,7 +75,7 @@ class LayerMounts:
             return direct
         source = self.blobs.path(blob)
         try:
-            linux.mount_erofs(source, mp, self.blobs.erofs_options)
+            mount_layer(source, mp, self.blobs.erofs_options)
         except linux.MountError as e:
             rmdir_quiet(mp)
             if not os.path.exists(source):
@@ -88,7 +94,7 @@ class LayerMounts:
         if local is None:
             return None
         try:
-            linux.mount_erofs(local, mp, "")  # buffered: a local file keeps the disk's readahead
+            mount_layer(local, mp, "")  # buffered: a local file keeps the disk's readahead
         except linux.MountError:
             with contextlib.suppress(LayerstoreError):
                 self.blobs.unpin(blob, holder)

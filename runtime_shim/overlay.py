@@ -3,6 +3,11 @@
 redirect_dir, metacopy and index are pinned off: then an upper holds only whole copied-up files,
 whiteouts (chr 0/0) and opaque directories (trusted.overlay.opaque=y), which is exactly what a
 commit can turn into a layer; renaming a lower directory copies it up instead of redirecting.
+
+Every mount a sandbox can reach is `nosuid,nodev` unless the caller relaxes it: a setuid binary
+or a device node in a layer or written to the upper gives nothing. An upper with a quota lives on
+a tmpfs of its own (`mount_scratch`): a sandbox that fills it gets ENOSPC, the node disk and the
+other sandboxes do not notice.
 """
 
 from __future__ import annotations
@@ -32,12 +37,29 @@ def options(lowers_top_first: Sequence[str], upper: str, work: str) -> str:
             "redirect_dir=off,metacopy=off,index=off")
 
 
-def mount_overlay(target: str, lowers_top_first: Sequence[str], upper: str, work: str) -> None:
+def mount_flags(*, nosuid: bool = True, nodev: bool = True) -> int:
+    return (linux.MS_NOSUID if nosuid else 0) | (linux.MS_NODEV if nodev else 0)
+
+
+SAFE = mount_flags()  # the default: nosuid, nodev
+
+
+def mount_overlay(target: str, lowers_top_first: Sequence[str], upper: str, work: str, flags: int = SAFE) -> None:
     opts = options(lowers_top_first, upper, work)
     if len(opts) >= 4096:
         raise ShimError(f"overlay options for {target} are {len(opts)} bytes; the kernel takes one page")
     try:
-        linux.mount("overlay", target, "overlay", 0, opts)
+        linux.mount("overlay", target, "overlay", flags, opts)
+    except linux.MountError as e:
+        raise ShimError(explain(e)) from None
+
+
+def mount_scratch(path: str | os.PathLike[str], size: int) -> None:
+    """A private tmpfs of `size` bytes at `path` for a sandbox's upper and work directories (0700,
+    nosuid, nodev). Its pages are charged to the memory cgroup of whoever writes them: the
+    sandbox's, for what the sandbox writes."""
+    try:
+        linux.mount("tmpfs", path, "tmpfs", SAFE, f"size={size},mode=0700")
     except linux.MountError as e:
         raise ShimError(explain(e)) from None
 

@@ -12,6 +12,8 @@ from reading the environment).
     NODE/locks/<hex>.all            flock(2) held by the process fetching that blob whole (--eager)
     NODE/sandboxes/<id>/upper       a sandbox's private writable layer
     NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
+    NODE/sandboxes/<id>/scratch/    a size-limited tmpfs holding upper/ and work/ instead, when the
+                                    sandbox's upper has a quota (`layerctl run`, not kept)
     NODE/roots/<id>                 where a sandbox's root is mounted unless the caller names a target;
                                     NODE/roots is a private bind mount of itself while sandboxes exist
     NODE/sandboxes/<id>/bundle/     the OCI bundle (config.json) for `layerctl run`
@@ -116,6 +118,10 @@ class NodePaths:
 
     def work(self, sandbox: str) -> Path:
         return self.sandbox_dir(sandbox) / "work"
+
+    def scratch(self, sandbox: str) -> Path:
+        """The mount point of a sandbox's size-limited upper filesystem (when it has one)."""
+        return self.sandbox_dir(sandbox) / "scratch"
 
     @property
     def roots(self) -> Path:

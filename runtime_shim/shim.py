@@ -34,7 +34,7 @@ from .errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimErr
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
 from .lock import BlobLock, NodeLock
-from .overlay import mount_overlay
+from .overlay import mount_flags, mount_overlay, mount_scratch
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from .recover import RecoverReport, recover
 from .state import (
@@ -205,7 +205,8 @@ class Shim:
 
     def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
-              eager: bool = False, utab_entry: bool = False) -> Sandbox:
+              eager: bool = False, utab_entry: bool = False, upper_size: int | None = None,
+              nosuid: bool = True, nodev: bool = True) -> Sandbox:
         """Compose a sandbox's root at `target` (default NODE/roots/<id>).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
@@ -214,11 +215,18 @@ class Shim:
         `eager`: every chunk of every layer is on the node before the root is mounted.
         `utab_entry`: record the root in /run/mount/utab so that `umount TARGET` tears the
         sandbox down (see `utab`); for mount(8)-style callers.
+        `upper_size`: the upper and work directories of a new (shim-owned) upper go on a tmpfs of
+        that many bytes of its own (NODE/sandboxes/<id>/scratch): a sandbox that fills it gets
+        ENOSPC, the node disk keeps its space; the upper lives in memory and does not survive a
+        reboot (for sandboxes that are not kept). None: on the node disk, unlimited.
+        `nosuid`, `nodev`: the root's mount flags (both on unless relaxed).
 
         The node lock is held twice, for state changes only: to record the sandbox and take its
         layer references (claiming the mounts of layers nobody has mounted), and to mark it
         mounted. Layer mounts (a cold one waits for the daemon to fetch the blob's metadata),
         the overlay and the sandbox's directories are made without it: see `layers`."""
+        if upper_size is not None and upper_size <= 0:
+            raise ShimError(f"upper size {upper_size}: want a positive number of bytes (None: no quota)")
         spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
         sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
         if eager:
@@ -230,13 +238,15 @@ class Shim:
                 raise error
         with self.lock:
             gen = self._ready_locked()
-            sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry)
+            sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry,
+                                                                upper_size is not None)
         mounted = False
         try:
-            self._layers_ready(sb, claimed, waits, gen)
+            self._layers_ready(sb, claimed, waits, gen, upper_size)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
-            mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work)
+            mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work,
+                          mount_flags(nosuid=nosuid, nodev=nodev))
             mounted = True
             if utab_entry:
                 mid = linux.mount_id(sb.target)
@@ -303,8 +313,8 @@ class Shim:
         return gen
 
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
-                     upper: str | os.PathLike[str] | None, gen: str,
-                     utab_entry: bool) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
+                     upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool,
+                     scratch: bool = False) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
         """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
         every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
@@ -314,7 +324,8 @@ class Shim:
         sdir = self.paths.sandbox_dir(sid)
         tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
         owned = upper is None
-        up = str(sdir / "upper") if owned else os.path.abspath(upper)  # type: ignore[arg-type]
+        home = self.paths.scratch(sid) if owned and scratch else sdir  # the upper's own tmpfs, or beside the record
+        up = str(home / "upper") if owned else os.path.abspath(upper)  # type: ignore[arg-type]
         if not owned:
             check_overlay_safe(up, "upper directory")
         with self.state.read() as t:
@@ -334,7 +345,7 @@ class Shim:
                 raise SandboxExists(f"sandbox {sid} has data on this node ({sdir}); pass its upper "
                                     f"({sdir / 'upper'}) explicitly to resume it, or remove it") from None
             created_dir = True
-            work = str(sdir / "work")
+            work = str(home / "work")
         else:
             if not sdir.exists():
                 sdir.mkdir(mode=0o700)
@@ -376,7 +387,8 @@ class Shim:
             raise
         return sb, claimed, waits, created_dir
 
-    def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], waits: set[str], gen: str) -> None:
+    def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], waits: set[str], gen: str,
+                      upper_size: int | None = None) -> None:
         """Without the node lock: mount the layers this call claimed, wait for those others are
         mounting, and make the sandbox's directories and record file, all at once (in the calling
         thread alone when every layer is mounted already). Raises the first failure (after every
@@ -385,12 +397,16 @@ class Shim:
         claimed.clear()  # each claimed mount settles its own outcome from here on
         fns: list[Callable[[], None]] = [functools.partial(self._mount_claimed, b, gen, lk) for b, lk in mine.items()]
         fns += [functools.partial(self._await_layer, b, gen) for b in sorted(waits)]
-        fns.append(functools.partial(self._make_dirs, sb))
+        fns.append(functools.partial(self._make_dirs, sb, upper_size))
         error = _concurrently(fns)
         if error is not None:
             raise error
 
-    def _make_dirs(self, sb: Sandbox) -> None:
+    def _make_dirs(self, sb: Sandbox, upper_size: int | None = None) -> None:
+        if sb.owned and upper_size is not None:
+            scratch = self.paths.scratch(sb.id)
+            os.mkdir(scratch, 0o700)
+            mount_scratch(scratch, upper_size)  # (detached by every teardown and undo: `lifecycle`)
         if sb.owned:
             os.mkdir(sb.upper, 0o755)
             os.mkdir(sb.work, 0o700)
