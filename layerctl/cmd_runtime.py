@@ -72,29 +72,86 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @click.option("--keep", is_flag=True, help="Leave the sandbox mounted after the command (for commit).")
 @click.option("--runtime", type=click.Choice(["runc", "crun"]), default="runc", show_default=True,
               help="The OCI runtime.")
-@click.option("-e", "--env", "extra_env", multiple=True, metavar="KEY=VALUE", help="Extra environment variable.")
+@click.option("-e", "--env", "extra_env", multiple=True, metavar="KEY[=VALUE]",
+              help="Extra environment variable; KEY alone takes its value from this process's environment "
+                   "(keeps a secret off the command line). Values never reach a command line or a log.")
+@click.option("--pids-limit", type=int, default=None, metavar="N",
+              help="At most N tasks in the sandbox (0: no limit). Default: the node's (1024).")
+@click.option("--memory", default=None, metavar="SIZE",
+              help="Memory limit, e.g. 2G (0: none). Default: the node's (4G).")
+@click.option("--cpus", type=float, default=None, metavar="N",
+              help="CPU limit in CPUs (0: none). Default: the node's (2).")
+@click.option("--upper-size", default=None, metavar="SIZE",
+              help="The writable layer's quota: a tmpfs of SIZE, e.g. 1G (0: none, on the node disk). "
+                   "Default: the node's (1G); a --keep sandbox's upper is on the node disk.")
+@click.option("--seccomp", type=click.Choice(["default", "unconfined"]), default="default", show_default=True,
+              help="The syscall filter (unconfined: none).")
+@click.option("--allow-ptrace", is_flag=True, help="Let the seccomp profile allow ptrace (debuggers, strace).")
+@click.option("--allow-setuid", is_flag=True,
+              help="Let setuid binaries and file capabilities work (no no_new_privileges, root without nosuid).")
+@click.option("--allow-devices", is_flag=True, help="Mount the root without nodev (device files in it open).")
+@click.option("--unmask-system-paths", is_flag=True, help="Leave /proc and /sys paths unmasked and writable.")
 @click.argument("env")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
-            keep: bool, runtime: str, extra_env: tuple[str, ...], env: str, command: tuple[str, ...]) -> None:
+            keep: bool, runtime: str, extra_env: tuple[str, ...], pids_limit: int | None, memory: str | None,
+            cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool, allow_setuid: bool,
+            allow_devices: bool, unmask_system_paths: bool, env: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (default: the environment's) in a new sandbox of ENV; exit with its exit code.
 
+    Least privilege unless relaxed by an option: a seccomp profile, Docker's default capabilities,
+    no new privileges, masked /proc and /sys paths, nosuid,nodev mounts, limits on tasks, memory,
+    CPU and the writable layer (NODE/limits.json sets the node's defaults).
+
     \b
-    layerctl run NAME:TAG -- sh -c 'echo hello'"""
-    from layerstore.errors import ConfigError
+    layerctl run NAME:TAG -- sh -c 'echo hello'
+    API_TOKEN=... layerctl run -e API_TOKEN NAME:TAG -- ./agent"""
     from runtime_shim import runner
+    from runtime_shim.backends.base import Confinement
+
+    from .cmd_daemon import parse_size
 
     if command[:1] == ("--",):  # click keeps the separator once positional parsing has begun
         command = command[1:]
-    for item in extra_env:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"--env: want KEY=VALUE, got {item!r}")
+    variables = _env_items(extra_env)
     with _shim(node_dir, store_url, policy) as shim:
+        node = runner.NodeDefaults.load(shim.paths)
+
+        def limit(given: float | None, default: float | None) -> float | None:
+            return default if given is None else (given or None)  # (0: no limit)
+
+        memory_limit = limit(parse_size(memory) if memory is not None else None, node.memory)
+        confinement = Confinement(seccomp=seccomp == "default", ptrace=allow_ptrace, new_privileges=allow_setuid,
+                                  system_paths=unmask_system_paths,
+                                  pids=None if (p := limit(pids_limit, node.pids)) is None else int(p),
+                                  memory=None if memory_limit is None else int(memory_limit),
+                                  cpus=limit(cpus, node.cpus))
         res = runner.run(shim, env, list(command) or None, sandbox=sandbox, eager=eager, keep=keep,
-                         runtime=runtime, extra_env=extra_env)
+                         runtime=runtime, extra_env=variables, confinement=confinement, nodev=not allow_devices,
+                         upper_size=parse_size(upper_size) if upper_size is not None else None)
     if keep:
         click.echo(f"layerctl: sandbox {res.sandbox} kept", err=True)
     sys.exit(res.exit_code)
+
+
+def _env_items(items: tuple[str, ...]) -> list[str]:
+    """-e KEY=VALUE, or -e KEY (its value from this process's environment; left out if unset, as
+    docker does). Errors name the key only: a value may be a secret."""
+    import os
+
+    from layerstore.errors import ConfigError
+
+    out = []
+    for item in items:
+        key, eq, _value = item.partition("=")
+        if not key or any(c.isspace() for c in key):
+            raise ConfigError(f"--env: want KEY=VALUE or KEY, got {'an empty' if not key else 'a bad'} name "
+                              f"(value not shown)")
+        if eq:
+            out.append(item)
+        elif key in os.environ:
+            out.append(f"{key}={os.environ[key]}")
+    return out
 
 
 @click.group("sandbox")
