@@ -14,6 +14,12 @@ descriptor digest, layers by the descriptor digest (compressed) and the config's
 known at the layer's end: the builder publishes nothing until every entry is consumed.
 
 OCI whiteouts become overlayfs ones (see `whiteouts`), so the layers can be stacked directly.
+
+What a hostile image can make the reader hold is bounded: JSON documents by kind (index,
+manifest, config; a descriptor's size is checked against the limit and the file before anything
+is read), JSON nesting, the number of images in an index and of layers in an image, and the
+members of a docker archive (with Python's tarfile never reading an extended header larger than
+the tar reader allows).
 """
 
 from __future__ import annotations
@@ -33,10 +39,16 @@ from typing import Any, BinaryIO
 from layerstore.errors import BadInput, LayerstoreError, NotFound
 
 from .image_config import runtime_config
-from .source_tar import OPAQUE_XATTR, Reader, open_decompressed, show, tar_entries
+from .source_tar import BLOCK, MAX_META_SIZE, OPAQUE_XATTR, PathIndex, Reader, open_decompressed, show, tar_entries
 from .tree import Data, Entry, Kind, check_path
 
-MAX_JSON = 16 << 20
+MAX_INDEX_JSON = 4 << 20  # index.json, image indexes, docker's manifest.json
+MAX_MANIFEST_JSON = 4 << 20  # an image manifest (registries refuse larger ones too)
+MAX_CONFIG_JSON = 8 << 20  # an image config (its history can be long)
+MAX_INDEX_ENTRIES = 4096  # images listed in one index
+MAX_LAYERS = 500  # layers of one image (overlayfs stacks at most 500)
+MAX_ARCHIVE_MEMBERS = 1 << 16  # members of a docker save archive
+MAX_ARCHIVE_HEADERS = 256 << 20  # bytes of tar headers Python's tarfile may read to list one
 REF_ANNOTATION = "org.opencontainers.image.ref.name"
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
@@ -145,8 +157,9 @@ def whiteouts(entries: Iterator[tuple[Entry, Data | None]], *, name: str) -> Ite
     dirs: dict[bytes, Entry] = {}
     opaque: set[bytes] = set()
     markers: set[bytes] = set()  # original paths of whiteout files: no hard link may point at one
-    whited: set[bytes] = set()  # whiteout paths, which nothing else in the layer may use
-    used: set[bytes] = set()  # every other path and its ancestors
+    index = PathIndex()
+    whited: set[int] = set()  # whiteout paths (nodes of `index`), which nothing else in the layer may use
+    used: set[int] = set()  # every other path and its ancestors
     for entry, data in entries:
         label = f"{name}: member {show(entry.path or b'.')}"
         for key in entry.xattrs:
@@ -167,21 +180,22 @@ def whiteouts(entries: Iterator[tuple[Entry, Data | None]], *, name: str) -> Ite
                 check_path(target)
             except BadInput:
                 raise BadInput(f"{label}: bad whiteout name") from None
-            if target in used or target in whited:
+            node = index.prefixes(target)[-1]
+            if node in used or node in whited:
                 raise BadInput(f"{label}: whiteout of {show(target)}, which this layer also holds")
-            whited.add(target)
+            whited.add(node)
             yield Entry(path=target, kind=Kind.CHR, mode=0, mtime=entry.mtime, mtime_nsec=entry.mtime_nsec,
                         rdev=(0, 0)), None
             continue
         if entry.hardlink is not None and entry.hardlink in markers:
             raise BadInput(f"{label}: hard link to whiteout file {show(entry.hardlink)}")
-        _claim(entry.path, whited, used, label)
+        _claim(entry.path, index, whited, used, label)
         if entry.kind is Kind.DIR:
             dirs[entry.path] = entry
             continue
         yield entry, data
     for path in sorted(opaque - dirs.keys()):
-        _claim(path, whited, used, f"{name}: opaque marker in {show(path or b'.')}")
+        _claim(path, index, whited, used, f"{name}: opaque marker in {show(path or b'.')}")
         dirs[path] = Entry(path=path, kind=Kind.DIR, mode=0o755)
     for path, entry in dirs.items():
         if path in opaque:
@@ -189,15 +203,13 @@ def whiteouts(entries: Iterator[tuple[Entry, Data | None]], *, name: str) -> Ite
         yield entry, None
 
 
-def _claim(path: bytes, whited: set[bytes], used: set[bytes], label: str) -> None:
-    parts = path.split(b"/") if path else []
-    for i in range(len(parts), 0, -1):
-        p = b"/".join(parts[:i])
-        if p in whited:
-            raise BadInput(f"{label}: {show(p)} is whited out in this same layer")
-        if p in used:
-            break
-        used.add(p)
+def _claim(path: bytes, index: PathIndex, whited: set[int], used: set[int], label: str) -> None:
+    """Mark `path` and its ancestors used; none of them may be whited out (linear in the path)."""
+    nodes = index.prefixes(path)
+    for i, node in enumerate(nodes):
+        if node in whited:
+            raise BadInput(f"{label}: {show(b'/'.join(path.split(b'/')[:i + 1]))} is whited out in this same layer")
+    used.update(nodes)
 
 
 # -- sources ----------------------------------------------------------------------------------
@@ -236,13 +248,32 @@ def _json(raw: bytes, what: str, digest: str | None = None) -> dict[str, Any]:
         alg, hexd = digest.split(":", 1)
         if hashlib.new(alg, raw).hexdigest() != hexd:
             raise BadInput(f"{what}: digest mismatch (expected {digest})")
+    return _object(_loads(raw, what), what)
+
+
+def _loads(raw: bytes, what: str) -> Any:
     try:
-        doc = json.loads(raw)
+        return json.loads(raw)
+    except RecursionError:
+        raise BadInput(f"{what}: JSON nested too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise BadInput(f"{what}: not JSON") from None
+
+
+def _object(doc: Any, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise BadInput(f"{what}: not a JSON object")
     return doc
+
+
+def _size(desc: dict[str, Any], what: str, limit: int | None = None) -> int:
+    """A descriptor's size: a non-negative integer, at most `limit` when given."""
+    size = desc.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise BadInput(f"{what}: bad size {str(size)[:40]!r}")
+    if limit is not None and size > limit:
+        raise BadInput(f"{what}: descriptor size {size} is over the limit of {limit} bytes")
+    return size
 
 
 def _obj(doc: dict[str, Any], key: str) -> dict[str, Any]:
@@ -258,6 +289,8 @@ def _host_platform() -> tuple[str, str]:
 
 
 def _layers_and_diff_ids(cfg: dict[str, Any], count: int, what: str) -> list[str]:
+    if count > MAX_LAYERS:
+        raise BadInput(f"{what}: {count} layers (at most {MAX_LAYERS})")
     rootfs = cfg.get("rootfs")
     diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
     if not isinstance(diff_ids, list) or len(diff_ids) != count:
@@ -276,26 +309,34 @@ class _OciLayout:
         if layout and not str(layout.get("imageLayoutVersion", "")).startswith("1."):
             raise BadInput(f"{spec}: unsupported imageLayoutVersion {layout.get('imageLayoutVersion')!r}")
 
-    def _read(self, path: Path, what: str) -> bytes:
+    def _read(self, path: Path, what: str, limit: int = MAX_INDEX_JSON, size: int | None = None) -> bytes:
+        """A small file, at most `limit` bytes; with `size` (a descriptor's), exactly that many,
+        checked against the file before it is read."""
         try:
             with open(path, "rb") as f:
-                raw = f.read(MAX_JSON + 1)
+                if size is not None and os.fstat(f.fileno()).st_size != size:
+                    raise BadInput(f"{self.spec}: {what} is {os.fstat(f.fileno()).st_size} bytes, "
+                                   f"its descriptor says {size}")
+                raw = f.read(limit + 1)
         except FileNotFoundError:
             raise NotFound(f"{self.spec}: {what} is missing") from None
+        except IsADirectoryError:
+            raise BadInput(f"{self.spec}: {what} is a directory") from None
         except OSError as e:
             raise BadInput(f"{self.spec}: cannot read {what}: {e.strerror}") from None
-        if len(raw) > MAX_JSON:
-            raise BadInput(f"{self.spec}: {what} is larger than {MAX_JSON} bytes")
+        if len(raw) > limit:
+            raise BadInput(f"{self.spec}: {what} is larger than {limit} bytes")
         return raw
 
     def _blob_path(self, digest: str) -> Path:
         alg, hexd = digest.split(":", 1)
         return self.root / "blobs" / alg / hexd
 
-    def _blob_json(self, desc: dict[str, Any], what: str) -> dict[str, Any]:
+    def _blob_json(self, desc: dict[str, Any], what: str, limit: int) -> dict[str, Any]:
         digest = _digest(desc.get("digest"), f"{self.spec}: {what}")
-        return _json(self._read(self._blob_path(digest), f"{what} {digest}"), f"{self.spec}: {what} {digest}",
-                     digest)
+        size = _size(desc, f"{self.spec}: {what} {digest}", limit)
+        return _json(self._read(self._blob_path(digest), f"{what} {digest}", limit, size),
+                     f"{self.spec}: {what} {digest}", digest)
 
     def image(self, ref: str | None) -> OciImage:
         index = _json(self._read(self.root / "index.json", "index.json"), f"{self.spec}: index.json")
@@ -303,16 +344,19 @@ class _OciLayout:
         for _ in range(4):  # nested indexes (multi-platform), a few levels at most
             if desc.get("mediaType") not in INDEX_TYPES:
                 break
-            desc = self._platform(self._blob_json(desc, "image index"))
+            desc = self._platform(self._blob_json(desc, "image index", MAX_INDEX_JSON))
         if desc.get("mediaType") not in (*MANIFEST_TYPES, None):
             raise BadInput(f"{self.spec}: unsupported manifest media type {desc.get('mediaType')!r}")
-        manifest = self._blob_json(desc, "manifest")
+        manifest = self._blob_json(desc, "manifest", MAX_MANIFEST_JSON)
         if manifest.get("mediaType") in INDEX_TYPES or "manifests" in manifest:
             raise BadInput(f"{self.spec}: {desc.get('digest')} is an image index, not a manifest")
         cfg_desc, layer_descs = manifest.get("config"), manifest.get("layers")
         if not isinstance(cfg_desc, dict) or not isinstance(layer_descs, list):
             raise BadInput(f"{self.spec}: manifest {desc.get('digest')} has no config or layers")
-        cfg = self._blob_json(cfg_desc, "image config")
+        if len(layer_descs) > MAX_LAYERS:
+            raise BadInput(f"{self.spec}: manifest {desc.get('digest')} lists {len(layer_descs)} layers "
+                           f"(at most {MAX_LAYERS})")
+        cfg = self._blob_json(cfg_desc, "image config", MAX_CONFIG_JSON)
         diff_ids = _layers_and_diff_ids(cfg, len(layer_descs), f"{self.spec}: image config")
         layers = []
         for i, (ld, diff_id) in enumerate(zip(layer_descs, diff_ids, strict=True)):
@@ -322,12 +366,13 @@ class _OciLayout:
             media = ld.get("mediaType", "")
             if media not in LAYER_TYPES:
                 raise BadInput(f"{self.spec}: layer {i} ({digest}): unsupported media type {media!r}")
-            size = ld.get("size")
-            if not isinstance(size, int) or size < 0:
-                raise BadInput(f"{self.spec}: layer {i} ({digest}): bad size {size!r}")
+            size = _size(ld, f"{self.spec}: layer {i} ({digest})")
             path = self._blob_path(digest)
             if not path.is_file():
                 raise NotFound(f"{self.spec}: layer {i} blob {digest} is missing")
+            if path.stat().st_size != size:
+                raise BadInput(f"{self.spec}: layer {i} ({digest}): the blob is {path.stat().st_size} bytes, "
+                               f"its descriptor says {size}")
             layers.append(OciLayer(name=f"{self.spec}: layer {i} ({digest[:19]})", digest=digest, diff_id=diff_id,
                                    size=size, media_type=media, opener=functools.partial(open, path, "rb")))
         return OciImage(self.spec, layers, runtime_config(cfg, f"{self.spec}: image config"), cfg)
@@ -336,6 +381,8 @@ class _OciLayout:
         descs = index.get("manifests")
         if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
             raise BadInput(f"{self.spec}: index.json has no manifest list")
+        if len(descs) > MAX_INDEX_ENTRIES:
+            raise BadInput(f"{self.spec}: index.json lists {len(descs)} images (at most {MAX_INDEX_ENTRIES})")
         refs = sorted({str(_obj(d, "annotations").get(REF_ANNOTATION)) for d in descs
                        if _obj(d, "annotations").get(REF_ANNOTATION)})
         if ref is None:
@@ -354,7 +401,10 @@ class _OciLayout:
         return found[0]
 
     def _platform(self, index: dict[str, Any]) -> dict[str, Any]:
-        descs = [d for d in index.get("manifests") or [] if isinstance(d, dict)]
+        listed = index.get("manifests")
+        if not isinstance(listed, list) or len(listed) > MAX_INDEX_ENTRIES:
+            raise BadInput(f"{self.spec}: image index without a list of at most {MAX_INDEX_ENTRIES} manifests")
+        descs = [d for d in listed if isinstance(d, dict)]
         os_name, arch = _host_platform()
         real = [d for d in descs if _obj(d, "platform").get("os") != "unknown"]  # skip attestations
         for d in real:
@@ -387,6 +437,34 @@ class _Member:
         self.f.close()
 
 
+class _HeaderReads:
+    """The archive file as Python's tarfile lists it: member data is skipped by seeking, so every
+    read is a header or an extended header's content; each is bounded like the tar reader's
+    (tarfile itself would read a pax header of any size into memory), and so is their total."""
+
+    def __init__(self, f: BinaryIO, spec: str) -> None:
+        self.f, self.spec, self.total = f, spec, 0
+        self.name = getattr(f, "name", spec)
+
+    def read(self, n: int = -1, /) -> bytes:
+        if n < 0 or n > MAX_META_SIZE + BLOCK:
+            raise BadInput(f"{self.spec}: a tar header of more than {MAX_META_SIZE} bytes")
+        self.total += n
+        if self.total > MAX_ARCHIVE_HEADERS:
+            raise BadInput(f"{self.spec}: more than {MAX_ARCHIVE_HEADERS} bytes of tar headers")
+        return self.f.read(n)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+# What Python's tarfile may raise on a hostile archive besides its own errors.
+_TARFILE_ERRORS = (tarfile.TarError, OSError, EOFError, ValueError, OverflowError, RecursionError)
+
+
 class _DockerArchive:
     def __init__(self, path: Path, spec: str) -> None:
         self.path, self.spec = path, spec
@@ -394,19 +472,23 @@ class _DockerArchive:
         try:
             with open(path, "rb") as f:
                 magic = f.read(6)
-            if magic[:2] == b"\x1f\x8b" or magic[:4] == b"\x28\xb5\x2f\xfd" or magic[:3] == b"BZh" \
-                    or magic == b"\xfd7zXZ\x00":
-                raise BadInput(f"{spec}: compressed archive; docker-archive needs the plain tar `docker save` "
-                               "writes (decompress it first)")
-            with tarfile.open(path, "r:") as tf:
-                for info in tf:
-                    self.members[os.path.normpath(info.name).lstrip("/")] = info
+                if magic[:2] == b"\x1f\x8b" or magic[:4] == b"\x28\xb5\x2f\xfd" or magic[:3] == b"BZh" \
+                        or magic == b"\xfd7zXZ\x00":
+                    raise BadInput(f"{spec}: compressed archive; docker-archive needs the plain tar "
+                                   "`docker save` writes (decompress it first)")
+                f.seek(0)
+                with tarfile.open(fileobj=_HeaderReads(f, spec), mode="r:") as tf:  # type: ignore[call-overload]
+                    for info in tf:
+                        self.members[os.path.normpath(info.name).lstrip("/")] = info
+                        if len(tf.members) > MAX_ARCHIVE_MEMBERS:
+                            raise BadInput(f"{spec}: more than {MAX_ARCHIVE_MEMBERS} members (not a docker "
+                                           "save archive)")
         except IsADirectoryError:
             raise BadInput(f"{spec}: is a directory, not a docker save archive") from None
-        except (tarfile.TarError, OSError) as e:
+        except _TARFILE_ERRORS as e:
             if isinstance(e, LayerstoreError):
                 raise
-            raise BadInput(f"{spec}: not a readable tar archive: {e}") from None
+            raise BadInput(f"{spec}: not a readable tar archive: {str(e)[:200]}") from None
 
     def _info(self, name: str, what: str) -> tarfile.TarInfo:
         key = os.path.normpath(name).lstrip("/")
@@ -424,22 +506,21 @@ class _DockerArchive:
                 break
         raise BadInput(f"{self.spec}: {what} {name!r} is not a regular file")
 
-    def _read_json(self, name: str, what: str) -> bytes:
+    def _read_json(self, name: str, what: str, limit: int) -> bytes:
         info = self._info(name, what)
-        if info.size > MAX_JSON:
-            raise BadInput(f"{self.spec}: {what} is larger than {MAX_JSON} bytes")
+        if info.size > limit:
+            raise BadInput(f"{self.spec}: {what} is larger than {limit} bytes")
         with _Member(self.path, info.offset_data, info.size) as m:
             return m.read()
 
     def image(self, ref: str | None) -> OciImage:
         if "manifest.json" not in self.members:
             raise BadInput(f"{self.spec}: no manifest.json in the archive (not a `docker save` archive)")
-        try:
-            doc = json.loads(self._read_json("manifest.json", "manifest.json"))
-        except (ValueError, UnicodeDecodeError):
-            raise BadInput(f"{self.spec}: manifest.json is not JSON") from None
+        doc = _loads(self._read_json("manifest.json", "manifest.json", MAX_INDEX_JSON), f"{self.spec}: manifest.json")
         if not isinstance(doc, list) or not doc or not all(isinstance(d, dict) for d in doc):
             raise BadInput(f"{self.spec}: manifest.json is not a list of images")
+        if len(doc) > MAX_INDEX_ENTRIES:
+            raise BadInput(f"{self.spec}: manifest.json lists {len(doc)} images (at most {MAX_INDEX_ENTRIES})")
         tags = sorted(t for d in doc for t in d.get("RepoTags") or [] if isinstance(t, str))
         if ref is None:
             if len(doc) != 1:
@@ -455,7 +536,10 @@ class _DockerArchive:
         if not isinstance(cfg_name, str) or not isinstance(layer_names, list) \
                 or not all(isinstance(n, str) for n in layer_names):
             raise BadInput(f"{self.spec}: manifest.json entry has no Config or Layers")
-        cfg = _json(self._read_json(cfg_name, "image config"), f"{self.spec}: image config", _name_digest(cfg_name))
+        if len(layer_names) > MAX_LAYERS:
+            raise BadInput(f"{self.spec}: manifest.json lists {len(layer_names)} layers (at most {MAX_LAYERS})")
+        cfg = _json(self._read_json(cfg_name, "image config", MAX_CONFIG_JSON), f"{self.spec}: image config",
+                    _name_digest(cfg_name))
         diff_ids = _layers_and_diff_ids(cfg, len(layer_names), f"{self.spec}: image config")
         layers = []
         for i, (lname, diff_id) in enumerate(zip(layer_names, diff_ids, strict=True)):
