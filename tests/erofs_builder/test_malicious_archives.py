@@ -253,3 +253,167 @@ def test_docker_archive_layer_tampered(tmp_path: Path, store: str) -> None:
     r = layerctl("build", f"docker-archive:{path}", "--push", "--store", store, "--json")
     assert_clean_failure(r, "diff_id mismatch")
     assert_store_empty(store)
+
+
+# -- bounded resources (issue 12): every case fails with a BadInput naming its limit ----------
+def _peak_bytes(data: bytes) -> tuple[int, BaseException | None]:
+    """Peak Python memory while reading `data` (allocations counted, not time)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        _consume(data)
+        error = None
+    except BadInput as e:
+        error = e
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, error
+
+
+LIMIT_CASES: list[tuple[str, bytes, str]] = [
+    ("path-over-path-max", raw_tar(pax({"path": "d/" + "/".join(["n" * 200] * 21)}), member("x", b"")),
+     r"a name of 4\d\d\d bytes \(the limit is 4095\)"),
+    ("path-100k-components", raw_tar(pax({"path": af.deep_path(100_000)}), member("x", b"")),
+     r"a name of 199999 bytes \(the limit is 4095\)"),
+    ("hardlink-target-over-path-max", raw_tar(OK, pax({"linkpath": "a/" * 3000 + "ok"}),
+                                              header("h", typeflag=b"1", linkname="ok")), "limit is 4095"),
+    ("pax-after-pax", raw_tar(pax({"path": "a"}), pax({"path": "b"}), member("x", b"")),
+     r"repeated extended header \('x' twice"),
+    ("longname-chain", raw_tar(*[member("././@LongLink", b"n%d\0" % i, typeflag=b"L") for i in range(3)],
+                               member("x", b"")), r"repeated extended header \('L' twice"),
+    ("longlink-chain", raw_tar(member("././@LongLink", b"t\0", typeflag=b"K"),
+                               member("././@LongLink", b"u\0", typeflag=b"K"),
+                               header("s", typeflag=b"2", linkname="x")), r"repeated extended header \('K' twice"),
+    ("extended-headers-over-8mib", raw_tar(pax({"comment": "c" * (5 << 20)}),
+                                           member("././@LongLink", b"n" * (4 << 20), typeflag=b"L"),
+                                           member("x", b"")), "extended headers of one member over 8388608 bytes"),
+    ("pax-records", raw_tar(pax({f"k{i}": "v" for i in range(5000)}), member("x", b"")),
+     "more than 4096 pax records in one header"),
+    ("global-keys", raw_tar(pax({f"g{i}": "v" for i in range(300)}, typeflag=b"g"), member("x", b"")),
+     r"global pax keys over the limit \(300 keys"),
+    ("global-size", raw_tar(*[pax({f"g{i}": "v" * (300 << 10)}, typeflag=b"g") for i in range(4)], member("x", b"")),
+     r"global pax keys over the limit .* at most 256 keys and 1048576 bytes"),
+    ("global-headers", raw_tar(*[pax({"comment": "c"}, typeflag=b"g")] * 4097, member("x", b"")),
+     "more than 4096 global headers"),
+    ("sparse-map-count", raw_tar(pax({"GNU.sparse.map": ",".join(["0", "0"] * 300_000), "GNU.sparse.size": "1"}),
+                                 member("sp", b"")), "sparse map of more than 262144 segments"),
+]
+
+
+@pytest.mark.parametrize("data,match", [c[1:] for c in LIMIT_CASES], ids=[c[0] for c in LIMIT_CASES])
+def test_reader_limits(data: bytes, match: str) -> None:
+    with pytest.raises(BadInput, match=match) as exc:
+        _consume(data)
+    assert str(exc.value).startswith("evil.tar: ") and "\n" not in str(exc.value)
+
+
+def test_member_count_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import erofs_builder.source_tar as source_tar
+
+    monkeypatch.setattr(source_tar, "MAX_MEMBERS", 3)
+    _consume(raw_tar(*[member(f"f{i}", b"") for i in range(3)]))
+    with pytest.raises(BadInput, match="more than 3 members"):
+        _consume(raw_tar(*[member(f"f{i}", b"") for i in range(4)]))
+
+
+def test_deep_path_is_refused_in_bounded_memory() -> None:
+    """100,000 components: refused by name length before any per-prefix work (the old reader
+    kept every prefix, ~10 GB for this name)."""
+    peak, error = _peak_bytes(raw_tar(pax({"path": af.deep_path(100_000)}), member("x", b"")))
+    assert isinstance(error, BadInput) and "limit is 4095" in str(error)
+    assert peak < 8 << 20, peak
+
+
+def test_deep_members_cost_linear_memory() -> None:
+    """Members 2,000 directories deep (under PATH_MAX) with no directory entries: the reader's
+    state grows with the names' length, not with its square (the old reader held ~4 MB of
+    prefixes per member: ~100 MB here, ~800x the archive; now ~10 MB)."""
+    data = af.deep_members(25, 2000)
+    peak, error = _peak_bytes(data)
+    assert error is None
+    assert peak < 150 * len(data), (peak, len(data))  # ~75x: an interned node per component
+    # the same tree checks still hold at depth
+    bad = raw_tar(pax({"path": af.deep_path(1500, "t/")}), member("x", b""),
+                  pax({"path": af.deep_path(1000, "t/")}), header("y", typeflag=b"2", linkname="z"))
+    with pytest.raises(BadInput, match="uses it as a directory"):
+        _consume(bad)
+    bad = raw_tar(pax({"path": af.deep_path(1000, "t/")}), header("y", typeflag=b"2", linkname="z"),
+                  pax({"path": af.deep_path(1500, "t/")}), member("x", b""))
+    with pytest.raises(BadInput, match="would be written through 't/a/a/a/a"):
+        _consume(bad)
+
+
+def test_deep_whiteouts_cost_linear_memory(tmp_path: Path) -> None:
+    import tracemalloc
+
+    from erofs_builder.source_oci import whiteouts
+
+    data = af.deep_members(25, 2000)
+    tracemalloc.start()
+    try:
+        for _entry, content in whiteouts(tar_entries(io.BytesIO(data), name="evil.tar"), name="evil.tar"):
+            for _ in content or ():
+                pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 250 * len(data), (peak, len(data))  # the old whiteout pass alone held ~800x
+
+
+def _small_layout(tmp_path: Path) -> Path:
+    root = tmp_path / "oci"
+    af.write_oci_layout(root, af.ImageSpec([GOOD]))
+    return root
+
+
+def test_oci_json_and_layer_bounds(tmp_path: Path) -> None:
+    from erofs_builder import source_oci
+
+    root = _small_layout(tmp_path)
+    index = json.loads((root / "index.json").read_text())
+    # a descriptor's size is checked before the blob is read: over the limit, or not the file's
+    for size, match in ((source_oci.MAX_MANIFEST_JSON + 1, "descriptor size 4194305 is over the limit"),
+                        (True, "bad size 'True'"), (3, "is .* bytes, its descriptor says 3")):
+        index["manifests"][0]["size"] = size
+        (root / "index.json").write_text(json.dumps(index))
+        with pytest.raises(BadInput, match=match):
+            image_layers(f"oci:{root}")
+    root = _small_layout(tmp_path / "2")
+    af.rewrite_oci_manifest(root, lambda m: m["layers"].extend([m["layers"][0]] * 500))
+    with pytest.raises(BadInput, match="lists 501 layers .at most 500."):
+        image_layers(f"oci:{root}")
+    root = _small_layout(tmp_path / "3")
+    af.rewrite_oci_manifest(root, lambda m: m["layers"][0].update(size=m["layers"][0]["size"] + 1))
+    with pytest.raises(BadInput, match="layer 0 .*the blob is .* bytes, its descriptor says"):
+        image_layers(f"oci:{root}")
+    root = _small_layout(tmp_path / "4")
+    (root / "index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(BadInput, match="index.json: JSON nested too deeply"):
+        image_layers(f"oci:{root}")
+    (root / "index.json").write_text(json.dumps({"manifests": [{"digest": "x"}] * 4097}))
+    with pytest.raises(BadInput, match="lists 4097 images"):
+        image_layers(f"oci:{root}")
+    (root / "index.json").write_text(" " * (source_oci.MAX_INDEX_JSON + 1))
+    with pytest.raises(BadInput, match="index.json is larger than 4194304 bytes"):
+        image_layers(f"oci:{root}")
+
+
+def test_docker_archive_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from erofs_builder import source_oci
+
+    # Python's tarfile would read a pax header of any size into memory
+    path = tmp_path / "big-pax.tar"
+    path.write_bytes(raw_tar(pax({"comment": "c" * (9 << 20)}), member("manifest.json", b"[]")))
+    with pytest.raises(BadInput, match="a tar header of more than 8388608 bytes"):
+        image_layers(f"docker-archive:{path}")
+    path = tmp_path / "deep.tar"
+    path.write_bytes(raw_tar(member("manifest.json", b"[" * 100_000 + b"]" * 100_000)))
+    with pytest.raises(BadInput, match="manifest.json: JSON nested too deeply"):
+        image_layers(f"docker-archive:{path}")
+    monkeypatch.setattr(source_oci, "MAX_ARCHIVE_MEMBERS", 10)
+    path = tmp_path / "many.tar"
+    path.write_bytes(raw_tar(*[member(f"m{i}", b"") for i in range(11)]))
+    with pytest.raises(BadInput, match="more than 10 members"):
+        image_layers(f"docker-archive:{path}")

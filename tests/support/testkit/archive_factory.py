@@ -395,3 +395,28 @@ def _remove(p: Path) -> None:
 def _forget(meta: dict[str, tarfile.TarInfo], name: str) -> None:
     for key in [k for k in meta if k == name or k.startswith(name + "/")]:
         del meta[key]
+
+
+# -- hostile shapes ---------------------------------------------------------------------------
+def deep_path(depth: int, prefix: str = "") -> str:
+    """A path of `depth` one-letter components (the worst case for per-prefix work)."""
+    return prefix + "/".join(["a"] * depth)
+
+
+def deep_members(count: int, depth: int) -> bytes:
+    """`count` files, each `depth` directories deep under its own top directory, with no
+    directory entries: every member brings `depth` new implicit directories."""
+    return raw_tar(*(pax({"path": deep_path(depth, f"t{i}/")}) + member(f"f{i}", b"") for i in range(count)))
+
+
+def rewrite_oci_manifest(root: Path, edit: object) -> None:
+    """Apply `edit(manifest_dict)` to an OCI layout's only image manifest and re-address it."""
+    index = json.loads((root / "index.json").read_text())
+    desc = index["manifests"][0]
+    blobs = root / "blobs/sha256"
+    manifest = json.loads((blobs / desc["digest"].split(":")[1]).read_bytes())
+    edit(manifest)  # type: ignore[operator]
+    data = json.dumps(manifest).encode()
+    desc["digest"], desc["size"] = _sha(data), len(data)
+    (blobs / desc["digest"].split(":")[1]).write_bytes(data)
+    (root / "index.json").write_text(json.dumps(index))
