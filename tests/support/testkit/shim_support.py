@@ -25,7 +25,8 @@ needs_busybox = pytest.mark.skipif(BUSYBOX is None or not os.path.exists("/usr/s
                                    reason="needs busybox-static (.ci/install-deps.sh)")
 needs_runc = pytest.mark.skipif(shutil.which("runc") is None, reason="needs runc (.ci/install-deps.sh)")
 APPLETS = ["sh", "echo", "cat", "ls", "mkdir", "rm", "touch", "stat", "id", "hostname", "ip", "test", "sleep",
-           "wc", "mv", "find", "readlink", "true", "false", "seq", "head", "printf", "ps", "mount"]
+           "wc", "mv", "find", "readlink", "true", "false", "seq", "head", "printf", "ps", "mount", "grep",
+           "unshare"]
 CONFIG = {"entrypoint": [], "cmd": ["/bin/sh"], "env": [], "workdir": "/", "user": ""}
 
 
