@@ -120,6 +120,9 @@ class Daemon:
                 lazy = LazyCache(cache, self.store, nursery=service, trace=trace, concurrency=cfg.fetch_concurrency,
                                  deadline=cfg.fetch_deadline, readahead=cfg.readahead)
                 self.stats = lazy.stats
+                # Pinned files may be mounted directly (no FUSE hop verifies their reads): re-hash
+                # their recovered chunks now, in the background (docs/fuse-client.md).
+                service.start_soon(lazy.verify_pinned)
                 ops = BlobFS(lazy, push_nursery=service)
                 control = ControlServer(socket_path(cache_dir), ControlAPI(lazy))
                 try:

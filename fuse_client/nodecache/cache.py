@@ -14,13 +14,18 @@ present (servable at once) and queues an index record; the journal syncs the dat
 batch, then commits the batch to LMDB. Eviction: mark absent (no new reader can start), queue the
 record's deletion, and punch the hole only after that deletion committed. A crash can therefore
 leave data without a record (recovery punches it), never a record without data.
+
+A record says the bytes were verified once, not that they still are: after a restart (a crash, or
+someone writing to the data files meanwhile) recovery keeps recorded chunks as `unverified`, and
+nothing serves them until they are re-hashed against the chunk map (`check_unverified`: by the
+fetcher on first demand, by `pin_blob` before a direct mount, by `verify`).
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -47,6 +52,8 @@ JOURNAL_GATHER = 0.05  # seconds a journal batch waits for more ops (group commi
 SETTLE = 0.5  # seconds without commits that end an eviction episode
 RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
 PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning per this many seconds
+VERIFY_BATCH_BYTES = 32 << 20  # recovered chunks re-hashed per worker-thread call (held busy meanwhile)
+DISK_FULL_INTERVAL = 1.0  # at most one disk-full eviction per this many seconds
 MAX_HOLDER = 256  # bytes of a pin holder's name (utf-8)
 
 
@@ -82,18 +89,25 @@ class NodeCache:
         self.journal_batches = 0
         self.journal_chunk_records = 0  # PutChunk records committed since start
         self._journal_failures = 0
+        self.verified_chunks = 0  # recovered chunks whose bytes matched their digest again
+        self.corrupt_cached_chunks = 0  # recovered or verified chunks whose bytes did not
+        self.write_failures = 0  # chunk writes into the data files that failed
+        self.disk_full = 0  # ... of them with ENOSPC (each kicks an eviction)
+        self._disk_full = False
+        self._disk_full_at = float("-inf")
 
     # -- start-up (blocking; run in a worker thread before serving) ----------------------
     @classmethod
     def recover(cls, root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) -> NodeCache:
         """Load the index and make the data files agree with it: committed chunks whose bytes
         are missing lose their record, bytes without a record are punched out, data files
-        without a map are removed."""
+        without a map are removed. Recorded chunks whose bytes are there are kept *unverified*:
+        counted in usage, evictable, but served only once re-hashed (`check_unverified`)."""
         cache = cls(root, files, index, **kw)  # type: ignore[arg-type]
         committed = index.committed()
         pins = cache.pins = index.pins()
         ops: list[ci.Op] = []
-        dropped = punched = 0
+        dropped = punched = kept = 0
         for blob, data in index.maps():
             try:
                 cmap = ChunkMap.decode(data, blob)
@@ -115,19 +129,20 @@ class NodeCache:
                     ops.append(ci.DelChunk(blob, idx))
                     dropped += 1
                     continue
-                entry.present[idx] = 1
+                entry.unverified[idx] = 1
                 entry.last_use[idx] = last_use
                 cache.usage += ref.length
+                kept += 1
             if blob in pins:
                 # Never touch the bytes of a pinned file: a holder mounted it as an image.
-                if not all(entry.present):
+                lost = entry.size - entry.held_bytes()
+                if lost:
                     log.error("cache recovery: pinned blob %s lacks %d byte(s) of committed chunks; its "
-                              "direct mounts read zeros there until they are fetched again", blob,
-                              entry.missing_bytes())
+                              "direct mounts read zeros there until they are fetched again", blob, lost)
                 extents = []
             for s, e in extents:
                 for idx in cmap.span(s, e - s):
-                    if not entry.present[idx]:
+                    if not entry.present[idx] and not entry.unverified[idx]:
                         ref = cmap.chunks[idx]
                         lo, hi = max(s, ref.offset), min(e, ref.end)
                         punch_hole(fd, lo, hi - lo)
@@ -143,6 +158,9 @@ class NodeCache:
         if dropped or punched:
             log.warning("cache recovery: %d record(s) without data dropped, %d uncommitted range(s) punched",
                         dropped, punched)
+        if kept:
+            log.info("cache recovery: %d committed chunk(s) kept unverified: each is re-hashed before it is served",
+                     kept)
         return cache
 
     def close(self) -> None:
@@ -195,6 +213,9 @@ class NodeCache:
         e = self.entries.get(blob)
         if e is None:
             raise BlobIncomplete(f"blob {blob} is not in the node cache", None)
+        # The kernel will read the file with no FUSE hop: every recovered chunk is re-hashed
+        # first; a bad one is dropped, and the blob is then incomplete.
+        await self.verify_all_unverified(e)
         missing = e.missing_bytes()
         if missing:
             raise BlobIncomplete(f"blob {blob} is not complete in the node cache: {missing} byte(s) missing",
@@ -239,6 +260,7 @@ class NodeCache:
         with trio.CancelScope(shield=True):
             await self.flush()
         if self._journal_failures != failures:
+            self._pending[:] = [o for o in self._pending if o is not op]  # not retried: the caller is told
             undo()
             raise CacheIOError(f"cannot record the pin change of blob {op.blob} in the cache index (see the log)")
 
@@ -247,7 +269,87 @@ class NodeCache:
         return sorted(self.pins.get(blob, ()))
 
     def pinned_bytes(self) -> int:
-        return sum(e.cached_bytes() for b, e in self.entries.items() if b in self.pins)
+        return sum(e.held_bytes() for b, e in self.entries.items() if b in self.pins)
+
+    # -- recovered chunks: re-hashed before they are served ----------------------------------------
+    async def check_unverified(self, entry: BlobEntry, positions: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Re-hash recovered chunks against the chunk map (worker thread); the caller holds a
+        flight on every position in `busy` (so no eviction or other check touches them). A
+        match becomes present (servable, no store fetch); a mismatch is dropped (record
+        deleted, bytes punched unless the blob is pinned), counted and logged, before this
+        returns, so the caller may write verified bytes there. Returns (good, bad)."""
+        positions = [i for i in positions if entry.unverified[i]]
+        if not positions:
+            return [], []
+        wrong = await trio.to_thread.run_sync(_rehash, entry, positions)
+        bad = set(wrong)
+        good = [i for i in positions if i not in bad]
+        for i in good:
+            entry.unverified[i] = 0
+            entry.present[i] = 1
+        self.verified_chunks += len(good)
+        if wrong:
+            await self._discard_unverified(entry, wrong)
+        return good, wrong
+
+    async def _discard_unverified(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
+        chunks = entry.cmap.chunks
+        pinned = entry.blob in self.pins
+        for i in idxs:
+            entry.unverified[i] = 0
+            self.usage -= chunks[i].length
+            log.error("cache: blob %s chunk %d (%s): the cached bytes do not match the digest (changed since they "
+                      "were verified); %s", entry.blob, i, chunks[i].digest,
+                      "record dropped, not punched (the blob is pinned: its direct mounts read these bytes "
+                      "until the chunk is fetched again)" if pinned else "dropped")
+        self.corrupt_cached_chunks += len(idxs)
+        ops: list[ci.Op] = [ci.DelChunk(entry.blob, i) for i in idxs]
+        self._enqueue(ops, None if pinned else (entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs]))
+        with trio.CancelScope(shield=True):
+            await self.flush()  # punched before the caller writes anything there
+
+    async def verify_unverified(self, entry: BlobEntry) -> tuple[list[int], list[int]]:
+        """Re-hash the blob's recovered chunks that no flight holds, in batches of about
+        `VERIFY_BATCH_BYTES` (each batch held busy, so readers of it wait for it only).
+        Returns (good, bad) over all batches."""
+        good: list[int] = []
+        bad: list[int] = []
+        busy, blob, chunks = self.busy, entry.blob, entry.cmap.chunks
+        todo = [i for i in entry.unverified_idxs() if (blob, i) not in busy]
+        while todo:
+            batch: list[int] = []
+            size = 0
+            while todo and size < VERIFY_BATCH_BYTES:
+                i = todo.pop(0)
+                if entry.unverified[i] and (blob, i) not in busy:
+                    batch.append(i)
+                    size += chunks[i].length
+            if not batch:
+                continue
+            fl = Flight(DEMAND, "verify")
+            for i in batch:
+                busy[(blob, i)] = fl
+            try:
+                g, b = await self.check_unverified(entry, batch)
+            finally:
+                for i in batch:
+                    if busy.get((blob, i)) is fl:
+                        del busy[(blob, i)]
+                fl.done.set()
+            good += g
+            bad += b
+        return good, bad
+
+    async def verify_all_unverified(self, entry: BlobEntry) -> list[int]:
+        """`verify_unverified`, then wait for flights that held some of them (a fetch verifies
+        what it holds) until no recovered chunk of the blob is left. Returns the bad ones."""
+        bad: list[int] = []
+        while True:
+            bad += (await self.verify_unverified(entry))[1]
+            held = [self.busy[(entry.blob, i)] for i in entry.unverified_idxs() if (entry.blob, i) in self.busy]
+            if not held:
+                return bad
+            await held[0].done.wait()
 
     # -- writers ---------------------------------------------------------------------------
     def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
@@ -257,7 +359,10 @@ class NodeCache:
         chunks = entry.cmap.chunks
         ops: list[ci.Op] = []
         for i in positions:
-            if not entry.present[i]:
+            if entry.unverified[i]:  # its verified bytes were just written over it
+                entry.unverified[i] = 0
+                entry.present[i] = 1
+            elif not entry.present[i]:
                 entry.present[i] = 1
                 self.usage += chunks[i].length
             entry.last_use[i] = now
@@ -288,9 +393,15 @@ class NodeCache:
                 self.journal_batches += 1
                 self.journal_chunk_records += sum(isinstance(op, ci.PutChunk) for op in ops)
             except Exception:
+                # Nothing of the batch is lost: LMDB aborted it whole, and its ops go back to the
+                # front of the queue for the next batch. Its punches are not retried: by then a
+                # fetch may have written the range again (the bytes stay, unrecorded, until
+                # recovery punches them).
                 self._journal_failures += 1
-                log.exception("cache journal: a batch of %d op(s) failed; the chunks stay served from memory "
-                              "and are re-fetched after a restart", len(ops))
+                self._pending[:0] = ops
+                log.exception("cache journal: a batch of %d op(s) failed (retried with the next batch; %d range(s) "
+                              "left unpunched); the chunks stay served from memory", len(ops),
+                              sum(len(r) for _, r in punches))
 
     def queue_touches(self) -> None:
         """Queue the last-use times of recently read blobs (off the read path, batched)."""
@@ -362,6 +473,12 @@ class NodeCache:
         assert self.budget is not None
         while True:
             await self._next_kick()
+            if self._disk_full:
+                self._disk_full = False
+                # The disk filled before the budget did (other files share it, or the budget is
+                # larger than the disk): give back a quarter of what the cache holds, at once.
+                await self.evict_to(min(self.budget.low, int(self.usage * self.budget.low_fraction
+                                                              / self.budget.high_fraction)))
             if self.usage <= self.budget.high:
                 continue
             self._episode = True
@@ -383,6 +500,20 @@ class NodeCache:
             finally:
                 self._episode = False
 
+    def write_failed(self, err: int | None) -> None:
+        """A chunk could not be written to the data files (the fetcher calls this). With
+        ENOSPC the disk is full: evict (at most once per `DISK_FULL_INTERVAL`); a punch frees
+        blocks on a full disk, so eviction works there."""
+        self.write_failures += 1
+        if err != errno.ENOSPC:
+            return
+        self.disk_full += 1
+        now = time.monotonic()
+        if self.budget is not None and now - self._disk_full_at >= DISK_FULL_INTERVAL:
+            self._disk_full_at = now
+            self._disk_full = True
+            self._evict_kick.set()
+
     def _candidates(self, only: str | None = None) -> list[Candidate]:
         out = []
         busy = self.busy
@@ -392,8 +523,9 @@ class NodeCache:
             meta = set(e.metadata) if e.open_count else ()
             chunks = e.cmap.chunks
             pins = e.pins
+            unverified = e.unverified
             for i, p in enumerate(e.present):
-                if p and i not in pins and (blob, i) not in busy:
+                if (p or unverified[i]) and i not in pins and (blob, i) not in busy:
                     out.append(Candidate(blob, i, chunks[i].length, e.last_use[i], i in meta))
         return out
 
@@ -447,10 +579,11 @@ class NodeCache:
         nbytes = 0
         for blob, i in victims:
             e = self.entries.get(blob)
-            if e is None or not e.present[i] or i in e.pins or (blob, i) in self.busy or blob in self.pins:
+            if (e is None or not (e.present[i] or e.unverified[i]) or i in e.pins or (blob, i) in self.busy
+                    or blob in self.pins):
                 continue
             ref = e.cmap.chunks[i]
-            e.present[i] = 0  # from here on no reader starts on it
+            e.present[i] = e.unverified[i] = 0  # from here on no reader starts on it
             self.busy[(blob, i)] = flight
             taken.append((blob, i))
             self.usage -= ref.length
@@ -475,24 +608,30 @@ class NodeCache:
 
     # -- maintenance ---------------------------------------------------------------------------
     async def verify(self) -> dict[str, object]:
-        """Re-hash every committed chunk; drop the bad ones. Chunks are pinned while checked.
-        A bad chunk of a pinned blob is reported and loses its record (the FUSE path never
-        serves it; a read there fetches it again and rewrites the verified bytes in place), but
-        its bytes are not punched: a holder mounted the file."""
+        """Re-hash every committed chunk, verified or recovered; drop the bad ones. Chunks are
+        pinned while checked (recovered ones held busy). A bad chunk of a pinned blob is
+        reported and loses its record (the FUSE path never serves it; a read there fetches it
+        again and rewrites the verified bytes in place), but its bytes are not punched: a holder
+        mounted the file."""
         checked = 0
         bad: list[dict[str, object]] = []
         for blob, e in list(self.entries.items()):
             idxs = [i for i, p in enumerate(e.present) if p]
+            good_r, bad_r = await self.verify_unverified(e)
+            checked += len(good_r) + len(bad_r)
+            bad += [{"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": blob in self.pins}
+                    for i in bad_r]
             if not idxs:
                 continue
             self.pin(e, idxs)
             try:
-                wrong = await trio.to_thread.run_sync(_rehash, e.fd, e.cmap, idxs)
+                wrong = await trio.to_thread.run_sync(_rehash, e, idxs)
             finally:
                 self.unpin(e, idxs)
             checked += len(idxs)
             if not wrong:
                 continue
+            self.corrupt_cached_chunks += len(wrong)
             pinned = blob in self.pins
             for i in wrong:
                 log.error("cache verify: blob %s chunk %d (%s) does not match its digest; %s", blob, i,
@@ -510,8 +649,8 @@ class NodeCache:
         """Mark chunks absent and queue the deletion of their records, without punching."""
         chunks = e.cmap.chunks
         for i in idxs:
-            if e.present[i]:
-                e.present[i] = 0
+            if e.present[i] or e.unverified[i]:
+                e.present[i] = e.unverified[i] = 0
                 self.usage -= chunks[i].length
         self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
 
@@ -523,6 +662,11 @@ class NodeCache:
             "cache_busy_chunks": len(self.busy),
             "cache_evicted_chunks": self.evicted_chunks,
             "cache_evicted_bytes": self.evicted_bytes,
+            "cache_unverified_chunks": sum(e.unverified.count(1) for e in self.entries.values()),
+            "cache_verified_chunks": self.verified_chunks,
+            "cache_corrupt_cached_chunks": self.corrupt_cached_chunks,
+            "cache_write_failures": self.write_failures,
+            "cache_disk_full": self.disk_full,
         }
         if self.budget is not None:
             g["cache_budget_bytes"] = self.budget.size
@@ -533,16 +677,23 @@ class NodeCache:
     def ls(self) -> dict[str, object]:
         blobs = []
         disk = 0
+        unverified = 0
         for blob, e in sorted(self.entries.items()):
             n = sum(e.present)
             alloc = self.files.allocated_bytes(blob)
             disk += alloc
+            held = e.held_bytes()
+            unverified += held - e.cached_bytes()
             blobs.append({"blob": blob, "size": e.size, "chunks": len(e.present), "cached_chunks": n,
-                          "cached_bytes": e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count,
-                          "complete": n == len(e.present), "pinned_by": sorted(self.pins.get(blob, ()))})
+                          "cached_bytes": e.cached_bytes(), "unverified_chunks": sum(e.unverified),
+                          "unverified_bytes": held - e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count,
+                          "complete": held == e.size, "pinned_by": sorted(self.pins.get(blob, ()))})
         pins = [{"blob": blob, "holder": h, "since": since, "path": str(self.files.path(blob).absolute())}
                 for blob, holders in sorted(self.pins.items()) for h, since in sorted(holders.items())]
         return {"used_bytes": self.usage, "disk_bytes": disk, "pinned_bytes": self.pinned_bytes(), "pins": pins,
+                "unverified_bytes": unverified, "verified_chunks": self.verified_chunks,
+                "corrupt_cached_chunks": self.corrupt_cached_chunks, "write_failures": self.write_failures,
+                "disk_full": self.disk_full,
                 "budget": self.budget.to_json() if self.budget else None,
                 "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes,
                 "journal": {"batches": self.journal_batches, "chunk_records": self.journal_chunk_records,
@@ -556,11 +707,21 @@ def _covered(extents: list[tuple[int, int]], starts: list[int], lo: int, hi: int
     return k >= 0 and extents[k][1] >= hi
 
 
-def _rehash(fd: int, cmap: ChunkMap, idxs: Sequence[int]) -> list[int]:
+def _rehash(entry: BlobEntry, idxs: Sequence[int]) -> list[int]:
+    """Worker thread: the chunks whose bytes in the data file do not hash to their digest (a
+    read error counts as a mismatch; EBADF once the entry is closed)."""
     wrong = []
+    chunks = entry.cmap.chunks
     for i in idxs:
-        ref = cmap.chunks[i]
-        data = os.pread(fd, ref.length, ref.offset)
+        ref = chunks[i]
+        try:
+            data = entry.read_sync(ref.offset, ref.end)
+        except OSError as e:
+            if e.errno == errno.EBADF:
+                raise
+            log.error("cache: blob %s chunk %d: cannot read it back: %s", entry.blob, i, e)
+            wrong.append(i)
+            continue
         h = blake3.blake3(data).hexdigest()
         if len(data) != ref.length or digestmod.PREFIX + h != ref.digest:
             wrong.append(i)

@@ -41,14 +41,18 @@ class Flight:
 class BlobEntry:
     """The cache's picture of one blob. Mutated only on the trio thread.
 
-    `present[i]` says chunk i may be served: its bytes are in the blob's data file. A cache hit
+    `present[i]` says chunk i may be served: its bytes are in the blob's data file and were
+    verified (hashed against the chunk map) since this process opened the cache. `unverified[i]`
+    says chunk i was committed before (recovery found its record and its bytes) but has not been
+    re-hashed yet: it counts as cached (disk usage, eviction) but is never served until the
+    fetcher or a pin verifies it (`NodeCache.check_unverified`). A cache hit
     is this lookup plus a pread of the data file, or, for a long sequential stream, a slice of
     its read-only mapping (`mapped_range`): then the kernel copies the bytes from the page cache
     into its reply, and the daemon copies nothing. The pages mapped that way are unmapped again
     by the cache's release loop (they stay in the page cache), so the daemon's resident size
     does not grow with what it served."""
 
-    __slots__ = ("blob", "cmap", "fd", "present", "last_use", "pins", "open_count", "metadata",
+    __slots__ = ("blob", "cmap", "fd", "present", "unverified", "last_use", "pins", "open_count", "metadata",
                  "is_meta", "use_dirty", "streams", "_positions", "view", "mapped",
                  "_map", "_map_failed", "io_lock", "closed")
 
@@ -58,6 +62,7 @@ class BlobEntry:
         self.cmap = cmap
         self.fd = fd
         self.present = bytearray(n)
+        self.unverified = bytearray(n)
         self.last_use = [0.0] * n
         self.pins: dict[int, int] = {}
         self.open_count = 0
@@ -99,8 +104,19 @@ class BlobEntry:
         return self.missing(self.metadata)
 
     def cached_bytes(self) -> int:
+        """Bytes of verified (servable) chunks."""
         chunks = self.cmap.chunks
         return sum(chunks[i].length for i, p in enumerate(self.present) if p)
+
+    def unverified_idxs(self) -> list[int]:
+        """Recovered chunks not yet re-hashed (on disk, recorded, not servable)."""
+        return [i for i, u in enumerate(self.unverified) if u]
+
+    def held_bytes(self) -> int:
+        """Bytes the blob holds on disk under a record: verified and unverified chunks."""
+        chunks = self.cmap.chunks
+        return sum(chunks[i].length for i, (p, u) in enumerate(zip(self.present, self.unverified, strict=True))
+                   if p or u)
 
     def missing_bytes(self) -> int:
         chunks = self.cmap.chunks

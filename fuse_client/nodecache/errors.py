@@ -38,7 +38,12 @@ class BlobPinned(LayerstoreError):
 
 
 class CacheIOError(LayerstoreError):
-    """The node cache's own disk failed (not the store)."""
+    """The node cache's own disk failed (not the store); `errno_value` is the OS error's errno
+    when there was one (ENOSPC: the disk is full)."""
+
+    def __init__(self, message: str, errno_value: int | None = None) -> None:
+        super().__init__(message)
+        self.errno_value = errno_value
 
 
 class CacheBusy(NodeUnavailable):

@@ -9,6 +9,13 @@
   queued prefetch flight raises its priority.
 - Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
+- Recovered chunks (committed before this process opened the cache, not re-hashed since: see
+  `NodeCache.recover`) take the same path: the flight first re-hashes the local bytes
+  (`NodeCache.check_unverified`, a worker thread); a match is served without a store fetch, a
+  mismatch is dropped, counted and logged, and the chunk is fetched from the store.
+- The cache's own disk: a failed write (ENOSPC included) fails the flight with `CacheIOError`
+  (EIO for the readers now, not retried by them: the next read tries again), is counted and,
+  for ENOSPC, kicks an eviction (`NodeCache.write_failed`).
 - Failures: a chunk that fails verification fails its flight (EIO for the readers; counted and
   logged with blob and chunk; nothing is written), and the next read starts a new flight. A store
   that cannot be reached fails the flight too, but each waiting reader retries until its own
@@ -156,8 +163,8 @@ class Fetcher:
         while not entry.present[idx]:
             try:
                 await self._join(entry, idx, priority, deadline)
-            except CorruptObject:
-                raise  # wrong bytes do not pass; the next read tries again
+            except (CorruptObject, CacheIOError):
+                raise  # wrong bytes, or a cache disk that cannot take them: the next read tries again
             except LayerstoreError as e:
                 # Anything else may pass, a chunk the store says it lacks included: a chunk map
                 # is published only after its chunks, so the store itself is missing (a store
@@ -202,6 +209,15 @@ class Fetcher:
             async with self._slots.hold(fl):
                 t0 = time.perf_counter()
                 prio = fl.priority
+                if any(entry.unverified[i] for i in positions):
+                    good, _ = await self.cache.check_unverified(entry, positions)
+                    if good:  # verified local bytes: no store fetch
+                        rest = [i for i in positions if i not in good]
+                        if rest:
+                            await trio.to_thread.run_sync(_copy_chunk, entry, good[0], rest,
+                                                          abandon_on_cancel=True, limiter=self._threads)
+                        self.cache.commit(entry, positions)
+                        return
                 # One worker thread call: get, verify and decompress, then write (one hop per chunk).
                 # Abandoned on cancel (a store that hangs must not hold up a shutdown); the thread
                 # then never writes to a closed entry (`BlobEntry.io_lock`).
@@ -213,8 +229,10 @@ class Fetcher:
                 bs.fetched_bytes += ref.length
                 bs.fetches += 1
         except CacheIOError as e:  # the cache's own disk failed: report, never serve
+            self.cache.write_failed(e.errno_value)
+            self.stats.cache_write_failures += 1
             log.error("blob %s chunk %d: %s", blob, positions[0], e)
-            fl.error = StoreUnavailable(str(e))
+            fl.error = e
         except CorruptObject as e:
             self.stats.corrupt_chunks += 1
             log.error("corrupt chunk: blob %s chunk %d (%s) failed verification, not served: %s",
@@ -299,7 +317,17 @@ def _write(entry: BlobEntry, positions: list[int], payload: bytes) -> None:
     try:
         entry.write_sync(positions, payload)
     except OSError as e:
-        raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}") from None
+        raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}", e.errno) from None
+
+
+def _copy_chunk(entry: BlobEntry, src: int, positions: list[int]) -> None:
+    """Worker thread: the verified bytes at position `src` written at `positions` (same digest)."""
+    ref = entry.cmap.chunks[src]
+    try:
+        payload = entry.read_sync(ref.offset, ref.end)
+    except OSError as e:
+        raise CacheIOError(f"reading the cache: {os.strerror(e.errno or 0)}", e.errno) from None
+    _write(entry, positions, payload)
 
 
 def _as_store_error(e: BaseException) -> LayerstoreError:

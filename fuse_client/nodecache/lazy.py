@@ -11,13 +11,15 @@ and may fetch ahead (`ensure`, `ensure_metadata`, `prefetch`). Maintenance (`ls`
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import BadInput
+from layerstore.errors import BadInput, LayerstoreError
 
 from .cache import NodeCache
 from .entry import BlobEntry
@@ -25,6 +27,8 @@ from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
 from .reader import DEFAULT_READAHEAD, MetadataHook, Reader
 from .stats import Stats
 from .trace import TraceRecorder
+
+log = logging.getLogger("layerstore.fuse.cache")
 
 
 class LazyCache:
@@ -88,9 +92,32 @@ class LazyCache:
     async def pin_blob(self, blob: str, holder: str) -> Path:
         """`NodeCache.pin_blob`, after fetching the chunk map of a blob the node has not seen
         (`NotFound` if the store lacks it; else `BlobIncomplete` says how much is missing)."""
-        if self.cache.get(blob) is None:
-            await self.fetcher.entry(blob)
+        entry = self.cache.get(blob)
+        if entry is None:
+            entry = await self.fetcher.entry(blob)
+        if entry.unverified_idxs():
+            # A pin re-hashes every recovered chunk; it repairs what fails from the store when it
+            # can (else `NodeCache.pin_blob` refuses: BlobIncomplete).
+            bad = await self.cache.verify_all_unverified(entry)
+            if bad:
+                with contextlib.suppress(LayerstoreError):
+                    await self.ensure(entry, bad)
         return await self.cache.pin_blob(blob, holder)
+
+    async def verify_pinned(self) -> None:
+        """Re-hash the recovered chunks of every pinned blob (their files may be mounted
+        directly, with no FUSE hop to verify a read), in the background, one blob after the
+        other; a chunk that fails is logged (ERROR), loses its record and is fetched from the
+        store again, which rewrites the verified bytes in place (what the direct mounts read)."""
+        for blob in sorted(self.cache.pins):
+            entry = self.cache.get(blob)
+            if entry is None or not entry.unverified_idxs():
+                continue
+            bad = await self.cache.verify_all_unverified(entry)
+            if bad:
+                log.error("pinned blob %s: %d chunk(s) changed on disk since they were verified; fetching them again",
+                          blob, len(bad))
+                await self.fetcher.prefetch(entry, bad)
 
 
 def prefetch_order(cmap: ChunkMap, metadata: list[int], *, chunks: list[Any] | None = None,

@@ -36,6 +36,7 @@ class Stats:
         self.blobs: dict[str, BlobStats] = {}
         self.corrupt_chunks = 0
         self.store_errors = 0
+        self.cache_write_failures = 0  # chunks fetched but not written to the node cache (EIO to the readers)
         self.metadata_pushes = 0  # metadata chunks pushed into the kernel's page cache
         self.metadata_pushed_bytes = 0
         self._gauges = gauges
@@ -58,7 +59,8 @@ class Stats:
 
     def to_json(self) -> dict[str, object]:
         return {"blobs": {b: s.to_json() for b, s in sorted(self.blobs.items())},
-                "corrupt_chunks": self.corrupt_chunks, "store_errors": self.store_errors}
+                "corrupt_chunks": self.corrupt_chunks, "store_errors": self.store_errors,
+                "cache_write_failures": self.cache_write_failures}
 
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,6 +90,8 @@ class _Collector:
         yield CounterMetricFamily("layerstore_fuse_corrupt_chunks", "Chunks that failed verification",
                                   value=st.corrupt_chunks)
         yield CounterMetricFamily("layerstore_fuse_store_errors", "Failed store requests", value=st.store_errors)
+        yield CounterMetricFamily("layerstore_fuse_cache_write_failures", "Fetched chunks the node cache could not "
+                                  "write (disk full or failing)", value=st.cache_write_failures)
         yield CounterMetricFamily("layerstore_fuse_metadata_pushes", "Pushes of metadata (runs of chunks) into the "
                                   "kernel's page cache (FUSE notify_store)", value=st.metadata_pushes)
         yield CounterMetricFamily("layerstore_fuse_metadata_pushed_bytes", "Bytes of metadata pushed into the "
