@@ -44,7 +44,7 @@ IMAGE_MODE = 0o644  # before the umask
 @dataclass
 class BuiltLayer:
     path: Path
-    blob: str  # b3: digest of the whole image
+    blob: str  # the image's id: its chunk list's (layerstore.chunkmap.blob_id)
     size: int
     files: int  # paths in the image, the root included
     refs: list[ChunkRef]
@@ -250,21 +250,20 @@ def _prehash(pool: ThreadPoolExecutor, fd: int, data: ImageLayout, policy: Chunk
 
 def hash_image(fd: int, layout: ImageLayout, policy: ChunkPolicy | None = None,
                known: dict[tuple[int, int], bytes] | None = None) -> tuple[str, list[ChunkRef]]:
-    """The whole image's digest and its chunk refs (digests filled), hashed in threads.
+    """The image's id and its chunk refs (digests filled), hashed in threads. The id is the
+    one the chunk list gives the image (`layerstore.chunkmap.blob_id`: a tree hash over the
+    size and every chunk's offset, length, flags and digest), so its chunk map proves it.
     `known`: digests already computed, by (offset, length)."""
     cuts = cut(layout, policy)
     if not layout.size:
-        return digestmod.of(b""), []
+        return ChunkMap.build([]).blob, []
     known = {**_known(layout), **(known or {})}
     batches = _batches(cuts, known)
     with image_view(fd, layout.size) as view, ThreadPoolExecutor(HASH_THREADS) as pool:
-        whole = pool.submit(_whole, view)
         hashed = iter([d for ds in pool.map(lambda cs: _digests(view, cs), batches) for d in ds])
         digests = [digestmod.PREFIX + (known.get((c.offset, c.length)) or next(hashed)).hex() for c in cuts]
-        blob = whole.result()
     refs = [ChunkRef(c.offset, c.length, d, c.flags) for c, d in zip(cuts, digests, strict=True)]
-    ChunkMap.build(blob, refs)  # checks the cover
-    return blob, refs
+    return ChunkMap.build(refs).blob, refs  # the build checks the cover
 
 
 @contextlib.contextmanager
@@ -278,18 +277,12 @@ def image_view(fd: int, size: int) -> Iterator[memoryview]:
             view.release()
 
 
-def _whole(view: memoryview) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update(view)
-    return digestmod.PREFIX + h.hexdigest()
-
-
 def push_layer(store: Store, layer: BuiltLayer, progress: Callable[[int], None] | None = None) -> PutStats:
     """Store the layer's missing chunks (in parallel), then its chunk map. A layer built with a
     `StoreSink` of this store has its chunks stored (compressed while it was built): only the
     chunk map is stored, after the store has checked that every chunk it names is present."""
     if layer.chunks_in is store and layer.chunk_stats is not None:
-        store.put_chunk_map(ChunkMap.build(layer.blob, layer.refs))
+        store.put_chunk_map(_chunk_map(layer))
         if progress is not None:
             progress(layer.size)
         return layer.chunk_stats
@@ -312,8 +305,15 @@ def push_layer(store: Store, layer: BuiltLayer, progress: Callable[[int], None] 
                 progress(ref.length)
     finally:
         os.close(fd)
-    store.put_chunk_map(ChunkMap.build(layer.blob, layer.refs))
+    store.put_chunk_map(_chunk_map(layer))
     return stats
+
+
+def _chunk_map(layer: BuiltLayer) -> ChunkMap:
+    cm = ChunkMap.build(layer.refs)
+    if cm.blob != layer.blob:
+        raise CorruptObject(f"{layer.path}: its chunk list is {cm.blob}, not the {layer.blob} it was built as")
+    return cm
 
 
 def current_umask() -> int:

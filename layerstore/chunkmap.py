@@ -4,14 +4,22 @@ A blob (an EROFS image, or any file) is cut into contiguous, non-overlapping chu
 exactly. Each entry carries flags; `METADATA` marks the chunks a reader should fetch first (the
 superblock, inodes, directories of an EROFS image).
 
-Binary encoding, little-endian:
+A blob's id is a tree hash that its chunk map proves by itself:
 
-    header  magic b"LSCM" | version u8 | 3 reserved bytes | count u32 | blob size u64 | blob 32B
-    entry   offset u64 | length u32 | flags u32 | chunk digest 32B          (48 bytes, x count)
-    trailer blake3 of everything above, 32B
+    blob id = blake3(b"layerstore chunk list v2\0" | blob size u64 | count u64 | entry x count)
+    entry   = offset u64 | length u32 | flags u32 | chunk digest 32B                 (48 bytes)
 
-The blob's id is the blake3 of the whole blob, which a chunk map cannot prove on its own, so it
-carries its own checksum and every structural rule is checked on decode.
+(little-endian). Every chunk's id is the blake3 of its bytes, checked on every fetch, so the blob
+id names every byte of the blob: whoever can write the store cannot swap or forge the map of a
+signed layer, because `decode` recomputes the id and refuses a map that is not `blob`'s.
+
+Binary encoding of a map (format 2), little-endian:
+
+    header  magic b"LSCM" | version u8 (2) | 3 zero bytes | count u32 | blob size u64
+    entries count x entry (as above)
+
+Format 1 named a blob by the blake3 of its whole content, which a map cannot prove; such maps
+are refused with a message that says to rebuild and push the layer (or `layerctl store migrate`).
 """
 
 from __future__ import annotations
@@ -27,13 +35,31 @@ from . import digest as digestmod
 from .errors import CorruptObject
 
 MAGIC = b"LSCM"
-VERSION = 1
+VERSION = 2
+VERSION_WHOLE_FILE = 1  # the old format: the blob id was the blake3 of the whole file
 METADATA = 1
 KNOWN_FLAGS = METADATA
-_HEAD = struct.Struct("<4sB3xIQ32s")
+ID_DOMAIN = b"layerstore chunk list v2\0"
+_HEAD = struct.Struct("<4sB3sIQ")
+_ID_HEAD = struct.Struct("<QQ")
 _ENTRY = struct.Struct("<QII32s")
-_TRAILER = 32
 MAX_CHUNK_LEN = 64 << 20
+# More entries than this are refused on encode and decode: it bounds what a reader allocates
+# for a map (192 MiB), and a writer cannot make a map that readers refuse.
+MAX_ENTRIES = 1 << 22
+MAX_ENCODED = _HEAD.size + MAX_ENTRIES * _ENTRY.size
+
+
+def blob_id(size: int, refs: Sequence[ChunkRef]) -> str:
+    """The id of the blob of `size` bytes cut into `refs` (in order)."""
+    h = blake3.blake3(ID_DOMAIN)
+    h.update(_ID_HEAD.pack(size, len(refs)))
+    h.update(_entries(refs))
+    return digestmod.PREFIX + h.hexdigest()
+
+
+def _entries(refs: Sequence[ChunkRef]) -> bytes:
+    return b"".join(_ENTRY.pack(c.offset, c.length, c.flags, digestmod.raw_of(c.digest)) for c in refs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +89,18 @@ class ChunkMap:
         object.__setattr__(self, "_starts", [c.offset for c in self.chunks])
 
     @classmethod
-    def build(cls, blob: str, refs: Iterable[ChunkRef]) -> ChunkMap:
+    def build(cls, refs: Iterable[ChunkRef]) -> ChunkMap:
+        """The map of the blob that `refs` cover, under the id they give it (`blob_id`)."""
         refs = tuple(refs)
         size = refs[-1].end if refs else 0
-        cm = cls(blob=digestmod.parse(blob), size=size, chunks=refs)
-        cm.check()
+        cm = cls(blob=blob_id(size, refs), size=size, chunks=refs)
+        cm.check_structure()
         return cm
 
-    def check(self) -> None:
+    def check_structure(self) -> None:
+        """The chunks cover the blob contiguously, with sane lengths and known flags."""
+        if len(self.chunks) > MAX_ENTRIES:
+            raise CorruptObject(f"chunk map of {self.blob}: {len(self.chunks)} entries, more than {MAX_ENTRIES}")
         pos = 0
         for i, c in enumerate(self.chunks):
             if c.offset != pos:
@@ -83,36 +113,50 @@ class ChunkMap:
         if pos != self.size:
             raise CorruptObject(f"chunk map of {self.blob}: chunks cover {pos} of {self.size} bytes")
 
+    def check(self) -> None:
+        """The structure, and that the chunk list is the one `blob` names."""
+        self.check_structure()
+        actual = blob_id(self.size, self.chunks)
+        if actual != self.blob:
+            raise CorruptObject(f"chunk map does not belong to blob {self.blob} (its chunk list is {actual})")
+
     def encode(self) -> bytes:
-        out = bytearray(_HEAD.pack(MAGIC, VERSION, len(self.chunks), self.size, digestmod.raw_of(self.blob)))
-        for c in self.chunks:
-            out += _ENTRY.pack(c.offset, c.length, c.flags, digestmod.raw_of(c.digest))
-        out += blake3.blake3(out).digest()
-        return bytes(out)
+        return _HEAD.pack(MAGIC, VERSION, bytes(3), len(self.chunks), self.size) + _entries(self.chunks)
 
     @classmethod
-    def decode(cls, data: bytes, blob: str) -> ChunkMap:
+    def decode(cls, data: bytes | bytearray | memoryview, blob: str) -> ChunkMap:
+        """The map of `blob`; `CorruptObject` unless `data` is a well-formed map whose chunk list
+        hashes to `blob` (so a forged or swapped map never decodes)."""
         where = f"chunk map of {blob}"
-        if len(data) < _HEAD.size + _TRAILER:
+        if len(data) < 5:
             raise CorruptObject(f"{where}: truncated ({len(data)} bytes)")
-        body, trailer = data[:-_TRAILER], data[-_TRAILER:]
-        if blake3.blake3(body).digest() != trailer:
-            raise CorruptObject(f"{where}: checksum mismatch")
-        magic, version, count, size, raw_blob = _HEAD.unpack_from(body, 0)
-        if magic != MAGIC:
-            raise CorruptObject(f"{where}: bad magic {magic!r}")
-        if version != VERSION:
-            raise CorruptObject(f"{where}: unknown version {version}")
-        if len(body) != _HEAD.size + count * _ENTRY.size:
-            raise CorruptObject(f"{where}: {count} entries do not fit {len(body)} bytes")
-        if digestmod.from_raw(raw_blob) != blob:
-            raise CorruptObject(f"{where}: describes {digestmod.from_raw(raw_blob)} instead")
-        refs = []
-        for i in range(count):
-            off, length, flags, raw = _ENTRY.unpack_from(body, _HEAD.size + i * _ENTRY.size)
-            refs.append(ChunkRef(off, length, digestmod.from_raw(raw), flags))
-        cm = cls(blob=blob, size=size, chunks=tuple(refs))
-        cm.check()
+        if bytes(data[:4]) != MAGIC:
+            raise CorruptObject(f"{where}: bad magic {bytes(data[:4])!r}")
+        if data[4] == VERSION_WHOLE_FILE:
+            raise CorruptObject(f"{where}: written by an older layerstore (chunk map format 1, which does not "
+                                "prove its blob): rebuild the layer and push it again, or run "
+                                "`layerctl store migrate`")
+        if data[4] != VERSION:
+            raise CorruptObject(f"{where}: unknown version {data[4]}")
+        if len(data) < _HEAD.size:
+            raise CorruptObject(f"{where}: truncated ({len(data)} bytes)")
+        _magic, _version, reserved, count, size = _HEAD.unpack_from(data, 0)
+        if reserved != bytes(3):
+            raise CorruptObject(f"{where}: reserved header bytes set")
+        if count > MAX_ENTRIES:
+            raise CorruptObject(f"{where}: {count} entries, more than {MAX_ENTRIES}")
+        if len(data) != _HEAD.size + count * _ENTRY.size:
+            raise CorruptObject(f"{where}: {count} entries do not fit {len(data)} bytes")
+        h = blake3.blake3(ID_DOMAIN)
+        h.update(_ID_HEAD.pack(size, count))
+        h.update(memoryview(data)[_HEAD.size:])
+        actual = digestmod.PREFIX + h.hexdigest()
+        if actual != blob:
+            raise CorruptObject(f"chunk map does not belong to blob {blob} (its chunk list is {actual})")
+        refs = tuple(ChunkRef(off, length, digestmod.from_raw(raw), flags)
+                     for off, length, flags, raw in _ENTRY.iter_unpack(memoryview(data)[_HEAD.size:]))
+        cm = cls(blob=blob, size=size, chunks=refs)
+        cm.check_structure()
         return cm
 
     # -- lookups (the FUSE read path uses these) ------------------------------------------

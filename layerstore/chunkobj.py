@@ -33,6 +33,16 @@ MAX_CHUNK = 64 << 20
 DEFAULT_LEVEL = 3
 
 
+def max_object_size(length: int) -> int:
+    """The largest object a payload of up to `length` bytes can have: the header and zstd's
+    worst case (ZSTD_COMPRESSBOUND; `pack` itself stores raw what zstd does not shrink, but an
+    object encoded elsewhere may not). A store refuses a larger object before reading it."""
+    return HEADER_SIZE + length + (length >> 8) + (((128 << 10) - length) >> 11 if length < (128 << 10) else 0)
+
+
+MAX_OBJECT = max_object_size(MAX_CHUNK)
+
+
 def encode(payload: bytes | memoryview, level: int = DEFAULT_LEVEL) -> tuple[str, bytes]:
     """Return (id, object bytes)."""
     return digestmod.of(payload), pack(payload, level)
@@ -122,9 +132,12 @@ def check(obj: bytes | memoryview, expected: str, length: int | None = None) -> 
     return ulen
 
 
-def decode(obj: bytes | memoryview, expected: str) -> bytes:
-    """Verify and return the payload of a chunk object whose id should be `expected`."""
+def decode(obj: bytes | memoryview, expected: str, max_length: int = MAX_CHUNK) -> bytes:
+    """Verify and return the payload of a chunk object whose id should be `expected`; a payload
+    longer than `max_length` is refused before it is decompressed."""
     comp, ulen = _header(obj, expected)
+    if ulen > max_length:
+        raise CorruptObject(f"chunk {expected}: {ulen} bytes, more than {max_length}")
     body = memoryview(obj)[HEADER_SIZE:]
     if comp == COMP_NONE:
         payload = bytes(body)

@@ -23,17 +23,25 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import chunkobj, keys
+from . import chunkmap, chunkobj, keys
 from . import digest as digestmod
 from .backends import Backend, open_backend
 from .chunker import DEFAULT_CHUNK_SIZE, fixed_boundaries
 from .chunkmap import ChunkMap, ChunkRef
 from .config import resolve_store_url
-from .errors import CorruptObject, LayerstoreError, NotFound
+from .errors import BadInput, CorruptObject, LayerstoreError, NotFound
 from .fileio import pread_exact, pwrite_all
 
 STORE_FORMAT = {"format": "layerstore", "version": 1}
 DEFAULT_WORKERS = max(4, (os.cpu_count() or 2) * 2)
+# The largest object of each kind a store reads (the store is untrusted: anything larger is
+# refused by the backend before it is read): a chunk, a chunk map, a manifest (its payload is at
+# most MAX_MANIFEST_BYTES, manifest.schema's limit), a tag, the store marker.
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_OBJECT_SIZE = {"chunks": chunkobj.MAX_OBJECT, "blobs": chunkmap.MAX_ENCODED,
+                   "manifests": chunkobj.max_object_size(MAX_MANIFEST_BYTES)}
+MAX_TAG_SIZE = 1024
+MAX_CONFIG_SIZE = 64 << 10
 
 
 @dataclass
@@ -117,7 +125,7 @@ class Store:
         """Raise unless this is an initialised store of a format we read."""
         self.backend.check()
         try:
-            raw = self.backend.load(keys.CONFIG)
+            raw = self.backend.load(keys.CONFIG, max_size=MAX_CONFIG_SIZE)
         except NotFound:
             raise NotFound(f"{self.url} is not a layerstore store (run `layerctl store init`)") from None
         try:
@@ -197,7 +205,12 @@ class Store:
 
     def get_chunk(self, chunk: str) -> bytes:
         """The verified payload of a chunk."""
-        return chunkobj.decode(self.backend.load(self.chunk_key(chunk)), chunk)
+        return chunkobj.decode(self._load("chunks", chunk), chunk)
+
+    def _load(self, kind: str, ident: str) -> bytes:
+        """The object of `kind` named `ident`, refused by the backend if it is larger than any
+        such object can be (or not a plain object)."""
+        return self.backend.load(keys.object_key(kind, ident), max_size=MAX_OBJECT_SIZE[kind])
 
     # -- blobs ---------------------------------------------------------------------------
     def has_blob(self, blob: str) -> bool:
@@ -205,7 +218,8 @@ class Store:
 
     def put_chunk_map(self, cm: ChunkMap) -> bool:
         """Publish a chunk map. Callers store every chunk first; this call checks that they
-        did, so a chunk map never points at a missing chunk."""
+        did, so a chunk map never points at a missing chunk; and that the map is its blob's
+        (`ChunkMap.check`: the chunk list hashes to the blob id)."""
         cm.check()
         missing = [d for d in cm.unique_digests() if not self.has_chunk(d)]
         if missing:
@@ -214,14 +228,15 @@ class Store:
 
     def get_chunk_map(self, blob: str) -> ChunkMap:
         try:
-            data = self.backend.load(keys.object_key("blobs", digestmod.parse(blob)))
+            data = self._load("blobs", digestmod.parse(blob))
         except NotFound:
             raise NotFound(f"blob {blob} is not in store {self.url}") from None
         return ChunkMap.decode(data, blob)
 
     def put_blob(self, path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: Callable[[int], None] | None = None) -> BlobResult:
-        """Store a file as a blob cut at fixed offsets."""
+        """Store a file as a blob cut at fixed offsets; its id is the one its chunk list gives
+        it (`chunkmap.blob_id`)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
@@ -229,13 +244,10 @@ class Store:
         try:
             size = os.fstat(fd).st_size
             bounds = list(fixed_boundaries(size, chunk_size))
-            hasher = digestmod.Hasher()
 
             def payloads() -> Iterator[bytes]:
                 for off, length in bounds:
-                    data = pread_exact(fd, length, off, path)
-                    hasher.update(data)
-                    yield data
+                    yield pread_exact(fd, length, off, path)
 
             refs, stats = [], PutStats()
             for (off, length), (chunk, st) in zip(bounds, self.put_chunks(payloads()), strict=True):
@@ -245,15 +257,39 @@ class Store:
                     progress(length)
         finally:
             os.close(fd)
-        blob = hasher.digest()
-        self.put_chunk_map(ChunkMap.build(blob, refs))
-        return BlobResult(blob, size, len(refs), stats.new_bytes, stats)
+        cm = ChunkMap.build(refs)
+        self.put_chunk_map(cm)
+        return BlobResult(cm.blob, size, len(refs), stats.new_bytes, stats)
+
+    def blob_of_file(self, path: str | os.PathLike[str], hint: str | None = None) -> ChunkMap:
+        """The chunk map of the stored blob whose bytes the file at `path` holds. A blob id is
+        its chunk list's, which a file alone does not give: the blob named `hint` is tried
+        first, then every stored blob of the file's size. A candidate counts only if the file
+        has its size and every chunk's bytes (hashed here); `NotFound` if none does."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise NotFound(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
+        try:
+            size = os.fstat(fd).st_size
+            candidates = ([hint] if hint else []) + [b for b in self.list_digests("blobs") if b != hint]
+            for blob in candidates:
+                try:
+                    cm = self.get_chunk_map(blob)
+                except (NotFound, CorruptObject):
+                    continue
+                if cm.size == size and all(digestmod.of(pread_exact(fd, c.length, c.offset, path)) == c.digest
+                                           for c in cm.chunks):
+                    return cm
+        finally:
+            os.close(fd)
+        raise NotFound(f"{path}: not in store {self.url} (no stored blob has its bytes)")
 
     def read_blob(self, blob: str, out_fd: int) -> int:
-        """Write the verified blob into `out_fd` (from offset 0); returns its size. The whole
-        blob's digest is checked too, not only each chunk's."""
+        """Write the verified blob into `out_fd` (from offset 0); returns its size. The chunk
+        map is the blob's (its chunk list hashes to `blob`) and every chunk's bytes hash to the
+        digest the map gives it, with the length it gives it: every byte written is the blob's."""
         cm = self.get_chunk_map(blob)
-        hasher = digestmod.Hasher()
         window: list[tuple[ChunkRef, Future[bytes]]] = []
 
         def drain_one() -> None:
@@ -261,7 +297,6 @@ class Store:
             data = fut.result()
             if len(data) != ref.length:
                 raise CorruptObject(f"blob {blob}: chunk {ref.digest} has {len(data)} bytes, map says {ref.length}")
-            hasher.update(data)
             pwrite_all(out_fd, data, ref.offset)
 
         for ref in cm.chunks:
@@ -270,23 +305,23 @@ class Store:
                 drain_one()
         while window:
             drain_one()
-        if hasher.digest() != blob:
-            raise CorruptObject(f"blob {blob}: reassembled content hashes to {hasher.digest()}")
         os.ftruncate(out_fd, cm.size)
         return cm.size
 
     # -- manifests and tags --------------------------------------------------------------
     def put_manifest(self, data: bytes) -> str:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise BadInput(f"manifest of {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
         ident, obj = chunkobj.encode(data, self.level)
         self.backend.store_once(keys.object_key("manifests", ident), obj)
         return ident
 
     def get_manifest(self, manifest: str) -> bytes:
         try:
-            obj = self.backend.load(keys.object_key("manifests", digestmod.parse(manifest)))
+            obj = self._load("manifests", digestmod.parse(manifest))
         except NotFound:
             raise NotFound(f"manifest {manifest} is not in store {self.url}") from None
-        return chunkobj.decode(obj, manifest)
+        return chunkobj.decode(obj, manifest, MAX_MANIFEST_BYTES)
 
     def set_tag(self, ref: str, manifest: str) -> None:
         """Point `name:tag` at a manifest, which must already be stored."""
@@ -297,7 +332,7 @@ class Store:
 
     def get_tag(self, ref: str) -> str:
         try:
-            raw = self.backend.load(keys.tag_key(ref))
+            raw = self.backend.load(keys.tag_key(ref), max_size=MAX_TAG_SIZE)
         except NotFound:
             raise NotFound(f"tag {ref} is not in store {self.url}") from None
         return _parse_tag_value(raw, ref)
@@ -353,15 +388,17 @@ class Store:
             self.check()
             return
         if key.startswith("tags/"):
-            _parse_tag_value(self.backend.load(key), keys.tag_of_key(key))
+            _parse_tag_value(self.backend.load(key, max_size=MAX_TAG_SIZE), keys.tag_of_key(key))
             return
         try:
             kind, ident = keys.digest_of_key(key)
         except LayerstoreError:
             raise CorruptObject(f"{key}: not a layerstore key") from None
-        data = self.backend.load(key)
-        if kind in ("chunks", "manifests"):
+        data = self._load(kind, ident)
+        if kind == "chunks":
             chunkobj.decode(data, ident)
+        elif kind == "manifests":
+            chunkobj.decode(data, ident, MAX_MANIFEST_BYTES)
         else:
             cm = ChunkMap.decode(data, ident)
             if not cm.unique_digests() <= chunks:

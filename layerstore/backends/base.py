@@ -6,8 +6,12 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 - `store_once(key, data)`: the object is written at most once and is never visible half-written;
   of several concurrent writers exactly one wins, the others get `False`.
 - `replace(key, data)`: atomic overwrite, readers see the old or the new bytes, never a mix.
-- `load(key, offset, size)`: whole object or a byte range; a range past the end is truncated
-  like a POSIX read.
+- `load(key, offset, size, max_size=)`: whole object or a byte range; a range past the end is
+  truncated like a POSIX read. An object larger than `max_size` (its whole length, whatever the
+  range) is a `CorruptObject`, raised before its body is read or any buffer for it allocated:
+  the store is untrusted, and an 8 GiB object where a 4 MiB chunk belongs is an error, not an
+  allocation. Only plain objects are read: something else at a key (on POSIX a symlink, FIFO,
+  socket, device or directory) is a `CorruptObject`, never followed, never read, never waited on.
 - Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
 - `is_temp_failure(e)`: whether a failure may pass if the request is made again. Only the
   backend knows its own exceptions; when and how often to retry is decided in one place for
@@ -34,7 +38,7 @@ class Backend(ABC):
         """Raise `NotFound` if the location does not exist, `PermissionDenied` if unusable."""
 
     @abstractmethod
-    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes: ...
+    def load(self, key: str, offset: int = 0, size: int | None = None, *, max_size: int | None = None) -> bytes: ...
 
     @abstractmethod
     def store_once(self, key: str, data: bytes | memoryview) -> bool:

@@ -9,6 +9,11 @@ lack: no flock, no fcntl locks. Publication uses only
 Temporary files live next to their target (same directory, so same filesystem) and start with
 '.tmp-', which no key may, so listings never show them. A writer that dies leaves at most such a
 temporary file behind; `sweep_temporaries` removes old ones.
+
+The directory may be written by others (a shared CephFS), so what sits at a key is not trusted:
+an object is opened with O_NOFOLLOW (a symlink is never followed) and O_NONBLOCK (a FIFO cannot
+hang the reader), and read only if `fstat` says it is a regular file no larger than the caller's
+`max_size`; anything else is a `CorruptObject`.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ConfigError, NotFound, PermissionDenied, StoreUnavailable
+from ..errors import ConfigError, CorruptObject, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
 from .base import Backend
 
@@ -65,17 +71,18 @@ class PosixBackend(Backend):
         return self.root / validate(key)
 
     # -- objects -------------------------------------------------------------------------
-    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes:
+    def load(self, key: str, offset: int = 0, size: int | None = None, *, max_size: int | None = None) -> bytes:
         path = self._path(key)
         if offset < 0 or (size is not None and size < 0):
             raise ValueError("negative offset or size")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO does not wait for a writer (and nothing is read from it)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as e:
-            raise _translate(e, f"object {key}") from None
+            raise _translate_object(e, key) from None
         try:
-            if size is None:
-                size = max(os.fstat(fd).st_size - offset, 0)
+            length = _object_length(fd, key, max_size)
+            size = max(length - offset, 0) if size is None else min(size, max(length - offset, 0))
             parts = []
             while size > 0:
                 b = os.pread(fd, size, offset)
@@ -156,13 +163,18 @@ class PosixBackend(Backend):
         self._sync_dir(path.parent)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        try:
+            return stat.S_ISREG(os.lstat(self._path(key)).st_mode)
+        except OSError:
+            return False
 
     def size(self, key: str) -> int:
         try:
-            return os.stat(self._path(key)).st_size
+            st = os.lstat(self._path(key))
         except OSError as e:
             raise _translate(e, f"object {key}") from None
+        _check_regular(st, key)
+        return st.st_size
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -215,6 +227,35 @@ class PosixBackend(Backend):
                     except OSError:
                         pass
         return removed
+
+
+def _translate_object(e: OSError, key: str) -> Exception:
+    """An object that cannot be opened: a symlink (ELOOP under O_NOFOLLOW), a socket (ENXIO) or
+    a non-directory where the key needs a directory (ENOTDIR) is corruption, not a failure."""
+    if e.errno == errno.ELOOP:
+        return CorruptObject(f"object {key}: a symlink, not an object (never followed)")
+    if e.errno == errno.ENXIO:
+        return CorruptObject(f"object {key}: a socket or device, not an object")
+    if e.errno == errno.ENOTDIR:
+        return CorruptObject(f"object {key}: a file where the key needs a directory")
+    return _translate(e, f"object {key}")
+
+
+def _check_regular(st: os.stat_result, key: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file")
+        raise CorruptObject(f"object {key}: {kind}, not an object (never read)")
+
+
+def _object_length(fd: int, key: str, max_size: int | None) -> int:
+    """The length of the regular file open at `fd`, at most `max_size`; `CorruptObject` otherwise."""
+    st = os.fstat(fd)
+    _check_regular(st, key)
+    if max_size is not None and st.st_size > max_size:
+        raise CorruptObject(f"object {key}: {st.st_size} bytes, more than such an object can have ({max_size})")
+    return st.st_size
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-from ..errors import ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
+from ..errors import ConfigError, CorruptObject, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
 from ..retry import RetryPolicy, is_temporary
 from .base import Backend
@@ -259,21 +259,24 @@ class S3Backend(Backend):
             raise self._translate_core(e, f"bucket {self.bucket}") from None
 
     # -- objects -------------------------------------------------------------------------
-    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes:
+    def load(self, key: str, offset: int = 0, size: int | None = None, *, max_size: int | None = None) -> bytes:
         name = self._name(key)
         if offset < 0 or (size is not None and size < 0):
             raise ValueError("negative offset or size")
         if size == 0:
-            self.size(key)  # still NotFound for a missing object
+            length = self.size(key)  # still NotFound for a missing object
+            _check_length(key, length, max_size)
             return b""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": name}
         if offset or size is not None:
             end = "" if size is None else str(offset + size - 1)
             kwargs["Range"] = f"bytes={offset}-{end}"
-        return self._get(f"object {key}", kwargs)
+        return self._get(key, kwargs, max_size)
 
-    def _get(self, what: str, kwargs: dict[str, Any]) -> bytes:
+    def _get(self, key: str, kwargs: dict[str, Any], max_size: int | None) -> bytes:
         from botocore.exceptions import BotoCoreError, ClientError
+
+        what = f"object {key}"
 
         def once() -> bytes:
             try:
@@ -284,7 +287,15 @@ class S3Backend(Backend):
                 raise
             body = resp["Body"]
             try:
-                return body.read()  # may break mid-stream: retried like the request
+                if max_size is None:
+                    return body.read()  # may break mid-stream: retried like the request
+                # The object's length, from the headers, before the body is read: a hostile or
+                # tampered endpoint cannot make us allocate more than `max_size` (a body longer
+                # than its headers said is cut at max_size + 1 and refused too).
+                _check_length(key, _object_length(resp), max_size)
+                data = body.read(max_size + 1)
+                _check_length(key, len(data), max_size)
+                return data
             finally:
                 body.close()
 
@@ -445,6 +456,22 @@ def _raise_if_conditional(e: Any, conditional: bool) -> None:
     message = str(e.response.get("Error", {}).get("Message") or "")
     if status == 501 or code == "NotImplemented" or (status == 400 and "If-None-Match" in message):
         raise _ConditionalRejected
+
+
+def _object_length(resp: dict[str, Any]) -> int | None:
+    """The whole object's length from a GET's headers: the total of a Content-Range (a ranged
+    GET), else the Content-Length; None when the server sent neither."""
+    content_range = str(resp.get("ContentRange") or "")
+    total = content_range.rpartition("/")[2]
+    if total.isdigit():
+        return int(total)
+    length = resp.get("ContentLength")
+    return int(length) if length is not None else None
+
+
+def _check_length(key: str, length: int | None, max_size: int | None) -> None:
+    if max_size is not None and length is not None and length > max_size:
+        raise CorruptObject(f"object {key}: {length} bytes, more than such an object can have ({max_size})")
 
 
 def _configured(core: Any, var: str) -> bool:

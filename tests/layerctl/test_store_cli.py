@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
+from testkit.blob_ids import put_blob_id
 from testkit.cli_helpers import assert_clean_failure, layerctl
 
 from layerstore import __version__, keys
-from layerstore import digest as digestmod
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_put_get_round_trip(store: str, blob_file: Path, tmp_path: Path) -> None
     r = layerctl("store", "put-blob", "--store", store, str(blob_file), "--json")
     assert r.code == 0, r.err
     info = r.json()
-    assert info == {"blob": digestmod.of(blob_file.read_bytes()), "size": 2_500_000, "chunks": 3,
+    assert info == {"blob": put_blob_id(blob_file), "size": 2_500_000, "chunks": 3,
                     "new_bytes": 2_500_000}
     again = layerctl("store", "put-blob", "--store", store, str(blob_file), "--json").json()
     assert again["new_bytes"] == 0 and again["blob"] == info["blob"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import struct
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layerstore import chunkobj, keys
+from layerstore import chunkmap, chunkobj, keys
 from layerstore import digest as digestmod
-from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
+from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef, blob_id
 from layerstore.errors import BadDigest, BadKey, ConfigError, CorruptObject
 
 D1 = digestmod.of(b"one")
@@ -256,7 +257,7 @@ def _map(lengths: list[int], flags: list[int] | None = None) -> ChunkMap:
     for i, n in enumerate(lengths):
         refs.append(ChunkRef(off, n, digestmod.of(str(i).encode()), (flags or [0] * len(lengths))[i]))
         off += n
-    return ChunkMap.build(digestmod.of(b"blob"), refs)
+    return ChunkMap.build(refs)
 
 
 class TestChunkMap:
@@ -266,7 +267,7 @@ class TestChunkMap:
         assert back == cm and back.metadata_chunks() == [cm.chunks[0]]
 
     def test_empty_blob(self) -> None:
-        cm = ChunkMap.build(digestmod.of(b""), [])
+        cm = ChunkMap.build([])
         assert ChunkMap.decode(cm.encode(), cm.blob).size == 0
         assert list(cm.span(0, 10)) == []
 
@@ -281,16 +282,72 @@ class TestChunkMap:
     def test_gaps_and_overlaps_are_refused(self) -> None:
         a = ChunkRef(0, 10, D1)
         with pytest.raises(CorruptObject, match="starts at"):
-            ChunkMap.build(D1, [a, ChunkRef(11, 5, D2)])
+            ChunkMap.build([a, ChunkRef(11, 5, D2)])
         with pytest.raises(CorruptObject, match="starts at"):
-            ChunkMap.build(D1, [a, ChunkRef(9, 5, D2)])
+            ChunkMap.build([a, ChunkRef(9, 5, D2)])
         with pytest.raises(CorruptObject, match="length"):
-            ChunkMap.build(D1, [ChunkRef(0, 0, D2)])
+            ChunkMap.build([ChunkRef(0, 0, D2)])
 
     def test_decode_for_another_blob(self) -> None:
+        """A valid map of another blob stored under this blob's key (a swapped map)."""
         cm = _map([10])
-        with pytest.raises(CorruptObject, match="describes"):
+        with pytest.raises(CorruptObject, match="does not belong to blob"):
             ChunkMap.decode(cm.encode(), D2)
+        with pytest.raises(CorruptObject, match="does not belong to blob"):
+            ChunkMap.decode(_map([10, 5]).encode(), cm.blob)
+
+    def test_blob_id_is_the_chunk_lists(self) -> None:
+        """The id is blake3 over a domain prefix, the size, the count and every entry (offset,
+        length, flags, digest); same list, same id; the known value pins the encoding."""
+        refs = [ChunkRef(0, 4096, D1, METADATA), ChunkRef(4096, 10, D2)]
+        body = b"".join(struct.pack("<QII32s", r.offset, r.length, r.flags, digestmod.raw_of(r.digest))
+                        for r in refs)
+        want = digestmod.PREFIX + blake3.blake3(
+            b"layerstore chunk list v2\0" + struct.pack("<QQ", 4106, 2) + body).hexdigest()
+        assert blob_id(4106, refs) == want == ChunkMap.build(refs).blob == ChunkMap.build(list(refs)).blob
+        assert blob_id(0, []) == ChunkMap.build([]).blob != digestmod.of(b"")
+
+    @pytest.mark.parametrize("change", ["digest", "flags", "length", "count"])
+    def test_every_field_is_bound_to_the_id(self, change: str) -> None:
+        """A forged map (other chunks, other flags, other cut) under a blob's id never decodes."""
+        cm = _map([4096, 100, 1 << 20], [METADATA, 0, 0])
+        refs = list(cm.chunks)
+        if change == "digest":
+            refs[1] = ChunkRef(refs[1].offset, refs[1].length, D2, refs[1].flags)
+        elif change == "flags":
+            refs[1] = ChunkRef(refs[1].offset, refs[1].length, refs[1].digest, METADATA)
+        elif change == "length":
+            refs[1:] = [ChunkRef(4096, 50, refs[1].digest), ChunkRef(4146, 50 + (1 << 20), refs[2].digest)]
+        else:
+            refs.append(ChunkRef(cm.size, 1, D1))
+        forged = ChunkMap(blob=cm.blob, size=refs[-1].end, chunks=tuple(refs))
+        with pytest.raises(CorruptObject, match=f"does not belong to blob {cm.blob}"):
+            ChunkMap.decode(forged.encode(), cm.blob)
+        with pytest.raises(CorruptObject, match="does not belong"):
+            forged.check()
+
+    def test_encoding_is_canonical(self) -> None:
+        cm = _map([10, 20])
+        data = bytearray(cm.encode())
+        data[5] = 1  # a reserved byte
+        with pytest.raises(CorruptObject, match="reserved"):
+            ChunkMap.decode(bytes(data), cm.blob)
+        with pytest.raises(CorruptObject, match="do not fit"):
+            ChunkMap.decode(cm.encode() + b"\0", cm.blob)
+
+    def test_format_1_maps_say_to_rebuild(self) -> None:
+        """A map written by an older layerstore (blob id = blake3 of the whole file, which a map
+        cannot prove) is refused with what to do, never accepted."""
+        head = struct.pack("<4sB3xIQ32s", b"LSCM", 1, 1, 10, digestmod.raw_of(D1))
+        body = head + struct.pack("<QII32s", 0, 10, 0, digestmod.raw_of(D2))
+        v1 = body + blake3.blake3(body).digest()
+        with pytest.raises(CorruptObject, match="older layerstore.*rebuild the layer and push it again"):
+            ChunkMap.decode(v1, D1)
+
+    def test_too_many_entries(self) -> None:
+        head = struct.pack("<4sB3xIQ", b"LSCM", 2, chunkmap.MAX_ENTRIES + 1, 0)
+        with pytest.raises(CorruptObject, match="more than"):
+            ChunkMap.decode(head, D1)
 
     @settings(max_examples=200, deadline=None)
     @given(st.binary(max_size=300))

@@ -78,13 +78,13 @@ class CountingBackend(Backend):
     def check(self) -> None:
         self.inner.check()
 
-    def load(self, key: str, offset: int = 0, size: int | None = None) -> bytes:
+    def load(self, key: str, offset: int = 0, size: int | None = None, *, max_size: int | None = None) -> bytes:
         with self._lock:
             self.loads[key] += 1
             fail = self.fail
         if fail is not None:
             raise fail
-        return self.inner.load(key, offset, size)
+        return self.inner.load(key, offset, size, max_size=max_size)
 
     def store_once(self, key: str, data: bytes | memoryview) -> bool:
         return self.inner.store_once(key, data)
