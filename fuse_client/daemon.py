@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import grp
 import logging
 import resource
 import signal
@@ -65,11 +66,22 @@ class DaemonConfig:
     readahead: int = DEFAULT_READAHEAD
     kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
     allow_other: bool = True
+    control_group: str | None = None  # a group whose members may use the control socket (else root only)
 
     def budget(self) -> Budget | None:
         if self.cache_size is None:
             return None
         return Budget(self.cache_size, self.high_watermark, self.low_watermark)
+
+    def control_gid(self) -> int | None:
+        if self.control_group is None:
+            return None
+        try:
+            return grp.getgrnam(self.control_group).gr_gid
+        except KeyError:
+            if self.control_group.isdigit():
+                return int(self.control_group)
+            raise ConfigError(f"--control-group: no group named {self.control_group!r}") from None
 
     def fuse_options(self) -> set[str]:
         return fuse_options(allow_other=self.allow_other)
@@ -124,7 +136,7 @@ class Daemon:
                 # their recovered chunks now, in the background (docs/fuse-client.md).
                 service.start_soon(lazy.verify_pinned)
                 ops = BlobFS(lazy, push_nursery=service)
-                control = ControlServer(socket_path(cache_dir), ControlAPI(lazy))
+                control = ControlServer(socket_path(cache_dir), ControlAPI(lazy), group=cfg.control_gid())
                 try:
                     await self._serve_mounted(FuseMount(ops, mountpoint, cfg.fuse_options()), control, task_status)
                 finally:

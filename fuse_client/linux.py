@@ -493,10 +493,15 @@ def peer_credentials(fd: int) -> tuple[int, int, int, tuple[int, ...]]:
     s = socket.socket(fileno=os.dup(fd))
     try:
         pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        try:
-            raw = s.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
-        except OSError:
-            raw = b""
+        raw = s.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)  # Python's largest buffer: 256 groups
+    except OSError as e:
+        if e.errno != errno.ERANGE:
+            raise
+        raw = b""  # more groups than that: ask /proc (the peer's groups now, not at connect time)
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    raw = struct.pack(f"{len(line.split()) - 1}I", *map(int, line.split()[1:]))
     finally:
         s.close()
     return pid, uid, gid, struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])

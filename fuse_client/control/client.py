@@ -17,7 +17,7 @@ from typing import Any
 
 # Registers the node cache's error classes (BlobIncomplete, BlobPinned, ...) for `from_wire`.
 from fuse_client.nodecache.errors import BlobIncomplete
-from layerstore.errors import LayerstoreError, NodeUnavailable, StoreUnavailable, from_wire
+from layerstore.errors import LayerstoreError, NodeUnavailable, PermissionDenied, StoreUnavailable, from_wire
 
 SOCKET_NAME = "control.sock"
 
@@ -44,6 +44,8 @@ def request(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
                 raise DaemonNotRunning(f"no daemon is serving cache {cache_dir} (no answer on {sp})") from None
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PermissionDenied(f"not allowed to use {sp}: root or the daemon's --control-group only") from None
             raise
         s.sendall((f"{method} {path} HTTP/1.1\r\nHost: layerstore\r\nContent-Type: application/json\r\n"
                    f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data)
@@ -58,6 +60,9 @@ def request(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None
     finally:
         s.close()
     raw = b"".join(parts)
+    if not raw:
+        raise PermissionDenied(f"the daemon of cache {cache_dir} closed the connection without an answer (it answers "
+                               f"root and its --control-group only; see its log)")
     head, _, payload = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     try:

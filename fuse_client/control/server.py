@@ -14,6 +14,13 @@ node cache's API (`fuse_client.nodecache.LazyCache`) and nothing else.
 HTTP keeps the socket scrapeable (a Prometheus sidecar or `curl --unix-socket`). An error answers
 with the status of its class and `LayerstoreError.to_wire()`; the blocking client
 (`control.client`) raises the same class again.
+
+Who may talk to it: root, or a member of the node's control group (`--control-group`, none by
+default). The socket file is created with its final mode (0600, or 0660 and the group's
+ownership), never briefly wider: it is bound inside a fresh 0700 directory, given its mode and
+group there, and renamed into place. Every connection's peer is checked again with SO_PEERCRED
+and SO_PEERGROUPS (the credentials the kernel recorded at connect): any other peer is closed
+without an answer, and logged once per uid.
 """
 
 from __future__ import annotations
@@ -23,18 +30,21 @@ import json
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from fuse_client import linux
 from fuse_client.nodecache import LazyCache, check_holder
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, ConfigError, LayerstoreError
 
 log = logging.getLogger("layerstore.fuse.control")
 
+MAX_REFUSED_LOGGED = 1024  # peers (uids) remembered so that each refusal is logged once
 MAX_HEADER = 64 * 1024
 MAX_BODY = 16 << 20
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 409: "Conflict",
@@ -103,18 +113,42 @@ def _json(obj: object) -> tuple[str, bytes]:
 
 
 class ControlServer:
-    def __init__(self, path: Path, api: ControlAPI) -> None:
+    def __init__(self, path: Path, api: ControlAPI, *, group: int | None = None) -> None:
+        """`group`: the gid whose members may use the socket besides root (None: root only)."""
         self.path = Path(path)
         self.api = api
+        self.group = group
+        self.mode = 0o600 if group is None else 0o660
+        self.refused = 0
+        self._refused_uids: set[int] = set()
+
+    def allowed(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
+        return uid == 0 or (self.group is not None and (gid == self.group or self.group in groups))
+
+    def _bind(self) -> socket.socket:
+        """The listening socket at `path`, with its final mode and group from the start."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        private = tempfile.mkdtemp(prefix=".control-", dir=self.path.parent)  # 0700, ours alone
+        try:
+            tmp = os.path.join(private, "sock")
+            sock.bind(tmp)
+            if self.group is not None:
+                os.chown(tmp, 0, self.group)
+            os.chmod(tmp, self.mode)
+            os.rename(tmp, self.path)  # atomic: replaces a stale socket too
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(private, "sock"))
+            os.rmdir(private)
+        return sock
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if len(os.fsencode(self.path)) >= 108:
             raise ConfigError(f"control socket path too long for a Unix socket: {self.path}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        await sock.bind(os.fspath(self.path))
-        os.chmod(self.path, 0o600)
+        sock = trio.socket.from_stdlib_socket(self._bind())
         sock.listen(64)
         listener = trio.SocketListener(sock)
         try:
@@ -125,7 +159,25 @@ class ControlServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
+    def _peer_ok(self, stream: trio.SocketStream) -> bool:
+        try:
+            pid, uid, gid, groups = linux.peer_credentials(stream.socket.fileno())
+        except OSError as e:
+            log.warning("control: cannot read a peer's credentials (%s): refused", e)
+            return False
+        if self.allowed(uid, gid, groups):
+            return True
+        self.refused += 1
+        if uid not in self._refused_uids and len(self._refused_uids) < MAX_REFUSED_LOGGED:
+            self._refused_uids.add(uid)
+            log.warning("control: refused a connection from uid %d gid %d (pid %d): only root%s may use %s", uid,
+                        gid, pid, "" if self.group is None else f" and members of gid {self.group}", self.path)
+        return False
+
     async def _handle(self, stream: trio.SocketStream) -> None:
+        if not self._peer_ok(stream):
+            await stream.aclose()
+            return
         try:
             async with stream:
                 method, path, body = await _read_request(stream)
