@@ -282,7 +282,10 @@ class _UntrustedWalk:
             self.first_path[key] = path
         if kind is Kind.REG:
             return *self.regular(dfd, name, path, st), None
-        xattrs = read_xattrs(self.beneath.entry_path(dfd, name))  # llistxattr: nothing is opened
+        try:
+            xattrs = read_xattrs(self.beneath.entry_path(dfd, name))  # llistxattr: nothing is opened
+        except OSError as e:  # ENOENT: gone since the lstat
+            raise self.changed(path, e.strerror) from None
         entry = _make(path, kind, st, self.all_root, xattrs)
         if kind is Kind.SYMLINK:
             try:
