@@ -68,10 +68,15 @@ class DaemonConfig:
     allow_other: bool = True
     control_group: str | None = None  # a group whose members may use the control socket (else root only)
 
-    def budget(self) -> Budget | None:
-        if self.cache_size is None:
-            return None
-        return Budget(self.cache_size, self.high_watermark, self.low_watermark)
+    def budget(self) -> Budget:
+        """--cache-size, else `Budget.default_for` the filesystem the cache directory is on (or
+        will be: its nearest existing parent)."""
+        if self.cache_size is not None:
+            return Budget(self.cache_size, self.high_watermark, self.low_watermark, "--cache-size")
+        where = Path(self.cache_dir).absolute()
+        while not where.exists():
+            where = where.parent
+        return Budget.default_for(linux.fs_size(where), self.high_watermark, self.low_watermark)
 
     def control_gid(self) -> int | None:
         if self.control_group is None:

@@ -38,7 +38,8 @@ def parse_size(text: str) -> int:
 @cache_dir_option
 @click.option("--mountpoint", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Where to mount; blobs appear as MOUNTPOINT/blobs/<digest>.")
-@click.option("--cache-size", default=None, metavar="BYTES", help="Disk budget of the cache (e.g. 20G).")
+@click.option("--cache-size", default=None, metavar="BYTES",
+              help="Disk budget of the cache (e.g. 20G); default: half of the cache filesystem's size.")
 @click.option("--high-watermark", default=None, type=float, metavar="FRACTION",
               help="Start evicting above this fraction of --cache-size (default 0.90).")
 @click.option("--low-watermark", default=None, type=float, metavar="FRACTION",
@@ -154,7 +155,10 @@ def cache_ls_cmd(cache_dir: Path, as_json: bool) -> None:
         return
     budget = res.get("budget")
     click.echo(f"cache {cache_dir}: {human_bytes(res['used_bytes'])} used"
-               + (f" of {human_bytes(budget['size'])}" if budget else "") + f", {len(res['blobs'])} blob(s)")
+               + (f" of {human_bytes(budget['size'])} ({budget.get('source', 'configured')})" if budget else "")
+               + f", {len(res['blobs'])} blob(s)"
+               + (f", {human_bytes(res['unverified_bytes'])} not re-verified since the last start"
+                  if res.get("unverified_bytes") else ""))
     for b in res["blobs"]:
         click.echo(f"{b['blob']}  {b['cached_chunks']}/{b['chunks']} chunks, "
                    f"{human_bytes(b['cached_bytes'])} of {human_bytes(b['size'])}"

@@ -104,6 +104,7 @@ class NodeCache:
         without a map are removed. Recorded chunks whose bytes are there are kept *unverified*:
         counted in usage, evictable, but served only once re-hashed (`check_unverified`)."""
         cache = cls(root, files, index, **kw)  # type: ignore[arg-type]
+        files.ensure_reserve()
         committed = index.committed()
         pins = cache.pins = index.pins()
         ops: list[ci.Op] = []
@@ -388,8 +389,16 @@ class NodeCache:
             if not ops and not punches:
                 return
             try:
-                # Not abandonable: a batch half-way through a commit must finish before exit.
-                await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+                try:
+                    # Not abandonable: a batch half-way through a commit must finish before exit.
+                    await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+                except Exception as e:
+                    # A full disk: the reserve's blocks go to the index, so that the deletions
+                    # eviction needs commit, and its punches free the disk (same batch, at once).
+                    if not ci.is_disk_full(e) or not await trio.to_thread.run_sync(self.files.release_reserve):
+                        raise
+                    log.warning("cache journal: the disk is full; the index gets the reserved blocks")
+                    await trio.to_thread.run_sync(self._apply_sync, ops, punches)
                 self.journal_batches += 1
                 self.journal_chunk_records += sum(isinstance(op, ci.PutChunk) for op in ops)
             except Exception:
@@ -442,6 +451,8 @@ class NodeCache:
         self.index.apply(ops)
         for blob, ranges in punches:  # the records are gone before the bytes are
             self.files.punch(blob, ranges)
+        if punches and not self.files.has_reserve():
+            self.files.ensure_reserve()  # space was freed: hold some back for the index again
 
     async def _touch_loop(self) -> None:
         while True:

@@ -16,6 +16,10 @@ from layerstore.errors import ConfigError
 
 DEFAULT_HIGH = 0.90
 DEFAULT_LOW = 0.75
+# Without --cache-size the budget is this fraction of the cache filesystem's size: the rest is
+# left to what shares the disk (sandbox uppers, logs, the index), so a burst of sandboxes reading
+# cold layers cannot fill the node's disk through the cache.
+DEFAULT_FS_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,7 @@ class Budget:
     size: int
     high_fraction: float = DEFAULT_HIGH
     low_fraction: float = DEFAULT_LOW
+    source: str = "configured"  # or how a default was computed (shown by `cache ls`)
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -39,8 +44,15 @@ class Budget:
     def low(self) -> int:
         return int(self.size * self.low_fraction)
 
-    def to_json(self) -> dict[str, int]:
-        return {"size": self.size, "high": self.high, "low": self.low}
+    @classmethod
+    def default_for(cls, fs_bytes: int, high_fraction: float = DEFAULT_HIGH,
+                    low_fraction: float = DEFAULT_LOW) -> Budget:
+        """The budget when none is configured: `DEFAULT_FS_FRACTION` of the cache filesystem."""
+        return cls(max(1, int(fs_bytes * DEFAULT_FS_FRACTION)), high_fraction, low_fraction,
+                   f"default: {DEFAULT_FS_FRACTION:.0%} of the cache filesystem ({fs_bytes} bytes)")
+
+    def to_json(self) -> dict[str, int | str]:
+        return {"size": self.size, "high": self.high, "low": self.low, "source": self.source}
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,11 +33,48 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         raise CacheIOError(str(e.strerror or e)) from None
 
 
+RESERVE_BYTES = 1 << 20
+
+
 class BlobFiles:
-    """Where the data files live: DIR/data/<2 hex>/<64 hex>."""
+    """Where the data files live: DIR/data/<2 hex>/<64 hex>; and DIR/reserve, blocks held back
+    for the index (see `ensure_reserve`)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root) / "data"
+        self.reserve = Path(root) / "reserve"
+
+    def ensure_reserve(self, nbytes: int = RESERVE_BYTES) -> bool:
+        """Allocate the reserve file (blocks the data files cannot take): when the disk is full,
+        releasing it lets the index commit the deletions that eviction needs before it may punch
+        holes. False if the disk has no room for it now."""
+        try:
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return True
+        except OSError:
+            os.ftruncate(fd, 0)
+            return False
+        finally:
+            os.close(fd)
+
+    def has_reserve(self) -> bool:
+        try:
+            return os.stat(self.reserve).st_blocks > 0
+        except OSError:
+            return False
+
+    def release_reserve(self) -> bool:
+        """Free the reserve's blocks; False if it held none."""
+        try:
+            had = os.stat(self.reserve).st_blocks > 0
+            os.truncate(self.reserve, 0)
+            return had
+        except OSError:
+            return False
 
     def path(self, blob: str) -> Path:
         hexd = digestmod.hex_of(blob)

@@ -20,6 +20,7 @@ Every method blocks; the daemon calls them from worker threads.
 
 from __future__ import annotations
 
+import errno
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -85,6 +86,11 @@ class DelBlob:
 
 
 Op = PutChunk | DelChunk | Touch | PutMap | DelBlob | PutPin | DelPin
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Did an index write fail because the disk is full?"""
+    return isinstance(e, lmdb.DiskError | lmdb.MapFullError) or (isinstance(e, OSError) and e.errno == errno.ENOSPC)
 
 
 def chunk_key(blob: str, index: int) -> bytes:
