@@ -79,7 +79,7 @@ class PosixBackend(Backend):
             # O_NONBLOCK: opening a FIFO does not wait for a writer (and nothing is read from it)
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         except OSError as e:
-            raise _translate_object(e, key) from None
+            raise _translate_object(e, key, path) from None
         try:
             length = _object_length(fd, key, max_size)
             size = max(length - offset, 0) if size is None else min(size, max(length - offset, 0))
@@ -229,9 +229,17 @@ class PosixBackend(Backend):
         return removed
 
 
-def _translate_object(e: OSError, key: str) -> Exception:
-    """An object that cannot be opened: a symlink (ELOOP under O_NOFOLLOW), a socket (ENXIO) or
-    a non-directory where the key needs a directory (ENOTDIR) is corruption, not a failure."""
+def _translate_object(e: OSError, key: str, path: Path) -> Exception:
+    """An object that cannot be opened: a symlink (ELOOP under O_NOFOLLOW), a socket (ENXIO), a
+    non-directory where the key needs a directory (ENOTDIR), or a device on a `nodev` mount
+    (EACCES) is corruption, not a failure."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        try:
+            wrong = _not_an_object(os.lstat(path), key)
+        except OSError:
+            wrong = None
+        if wrong is not None:
+            return wrong
     if e.errno == errno.ELOOP:
         return CorruptObject(f"object {key}: a symlink, not an object (never followed)")
     if e.errno == errno.ENXIO:
@@ -241,12 +249,21 @@ def _translate_object(e: OSError, key: str) -> Exception:
     return _translate(e, f"object {key}")
 
 
+def _not_an_object(st: os.stat_result, key: str) -> CorruptObject | None:
+    """The error for what is at `key` if it is not a regular file."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a symlink" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a directory" if stat.S_ISDIR(mode) else "not a file")
+    return CorruptObject(f"object {key}: {kind}, not an object (never read)")
+
+
 def _check_regular(st: os.stat_result, key: str) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                or stat.S_ISBLK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file")
-        raise CorruptObject(f"object {key}: {kind}, not an object (never read)")
+    wrong = _not_an_object(st, key)
+    if wrong is not None:
+        raise wrong
 
 
 def _object_length(fd: int, key: str, max_size: int | None) -> int:
