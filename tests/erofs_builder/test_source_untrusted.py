@@ -265,3 +265,11 @@ def test_read_regular_beneath_never_opens_a_device(tmp_path: Path) -> None:
     os.mknod(tmp_path / "etc" / "passwd", stat.S_IFCHR | 0o600, os.makedev(1, 5))
     with pytest.raises(BadInput, match="a character device where a regular file"):
         read_regular_beneath(tmp_path, "etc/passwd", 4096)
+
+
+def test_a_node_removed_after_the_walks_lstat_is_a_clear_refusal(monkeypatch: pytest.MonkeyPatch,
+                                                                  upper: Path) -> None:
+    os.mkfifo(upper / "pipe")
+    with after_lstat(monkeypatch, b"pipe", lambda: os.unlink(upper / "pipe")), \
+            pytest.raises(BadInput, match="pipe: changed while the tree was read"):
+        contents(walk(upper))
