@@ -14,7 +14,7 @@ node_dir_option = click.option(
     help="The node directory (daemon cache and mount, layer mounts, sandboxes, state). "
          "Default: $LAYERSTORE_NODE_DIR, else /var/lib/layerstore.")
 policy_option = click.option("--policy", "policy", metavar="FILE", default=None,
-                             help="Trust policy JSON (default: NODE/policy.json when present).")
+                             help="Trust policy JSON; it combines with NODE/policy.json (only tightens it).")
 eager_option = click.option("--eager", is_flag=True, help="Fetch every chunk of the environment before mounting.")
 sandbox_option = click.option("--sandbox", "sandbox", metavar="ID", default=None,
                               help="The sandbox id (default: a fresh one).")
