@@ -57,7 +57,7 @@ def test_daemon_end_to_end(store_dir: Path, src: Path, layer: BuiltLayer, tmp_pa
         r = layerctl("stats", "--cache", str(cache), "--json")
         assert r.code == 0, r.err
         stats = r.json()
-        assert set(stats) == {"blobs", "corrupt_chunks", "store_errors"}
+        assert set(stats) == {"blobs", "corrupt_chunks", "store_errors", "cache_write_failures"}
         st = stats["blobs"][layer.blob]
         assert set(st) == {"size", "fetched_bytes", "served_bytes", "hits", "misses"}
         assert st["size"] == layer.size and 0 < st["fetched_bytes"] <= layer.size
@@ -78,7 +78,7 @@ def test_daemon_end_to_end(store_dir: Path, src: Path, layer: BuiltLayer, tmp_pa
         assert r.code == 0, r.err
         (entry,) = r.json()["blobs"]
         assert entry["cached_chunks"] == entry["chunks"] and entry["cached_bytes"] == layer.size
-        assert r.json()["budget"]["size"] == 64 << 20
+        assert r.json()["budget"]["size"] == 64 << 20 and r.json()["budget"]["source"] == "--cache-size"
         assert d.stats()["blobs"][layer.blob]["fetched_bytes"] == layer.size
 
         # readdir of blobs/ lists the blobs the node has seen
