@@ -90,7 +90,7 @@ def in_background(fn: object, *args: object, **kw: object) -> tuple[threading.Th
         except BaseException as e:  # noqa: BLE001 - handed to the test
             result.append(e)
 
-    th = threading.Thread(target=target, name="hostile-sandbox")
+    th = threading.Thread(target=target, name="hostile-sandbox", daemon=True)  # (a hang must not hold pytest)
     th.start()
     return th, result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from fuse_client import linux
 from layerstore.errors import BadInput, ConfigError
 from runtime_shim import overlay
 from runtime_shim.backends import bundle
+from runtime_shim.backends.base import Confinement
 from runtime_shim.commit import committed_layers, layer_entries
 from runtime_shim.environment import LayerSpec
 from runtime_shim.errors import ShimError
@@ -87,6 +89,51 @@ def test_oci_config_defaults() -> None:
     dests = {m["destination"] for m in cfg["mounts"]}
     assert {"/proc", "/dev", "/sys", "/tmp"} <= dests
     assert all(m["type"] != "bind" for m in cfg["mounts"])  # nothing of the node is bound in
+    # least privilege by default
+    proc = cfg["process"]
+    assert proc["noNewPrivileges"] is True
+    assert set(proc["capabilities"]["bounding"]) == set(bundle.CAPABILITIES)
+    assert "CAP_SYS_ADMIN" not in proc["capabilities"]["bounding"] and "inheritable" not in proc["capabilities"]
+    assert {"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/sys/firmware", "/proc/scsi",
+            "/proc/acpi"} <= set(cfg["linux"]["maskedPaths"])
+    readonly = set(cfg["linux"]["readonlyPaths"])
+    assert {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"} <= readonly
+    sec = cfg["linux"]["seccomp"]
+    assert sec["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert sec["architectures"] == ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
+    denied = {n for r in sec["syscalls"] if "args" not in r for n in r["names"] if r["errnoRet"] == errno.EPERM}
+    assert {"keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "kexec_load",
+            "kexec_file_load", "init_module", "finit_module", "delete_module", "mount", "umount2", "pivot_root",
+            "swapon", "swapoff", "reboot", "syslog", "acct", "settimeofday", "clock_settime", "clock_adjtime",
+            "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "setns", "ptrace"} <= denied
+    assert {n: r["errnoRet"] for r in sec["syscalls"] for n in r["names"] if n == "clone3"} == {"clone3": errno.ENOSYS}
+    assert {n for r in sec["syscalls"] if "args" in r for n in r["names"]} == {"clone", "unshare", "personality"}
+    assert cfg["linux"]["resources"] == {"devices": [{"allow": False, "access": "rwm"}]}  # (no limit given)
+
+
+def test_oci_config_confinement_and_its_relaxations() -> None:
+    conf = Confinement(pids=64, memory=1 << 30, cpus=1.5)
+    res = bundle.oci_config("/r", ["sh"], env=[], confinement=conf)["linux"]["resources"]
+    assert res["pids"] == {"limit": 64} and res["memory"] == {"limit": 1 << 30}
+    assert res["cpu"] == {"quota": 150_000, "period": 100_000}
+    relaxed = bundle.oci_config("/r", ["sh"], env=[], confinement=Confinement(
+        seccomp=False, new_privileges=True, system_paths=True))
+    assert "seccomp" not in relaxed["linux"] and relaxed["process"]["noNewPrivileges"] is False
+    assert "maskedPaths" not in relaxed["linux"] and "readonlyPaths" not in relaxed["linux"]
+    traced = bundle.oci_config("/r", ["sh"], env=[], confinement=Confinement(ptrace=True))["linux"]["seccomp"]
+    assert not any("ptrace" in r["names"] for r in traced["syscalls"])
+
+
+def test_personality_rules_refuse_the_flags_but_not_the_query() -> None:
+    from runtime_shim.backends.seccomp import default_profile
+
+    rules = [r["args"][0] for r in default_profile()["syscalls"] if r["names"] == ["personality"]]
+
+    def refused(value: int) -> bool:
+        return any(value & a["value"] == a["valueTwo"] for a in rules)
+
+    assert not any(refused(v) for v in (0, 8, 0x20000, 0x20008, 0xFFFFFFFF))
+    assert all(refused(v) for v in (0x0040000, 0x0400000, 0x80040000, 0xFFFFFFFE, 0x1_0004_0000))
 
 
 def test_process_args_and_env() -> None:
