@@ -41,6 +41,7 @@ METADATA = 1
 KNOWN_FLAGS = METADATA
 ID_DOMAIN = b"layerstore chunk list v2\0"
 _HEAD = struct.Struct("<4sB3sIQ")
+_HEAD_1 = struct.Struct("<4sB3xIQ32s")  # format 1: ... | blob's whole-file digest
 _ID_HEAD = struct.Struct("<QQ")
 _ENTRY = struct.Struct("<QII32s")
 MAX_CHUNK_LEN = 64 << 20
@@ -48,6 +49,7 @@ MAX_CHUNK_LEN = 64 << 20
 # for a map (192 MiB), and a writer cannot make a map that readers refuse.
 MAX_ENTRIES = 1 << 22
 MAX_ENCODED = _HEAD.size + MAX_ENTRIES * _ENTRY.size
+MAX_ENCODED_1 = _HEAD_1.size + MAX_ENTRIES * _ENTRY.size + 32  # a format-1 map, read only to migrate it
 
 
 def blob_id(size: int, refs: Sequence[ChunkRef]) -> str:
@@ -158,6 +160,27 @@ class ChunkMap:
         cm = cls(blob=blob, size=size, chunks=refs)
         cm.check_structure()
         return cm
+
+    @staticmethod
+    def decode_format_1(data: bytes | bytearray | memoryview, blob: str) -> tuple[ChunkRef, ...]:
+        """The chunk list of a format-1 map (header with the blob's whole-file digest, entries,
+        trailing blake3 of the rest). It proves nothing about the blob: only a migration that
+        then checks the whole blob's bytes against `blob` may use it."""
+        where = f"format-1 chunk map of {blob}"
+        if len(data) < _HEAD_1.size + 32:
+            raise CorruptObject(f"{where}: truncated ({len(data)} bytes)")
+        body = memoryview(data)[:-32]
+        if blake3.blake3(body).digest() != bytes(data[-32:]):
+            raise CorruptObject(f"{where}: checksum mismatch")
+        magic, version, count, size, raw_blob = _HEAD_1.unpack_from(body, 0)
+        if magic != MAGIC or version != VERSION_WHOLE_FILE or digestmod.from_raw(raw_blob) != blob:
+            raise CorruptObject(f"{where}: not a format-1 map of this blob")
+        if count > MAX_ENTRIES or len(body) != _HEAD_1.size + count * _ENTRY.size:
+            raise CorruptObject(f"{where}: {count} entries do not fit {len(body)} bytes")
+        refs = tuple(ChunkRef(off, length, digestmod.from_raw(raw), flags)
+                     for off, length, flags, raw in _ENTRY.iter_unpack(body[_HEAD_1.size:]))
+        ChunkMap(blob=blob, size=size, chunks=refs).check_structure()
+        return refs
 
     # -- lookups (the FUSE read path uses these) ------------------------------------------
     def index_at(self, offset: int) -> int:

@@ -261,6 +261,40 @@ class Store:
         self.put_chunk_map(cm)
         return BlobResult(cm.blob, size, len(refs), stats.new_bytes, stats)
 
+    def migrate_chunk_map(self, old: str) -> str | None:
+        """Re-key a format-1 chunk map (written by an older layerstore, when a blob's id was the
+        blake3 of its whole content) under the id its chunk list gives the blob; returns that id,
+        or None if `old`'s map is not format 1. Only after the whole blob is read back, every
+        chunk verified, and its bytes hash to `old`: a map whose chunks are not the blob `old`
+        named is refused (CorruptObject), never re-keyed. The old map stays (garbage once no
+        manifest names `old`); manifests must be re-created with the new id, and re-signed."""
+        key = keys.object_key("blobs", digestmod.parse(old))
+        data = self.backend.load(key, max_size=chunkmap.MAX_ENCODED_1)
+        if data[4:5] != bytes([chunkmap.VERSION_WHOLE_FILE]):
+            return None
+        refs = ChunkMap.decode_format_1(data, old)
+        hasher = digestmod.Hasher()
+        window: list[tuple[ChunkRef, Future[bytes]]] = []
+
+        def drain_one() -> None:
+            ref, fut = window.pop(0)
+            payload = fut.result()
+            if len(payload) != ref.length:
+                raise CorruptObject(f"blob {old}: chunk {ref.digest} has {len(payload)} bytes, map says {ref.length}")
+            hasher.update(payload)
+
+        for ref in refs:
+            window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
+            if len(window) >= self.workers * 2:
+                drain_one()
+        while window:
+            drain_one()
+        if hasher.digest() != old:
+            raise CorruptObject(f"blob {old}: its format-1 map's chunks hash to {hasher.digest()}: not re-keyed")
+        cm = ChunkMap.build(refs)
+        self.put_chunk_map(cm)
+        return cm.blob
+
     def blob_of_file(self, path: str | os.PathLike[str], hint: str | None = None) -> ChunkMap:
         """The chunk map of the stored blob whose bytes the file at `path` holds. A blob id is
         its chunk list's, which a file alone does not give: the blob named `hint` is tried

@@ -79,6 +79,21 @@ class TestBackend:
         assert backend.load("t/ranged", 200_000, 10) == b""
         assert backend.load("t/ranged", 10, 0) == b""
 
+    def test_load_refuses_more_than_max_size(self, backend: Backend) -> None:
+        """`max_size` bounds the whole object (whatever the range): a larger one is a
+        `CorruptObject`, raised from its length before its body is read."""
+        data = _payload(10_000)
+        backend.store_once("t/limit", data)
+        assert backend.load("t/limit", max_size=10_000) == data
+        assert backend.load("t/limit", 100, 10, max_size=10_000) == data[100:110]
+        for args in ((), (0, 10), (50,), (10, 0)):
+            with pytest.raises(CorruptObject, match="more than"):
+                backend.load("t/limit", *args, max_size=9_999)
+        backend.store_once("t/empty", b"")
+        assert backend.load("t/empty", max_size=0) == b""
+        with pytest.raises(NotFound):
+            backend.load("t/missing", max_size=5)
+
     def test_missing(self, backend: Backend) -> None:
         assert not backend.exists("t/missing")
         with pytest.raises(NotFound):
