@@ -11,7 +11,6 @@ import random
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pyfuse3
 import pytest
@@ -23,8 +22,7 @@ from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
 from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder, open_cache
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.limiter import PREFETCH
-from layerstore import chunkmap, keys
-from layerstore import digest as digestmod
+from layerstore import keys
 from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
 from layerstore.errors import StoreUnavailable
 from layerstore.store import Store
@@ -39,10 +37,7 @@ def put_blob(store: Store, data: bytes, chunk: int = CHUNK, meta: tuple[int, ...
         piece = data[off:off + chunk]
         digest, _ = store.put_chunk(piece)
         refs.append(ChunkRef(off, len(piece), digest, METADATA if n in meta else 0))
-    # The chunk map names its blob (layerstore.chunkmap.blob_id) in the store's current format;
-    # the older build took the whole content's digest.
-    build: Any = ChunkMap.build
-    cmap = build(refs) if hasattr(chunkmap, "blob_id") else build(digestmod.of(data), refs)
+    cmap = ChunkMap.build(refs)  # the blob id is the chunk list's (layerstore.chunkmap.blob_id)
     store.put_chunk_map(cmap)
     return cmap
 
