@@ -6,8 +6,9 @@ Ceph the harness starts); the special-file cases only where a key is a path (POS
 
 Which of these the code before issue 12 let through (each test says it too): a forged or
 swapped chunk map was served by every node (only `store get-blob` noticed, by the whole-file
-hash), a symlink at a key was followed, a FIFO hung the reader, a device node was read until
-memory ran out, and an oversized object was read whole into memory.
+hash), a symlink at a key was followed, a FIFO hung the reader (and `Store.close` after it), a
+device node was opened and read (refused only because its size reads as 0), and an oversized
+object was read whole into memory.
 """
 
 from __future__ import annotations
@@ -221,8 +222,9 @@ def test_special_file_at_a_key(store: Store, signed: tuple[ChunkMap, bytes], tmp
                                at: str) -> None:
     """A symlink to a host file (holding the right bytes, even), a FIFO, /dev/zero, or an 8 GiB
     sparse file at a chunk key and at a map key: never followed, never read, never waited on.
-    Old code: followed the symlink (and served the host file's bytes as the map's), hung on the
-    FIFO, read /dev/zero until memory ran out, allocated 8 GiB for the sparse file."""
+    Old code: followed the symlink (and served the host file's bytes), hung on the FIFO, opened
+    and read the device (refused by luck: its size reads as 0), allocated 8 GiB for the sparse
+    file."""
     cm, data = signed
     ref = cm.chunks[1]
     key = store.chunk_key(ref.digest) if at == "chunk" else _map_key(cm)
