@@ -511,3 +511,80 @@ def fs_size(path: str | os.PathLike[str]) -> int:
     """Total bytes of the filesystem holding `path` (statvfs)."""
     st = os.statvfs(path)
     return st.f_blocks * st.f_frsize
+
+
+# -- user namespaces and idmapped mounts (Linux 5.12+; open_tree/move_mount 5.2+) -------------------
+SYS_OPEN_TREE = 428  # x86_64 and the generic syscall table alike
+SYS_MOVE_MOUNT = 429
+SYS_MOUNT_SETATTR = 442
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
+MOVE_MOUNT_F_EMPTY_PATH = 0x04
+MOUNT_ATTR_IDMAP = 0x00100000
+CLONE_NEWUSER = 0x10000000
+libc.unshare.argtypes = [ctypes.c_int]
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+def open_tree_clone(path: str | os.PathLike[str]) -> int:
+    """A detached clone of the mount at `path` (open_tree(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC)):
+    an fd that holds the clone; closing it unmounts the clone unless something holds it (an
+    overlay that stacks it, or `move_mount`)."""
+    fd = libc.syscall(SYS_OPEN_TREE, ctypes.c_long(-100), ctypes.c_char_p(os.fsencode(path)),
+                      ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise MountError(f"open_tree {os.fsdecode(path)}: {os.strerror(err)}")
+    return int(fd)
+
+
+def idmap_mount(mount_fd: int, userns_fd: int) -> None:
+    """mount_setattr(MOUNT_ATTR_IDMAP) on a detached mount: its files' owners are shown through
+    the user namespace's mapping (on-disk id k appears as the id k maps to)."""
+    attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+    rc = libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_long(mount_fd), ctypes.c_char_p(b""),
+                      ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"mount_setattr(MOUNT_ATTR_IDMAP): {os.strerror(err)}")
+
+
+def user_namespace(uid_base: int, gid_base: int, count: int) -> int:
+    """An fd of a new user namespace in which ids 0..count-1 are the host's uid_base.. and
+    gid_base..: a short-lived child unshares CLONE_NEWUSER, this process writes its uid_map and
+    gid_map, opens /proc/PID/ns/user and lets it exit (the fd keeps the namespace)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only raw syscalls, then _exit
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            ok = libc.unshare(CLONE_NEWUSER) == 0
+            os.write(ready_w, b"y" if ok else b"n")
+            os.read(go_r, 1)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        answer = os.read(ready_r, 1)
+        if answer != b"y":
+            raise PermissionDenied("unshare(CLONE_NEWUSER) failed in the helper process")
+        with open(f"/proc/{pid}/uid_map", "w") as f:
+            f.write(f"0 {uid_base} {count}\n")
+        with open(f"/proc/{pid}/gid_map", "w") as f:
+            f.write(f"0 {gid_base} {count}\n")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(go_w)  # the child reads EOF and exits
+        os.waitpid(pid, 0)

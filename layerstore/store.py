@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -274,21 +274,8 @@ class Store:
             return None
         refs = ChunkMap.decode_format_1(data, old)
         hasher = digestmod.Hasher()
-        window: list[tuple[ChunkRef, Future[bytes]]] = []
-
-        def drain_one() -> None:
-            ref, fut = window.pop(0)
-            payload = fut.result()
-            if len(payload) != ref.length:
-                raise CorruptObject(f"blob {old}: chunk {ref.digest} has {len(payload)} bytes, map says {ref.length}")
+        for _ref, payload in self.chunks_in_order(refs, old):
             hasher.update(payload)
-
-        for ref in refs:
-            window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
-            if len(window) >= self.workers * 2:
-                drain_one()
-        while window:
-            drain_one()
         if hasher.digest() != old:
             raise CorruptObject(f"blob {old}: its format-1 map's chunks hash to {hasher.digest()}: not re-keyed")
         cm = ChunkMap.build(refs)
@@ -319,26 +306,32 @@ class Store:
             os.close(fd)
         raise NotFound(f"{path}: not in store {self.url} (no stored blob has its bytes)")
 
+    def chunks_in_order(self, refs: Sequence[ChunkRef], blob: str) -> Iterator[tuple[ChunkRef, bytes]]:
+        """Every chunk of `refs`, verified (`get_chunk`) and with the length the map gives it, in
+        order, fetched `workers * 2` ahead in the store's pool."""
+        window: list[tuple[ChunkRef, Future[bytes]]] = []
+
+        def drain_one() -> tuple[ChunkRef, bytes]:
+            ref, fut = window.pop(0)
+            data = fut.result()
+            if len(data) != ref.length:
+                raise CorruptObject(f"blob {blob}: chunk {ref.digest} has {len(data)} bytes, map says {ref.length}")
+            return ref, data
+
+        for ref in refs:
+            window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
+            if len(window) >= self.workers * 2:
+                yield drain_one()
+        while window:
+            yield drain_one()
+
     def read_blob(self, blob: str, out_fd: int) -> int:
         """Write the verified blob into `out_fd` (from offset 0); returns its size. The chunk
         map is the blob's (its chunk list hashes to `blob`) and every chunk's bytes hash to the
         digest the map gives it, with the length it gives it: every byte written is the blob's."""
         cm = self.get_chunk_map(blob)
-        window: list[tuple[ChunkRef, Future[bytes]]] = []
-
-        def drain_one() -> None:
-            ref, fut = window.pop(0)
-            data = fut.result()
-            if len(data) != ref.length:
-                raise CorruptObject(f"blob {blob}: chunk {ref.digest} has {len(data)} bytes, map says {ref.length}")
+        for ref, data in self.chunks_in_order(cm.chunks, blob):
             pwrite_all(out_fd, data, ref.offset)
-
-        for ref in cm.chunks:
-            window.append((ref, self.pool.submit(self.get_chunk, ref.digest)))
-            if len(window) >= self.workers * 2:
-                drain_one()
-        while window:
-            drain_one()
         os.ftruncate(out_fd, cm.size)
         return cm.size
 

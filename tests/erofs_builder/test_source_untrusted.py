@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from testkit import deadline
 
 from erofs_builder.source_dir import Beneath, dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
@@ -48,26 +48,7 @@ def contents(entries: Iterator[tuple[object, object]]) -> dict[bytes, tuple[Kind
 
 
 def bounded(fn: Callable[[], object], unblock: Callable[[], None]) -> object:
-    """Run `fn` in a thread; past the deadline call `unblock` (so that the thread ends and the test
-    leaves nothing behind) and fail: it hung."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the test's thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(DEADLINE)
-    if t.is_alive():
-        unblock()
-        t.join(DEADLINE)
-        pytest.fail(f"the walk hung for {DEADLINE} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
+    return deadline.bounded(fn, unblock, DEADLINE, "the walk")
 
 
 @pytest.fixture

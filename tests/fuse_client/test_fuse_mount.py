@@ -21,24 +21,9 @@ from fuse_client import linux
 from fuse_client.control import request_json
 from fuse_client.fuse.mount import DEFAULT_KERNEL_READAHEAD_KB
 from layerstore import keys
-from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> CountingBackend:
-    inner = PosixBackend(tmp_path / "store", fsync=False)
-    inner.create()
-    return CountingBackend(inner)
-
-
-@pytest.fixture
-def store(backend: CountingBackend) -> Store:
-    s = Store(backend)
-    s.init()
-    return s
 
 
 @pytest.fixture

@@ -24,13 +24,13 @@ import os
 import stat
 import subprocess
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from testkit import deadline
 from testkit.cli_helpers import layerctl
 from testkit.fuse_helpers import wait_until
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc
@@ -128,25 +128,7 @@ def hostile_sandbox(shim: Shim, host: Path) -> Iterator[Sandbox]:
 
 
 def bounded(fn: Callable[[], object], unblock: Callable[[], None]) -> object:
-    """`fn` in a thread; past the deadline `unblock` it (so that nothing is left behind) and fail."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # handed to the test's thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(DEADLINE)
-    if t.is_alive():
-        unblock()
-        t.join(DEADLINE)
-        pytest.fail(f"a commit hung for {DEADLINE} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
+    return deadline.bounded(fn, unblock, DEADLINE, "a commit")
 
 
 def unblock_fifos(upper: Path) -> Callable[[], None]:
