@@ -7,7 +7,7 @@ Shutdown (SIGTERM/SIGINT, `stop()`, or someone unmounting the mountpoint): stop 
 (requests in progress get a grace period), wait for metadata pushes to the kernel, unmount, stop
 the control socket, write the trace, commit the cache journal's last batch, close the index.
 After kill -9 none of this runs: the mount is dead (ENOTCONN) and the next daemon lazily
-unmounts it before mounting again; the cache needs no repair beyond what `NodeCache.recover` does
+unmounts it before mounting again; the cache needs no repair beyond what `recovery.recover` does
 at every start.
 """
 

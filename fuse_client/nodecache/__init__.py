@@ -4,7 +4,7 @@ It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the
 (`fuse_client.control`) and a coming fanotify listener sit beside each other on this API:
 
 - open: `open_cache(dir, budget, stack)` locks the directory (`CacheBusy`), opens the index and
-  recovers (`NodeCache.recover`); `NodeCache.run` starts its background tasks (journal, touches,
+  recovers (`recovery.recover`); `NodeCache.run` starts its background tasks (journal, touches,
   page release, watermark eviction), `shutdown_flush` commits the last batch.
 - online: `LazyCache(cache, store, nursery=...)` fills it from the store: `entry(blob)`,
   `blobs()`, `open_reader(entry)` -> `Reader` (`read_cached(off, size)`: the inline hot path,

@@ -23,7 +23,6 @@ fetcher on first demand, by `pin_blob` before a direct mount, by `verify`).
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import time
@@ -33,16 +32,15 @@ from pathlib import Path
 import blake3
 import trio
 
-from fuse_client.linux import data_extents
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import BadInput, ConfigError, CorruptObject
+from layerstore.errors import BadInput, ConfigError
 
 from . import index as ci
 from .entry import BlobEntry, Flight
 from .errors import BlobIncomplete, BlobPinned, CacheIOError
 from .eviction import Budget, Candidate, choose_victims
-from .files import BlobFiles, punch_hole
+from .files import BlobFiles
 from .limiter import DEMAND
 
 log = logging.getLogger("layerstore.fuse.cache")
@@ -95,74 +93,6 @@ class NodeCache:
         self.disk_full = 0  # ... of them with ENOSPC (each kicks an eviction)
         self._disk_full = False
         self._disk_full_at = float("-inf")
-
-    # -- start-up (blocking; run in a worker thread before serving) ----------------------
-    @classmethod
-    def recover(cls, root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) -> NodeCache:
-        """Load the index and make the data files agree with it: committed chunks whose bytes
-        are missing lose their record, bytes without a record are punched out, data files
-        without a map are removed. Recorded chunks whose bytes are there are kept *unverified*:
-        counted in usage, evictable, but served only once re-hashed (`check_unverified`)."""
-        cache = cls(root, files, index, **kw)  # type: ignore[arg-type]
-        files.ensure_reserve()
-        committed = index.committed()
-        pins = cache.pins = index.pins()
-        ops: list[ci.Op] = []
-        dropped = punched = kept = 0
-        for blob, data in index.maps():
-            try:
-                cmap = ChunkMap.decode(data, blob)
-            except CorruptObject as e:
-                log.warning("cache: dropping blob %s with a corrupt chunk map: %s", blob, e)
-                ops.append(ci.DelBlob(blob))
-                if blob not in pins:  # a pinned file stays until its last holder unpins
-                    files.remove(blob)
-                committed.pop(blob, None)
-                continue
-            recs = committed.pop(blob, {})
-            fd = files.open(blob, cmap.size)
-            entry = BlobEntry(cmap, fd)
-            extents = list(data_extents(fd, cmap.size))
-            starts = [s for s, _ in extents]
-            for idx, last_use in recs.items():
-                ref = cmap.chunks[idx] if idx < len(cmap.chunks) else None
-                if ref is None or not _covered(extents, starts, ref.offset, ref.end):
-                    ops.append(ci.DelChunk(blob, idx))
-                    dropped += 1
-                    continue
-                entry.unverified[idx] = 1
-                entry.last_use[idx] = last_use
-                cache.usage += ref.length
-                kept += 1
-            if blob in pins:
-                # Never touch the bytes of a pinned file: a holder mounted it as an image.
-                lost = entry.size - entry.held_bytes()
-                if lost:
-                    log.error("cache recovery: pinned blob %s lacks %d byte(s) of committed chunks; its "
-                              "direct mounts read zeros there until they are fetched again", blob, lost)
-                extents = []
-            for s, e in extents:
-                for idx in cmap.span(s, e - s):
-                    if not entry.present[idx] and not entry.unverified[idx]:
-                        ref = cmap.chunks[idx]
-                        lo, hi = max(s, ref.offset), min(e, ref.end)
-                        punch_hole(fd, lo, hi - lo)
-                        punched += 1
-            cache.entries[blob] = entry
-        for blob in committed:  # records without a map
-            ops.append(ci.DelBlob(blob))
-        for blob in list(files.blobs()):
-            if blob not in cache.entries and blob not in pins:
-                files.remove(blob)
-        if ops:
-            index.apply(ops)
-        if dropped or punched:
-            log.warning("cache recovery: %d record(s) without data dropped, %d uncommitted range(s) punched",
-                        dropped, punched)
-        if kept:
-            log.info("cache recovery: %d committed chunk(s) kept unverified: each is re-hashed before it is served",
-                     kept)
-        return cache
 
     def close(self) -> None:
         for e in self.entries.values():
@@ -710,12 +640,6 @@ class NodeCache:
                 "journal": {"batches": self.journal_batches, "chunk_records": self.journal_chunk_records,
                             "failures": self._journal_failures, "pending": len(self._pending)},
                 "blobs": blobs}
-
-
-def _covered(extents: list[tuple[int, int]], starts: list[int], lo: int, hi: int) -> bool:
-    """Is [lo, hi) inside one data extent?"""
-    k = bisect.bisect_right(starts, lo) - 1
-    return k >= 0 and extents[k][1] >= hi
 
 
 def _rehash(entry: BlobEntry, idxs: Sequence[int]) -> list[int]:

@@ -19,6 +19,7 @@ from .errors import CacheBusy
 from .eviction import Budget
 from .files import BlobFiles
 from .index import CacheIndex
+from .recovery import recover
 
 LOCK_NAME = "daemon.lock"
 INDEX_DIR = "index"
@@ -53,6 +54,6 @@ def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitSta
     stack.callback(os.close, lock_cache_dir(cache_dir))
     index = CacheIndex(cache_dir / INDEX_DIR)
     stack.callback(index.close)
-    cache = NodeCache.recover(cache_dir, BlobFiles(cache_dir), index, budget=budget)
+    cache = recover(cache_dir, BlobFiles(cache_dir), index, budget=budget)
     stack.callback(cache.close)
     return cache

@@ -10,7 +10,7 @@
 - Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Recovered chunks (committed before this process opened the cache, not re-hashed since: see
-  `NodeCache.recover`) take the same path: the flight first re-hashes the local bytes
+  `recovery.recover`) take the same path: the flight first re-hashes the local bytes
   (`NodeCache.check_unverified`, a worker thread); a match is served without a store fetch, a
   mismatch is dropped, counted and logged, and the chunk is fetched from the store.
 - The cache's own disk: a failed write (ENOSPC included) fails the flight with `CacheIOError`

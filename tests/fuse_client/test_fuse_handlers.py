@@ -22,6 +22,7 @@ from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
 from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder, open_cache
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.limiter import PREFETCH
+from fuse_client.nodecache.recovery import recover
 from layerstore import keys
 from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
 from layerstore.errors import StoreUnavailable
@@ -409,7 +410,7 @@ def test_recovery_punches_uncommitted_and_drops_unbacked(store: Store, data: byt
     with contextlib.ExitStack() as stack:
         index = CacheIndex(tmp_path / "cache" / INDEX_DIR)
         stack.callback(index.close)
-        cache = NodeCache.recover(tmp_path / "cache", files, index)
+        cache = recover(tmp_path / "cache", files, index)
         stack.callback(cache.close)
         entry = cache.get(cmap.blob)
         assert entry is not None

@@ -20,10 +20,11 @@ from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree
 from fuse_client import control
 from fuse_client.control import socket_path
 from fuse_client.control.server import ControlAPI, ControlServer
-from fuse_client.nodecache import INDEX_DIR, BlobIncomplete, BlobPinned, Budget, NodeCache
+from fuse_client.nodecache import INDEX_DIR, BlobIncomplete, BlobPinned, Budget
 from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.index import CacheIndex, DelChunk
 from fuse_client.nodecache.maintenance import pin_offline, unpin_offline
+from fuse_client.nodecache.recovery import recover
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob, rig
@@ -152,7 +153,7 @@ def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_pat
     files = BlobFiles(cache_dir)
     with contextlib.ExitStack() as stack:
         stack.callback(index.close)
-        cache = NodeCache.recover(cache_dir, files, index)
+        cache = recover(cache_dir, files, index)
         stack.callback(cache.close)
         entry = cache.get(cmap.blob)
         assert entry is not None and not entry.present[2] and not entry.unverified[2]
