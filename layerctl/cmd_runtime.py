@@ -91,17 +91,22 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
               help="Let setuid binaries and file capabilities work (no no_new_privileges, root without nosuid).")
 @click.option("--allow-devices", is_flag=True, help="Mount the root without nodev (device files in it open).")
 @click.option("--unmask-system-paths", is_flag=True, help="Leave /proc and /sys paths unmasked and writable.")
+@click.option("--userns", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="A user namespace with an id range of the sandbox's own (root in it is an unprivileged uid "
+                   "on the host): auto = where the kernel supports it (else without, with a warning); "
+                   "on = required; off = none (the sandbox's root is the host's root).")
 @click.argument("env")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
             keep: bool, runtime: str, extra_env: tuple[str, ...], pids_limit: int | None, memory: str | None,
             cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool, allow_setuid: bool,
-            allow_devices: bool, unmask_system_paths: bool, env: str, command: tuple[str, ...]) -> None:
+            allow_devices: bool, unmask_system_paths: bool, userns: str, env: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (default: the environment's) in a new sandbox of ENV; exit with its exit code.
 
     Least privilege unless relaxed by an option: a seccomp profile, Docker's default capabilities,
     no new privileges, masked /proc and /sys paths, nosuid,nodev mounts, limits on tasks, memory,
-    CPU and the writable layer (NODE/limits.json sets the node's defaults).
+    CPU and the writable layer (NODE/limits.json sets the node's defaults), a user namespace of
+    the sandbox's own where the kernel supports it.
 
     \b
     layerctl run NAME:TAG -- sh -c 'echo hello'
@@ -128,7 +133,8 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
                                   cpus=limit(cpus, node.cpus))
         res = runner.run(shim, env, list(command) or None, sandbox=sandbox, eager=eager, keep=keep,
                          runtime=runtime, extra_env=variables, confinement=confinement, nodev=not allow_devices,
-                         upper_size=parse_size(upper_size) if upper_size is not None else None)
+                         upper_size=parse_size(upper_size) if upper_size is not None else None,
+                         userns={"auto": None, "on": True, "off": False}[userns])
     if keep:
         click.echo(f"layerctl: sandbox {res.sandbox} kept", err=True)
     sys.exit(res.exit_code)

@@ -4,7 +4,8 @@ sandbox's layers plus that one (pause here, resume anywhere).
 The upper holds exactly what overlayfs (redirect_dir, metacopy and index off; see `overlay`)
 writes: whole copied-up or new files, whiteouts (chr 0/0) for deletions and opaque directories
 (trusted.overlay.opaque=y). Those are layer semantics already, so the layer is built from the upper
-as it is; only overlayfs's private bookkeeping xattrs (origin, impure, ...) are dropped.
+as it is; only overlayfs's private bookkeeping xattrs (origin, impure, ...) are dropped, and the
+owners of a sandbox with a user namespace are mapped back to its own ids (`idmap`).
 
 The sandbox may still run, and may be hostile: everything in its upper is its to change at any
 moment, to a symlink to a host directory, a FIFO or a device node in particular. So a commit
@@ -32,6 +33,7 @@ from layerstore.store import Store
 
 from .backends.base import SandboxBackend
 from .errors import ShimError
+from .idmap import to_layer_ids
 from .state import Sandbox
 
 if TYPE_CHECKING:
@@ -64,6 +66,21 @@ def layer_entries(entries: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any
             if xattrs.get(OPAQUE) == b"y":
                 keep[OPAQUE] = b"y"
             entry.xattrs = keep
+        yield entry, data
+
+
+def unmapped_entries(entries: Iterable[tuple[Any, Any]], base: int) -> Iterator[tuple[Any, Any]]:
+    """The upper of a sandbox with a user namespace holds host ids base..base+65535: the layer
+    records them as the sandbox saw them (minus base), so that the layer is the one the same tree
+    gives without a user namespace. An id outside the range is refused (`BadInput`), except on
+    whiteouts (chr 0/0): overlayfs makes them with its mounter's ids (host root) in either case."""
+    for entry, data in entries:
+        if getattr(entry, "hardlink", None):  # (a hard link carries no owner of its own)
+            pass
+        elif entry.kind.name == "CHR":  # (the untrusted walk takes no other device node)
+            entry.uid = entry.gid = 0
+        else:
+            entry.uid, entry.gid = to_layer_ids(base, entry.uid, entry.gid, entry.path)
         yield entry, data
 
 
@@ -104,17 +121,22 @@ def frozen(sandbox: str, backends: Iterable[SandboxBackend]) -> Iterator[list[st
         yield froze
 
 
-def upper_source(upper: Path) -> LayerSource:
+def upper_source(upper: Path, userns: int | None = None) -> LayerSource:
     """A sandbox's upper as a layer source: walked as an untrusted tree (see the module's notes),
-    overlayfs's bookkeeping xattrs dropped. Not refusable: a failure half-way is the commit's,
-    so its chunks may be stored while it is built."""
+    overlayfs's bookkeeping xattrs dropped, owners mapped back to the sandbox's ids if it has a
+    user namespace (`userns`: its range's base). Not refusable: a failure half-way is the
+    commit's, so its chunks may be stored while it is built."""
     from erofs_builder.source_dir import Beneath, untrusted_entries
     from erofs_builder.workflow import LayerSource
     from fuse_client.linux import entry_path, open_regular_beneath
 
     beneath = Beneath(open_regular_beneath, entry_path)
-    return LayerSource(str(upper), lambda _progress: layer_entries(untrusted_entries(upper, beneath)), None,
-                       counts_input=False, refusable=False)
+
+    def entries(_progress: Any) -> Iterator[tuple[Any, Any]]:
+        walked = layer_entries(untrusted_entries(upper, beneath))
+        return walked if userns is None else unmapped_entries(walked, userns)
+
+    return LayerSource(str(upper), entries, None, counts_input=False, refusable=False)
 
 
 def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
@@ -130,7 +152,8 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
         raise ShimError(f"sandbox {sb.id} was not started from a stored environment: nothing to commit onto")
     old = load_manifest(store, sb.manifest)
     with frozen(sb.id, backends) as froze:
-        (res,) = build_and_push(Source([upper_source(Path(sb.upper))], None, False), store=store, workdir=workdir)
+        source = Source([upper_source(Path(sb.upper), sb.userns)], None, False)
+        (res,) = build_and_push(source, store=store, workdir=workdir)
     built = res.layer
     layers = committed_layers(old.layers, built.blob, built.size, Layer)
     prefetch = {b: idx for b, idx in old.prefetch.items() if any(layer.blob == b for layer in layers)}

@@ -4,7 +4,8 @@ command's exit code. Any backend is driven the same way, through the `SandboxBac
 prepare, start, wait, and delete (always, also when the run failed).
 
 Least privilege by default: the workload is confined as `Confinement` says (seccomp, masked
-paths, no new privileges, limits), its root is mounted nosuid and nodev, and the upper of a
+paths, no new privileges, limits), it runs in a user namespace with an id range of its own where
+the node supports it (`idmap`), its root is mounted nosuid and nodev, and the upper of a
 sandbox that is not kept lives on a size-limited tmpfs of its own. Limits come from the caller,
 else from the node's defaults (`NodeDefaults`: NODE/limits.json, else built in).
 """
@@ -19,8 +20,10 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
+from . import idmap
 from .backends.base import Confinement, Stdio
 from .environment import EnvSpec
+from .errors import ShimError
 from .paths import NodePaths
 from .shim import Shim
 
@@ -69,16 +72,25 @@ class RunResult:
 def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbox: str | None = None,
         eager: bool = False, keep: bool = False, runtime: str = "runc", extra_env: Sequence[str] = (),
         confinement: Confinement | None = None, upper_size: int | None = None, nodev: bool = True,
-        stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> RunResult:
+        userns: bool | None = None, stdin: Stdio = None, stdout: Stdio = None,
+        stderr: Stdio = None) -> RunResult:
     """`confinement`: None = the node's defaults. `upper_size`: bytes of the upper's tmpfs
     (None: the node's default; 0: no quota, on the node disk); a kept sandbox's upper is always
-    on the node disk (it is for commit, and survives a reboot). `extra_env` may hold secrets: they
-    go to the backend's prepare and nowhere else."""
+    on the node disk (it is for commit, and survives a reboot). `userns`: a user namespace with an
+    id range of the sandbox's own (`idmap`); None = where this node supports it (else without, with
+    a warning logged), True = required (`ShimError` if unsupported), False = none. `extra_env` may
+    hold secrets: they go to the backend's prepare and nowhere else."""
     defaults = NodeDefaults.load(shim.paths)
     confinement = confinement or defaults.confinement()
     size = defaults.upper_size if upper_size is None else upper_size
+    if userns is not False:
+        ok = idmap.supported(shim.paths.root, shim.paths.layers)
+        if userns and not ok:
+            raise ShimError("this node cannot give sandboxes a user namespace with idmapped layers "
+                            "(kernel 5.12+ with idmapped EROFS and overlayfs lowers); run with --userns off")
+        userns = ok
     sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
-                    nosuid=not confinement.new_privileges, nodev=nodev)
+                    nosuid=not confinement.new_privileges, nodev=nodev, userns=userns)
     try:
         backend = shim.backend(runtime)
         backend.prepare(sb, command, extra_env=extra_env, confinement=confinement)

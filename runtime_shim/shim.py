@@ -31,6 +31,7 @@ from .blobs import BlobSource, DaemonBlobs
 from .daemon import DaemonCommand, default_command
 from .environment import EnvSpec
 from .errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
+from .idmap import chown_to_range, idmapped_lowers
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
 from .lock import BlobLock, NodeLock
@@ -206,7 +207,7 @@ class Shim:
     def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
               eager: bool = False, utab_entry: bool = False, upper_size: int | None = None,
-              nosuid: bool = True, nodev: bool = True) -> Sandbox:
+              nosuid: bool = True, nodev: bool = True, userns: bool = False) -> Sandbox:
         """Compose a sandbox's root at `target` (default NODE/roots/<id>).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
@@ -220,6 +221,10 @@ class Shim:
         ENOSPC, the node disk keeps its space; the upper lives in memory and does not survive a
         reboot (for sandboxes that are not kept). None: on the node disk, unlimited.
         `nosuid`, `nodev`: the root's mount flags (both on unless relaxed).
+        `userns`: the sandbox gets an id range of its own (`idmap`; recorded as `Sandbox.userns`):
+        its layers are stacked as idmapped clones and its upper is owned by the range's root, for
+        a backend to run it in a user namespace of that mapping. Only for a shim-owned upper (a
+        caller's upper, written under another mapping or none, keeps host ids: no userns).
 
         The node lock is held twice, for state changes only: to record the sandbox and take its
         layer references (claiming the mounts of layers nobody has mounted), and to mark it
@@ -239,14 +244,19 @@ class Shim:
         with self.lock:
             gen = self._ready_locked()
             sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry,
-                                                                upper_size is not None)
+                                                                upper_size is not None, userns)
         mounted = False
         try:
             self._layers_ready(sb, claimed, waits, gen, upper_size)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
-            mount_overlay(sb.target, [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)], sb.upper, sb.work,
-                          mount_flags(nosuid=nosuid, nodev=nodev))
+            lowers = [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)]
+            flags = mount_flags(nosuid=nosuid, nodev=nodev)
+            if sb.userns is None:
+                mount_overlay(sb.target, lowers, sb.upper, sb.work, flags)
+            else:
+                with idmapped_lowers(lowers, sb.userns) as mapped:
+                    mount_overlay(sb.target, mapped, sb.upper, sb.work, flags)
             mounted = True
             if utab_entry:
                 mid = linux.mount_id(sb.target)
@@ -314,7 +324,8 @@ class Shim:
 
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
                      upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool,
-                     scratch: bool = False) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
+                     scratch: bool = False,
+                     userns: bool = False) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
         """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
         every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
@@ -360,6 +371,8 @@ class Shim:
         claims: list[str] = []
         try:
             with self.state.write() as t:
+                if userns and owned:
+                    sb.userns = t.allocate_idrange(sid)
                 t.put_sandbox(sb, old=None)
                 t.put_pending(sid, "mount")
                 for blob in sb.layers:
@@ -410,6 +423,8 @@ class Shim:
         if sb.owned:
             os.mkdir(sb.upper, 0o755)
             os.mkdir(sb.work, 0o700)
+            if sb.userns is not None:  # root in the sandbox owns its root directory
+                chown_to_range(sb.userns, sb.upper, sb.work)
         else:
             Path(sb.work).mkdir(mode=0o700, exist_ok=True)
         Path(sb.target).mkdir(mode=0o755, parents=True, exist_ok=True)

@@ -46,8 +46,10 @@ import lmdb
 
 from layerstore.errors import CorruptObject
 
+from .idmap import SLOTS, base_of, slot_of
+
 MAP_SIZE = 1 << 32  # sparse; ~1.5 KB per sandbox leaves room for far more than a node can mount
-DBS = ("sandboxes", "layers", "targets", "uppers", "pending", "meta")
+DBS = ("sandboxes", "layers", "targets", "uppers", "pending", "meta", "idranges")
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 # Sandbox status: what the record says the shim was doing. Recovery reads it after a crash.
@@ -115,13 +117,14 @@ class Sandbox:
     error: str = ""
     created: float = 0.0
     utab: bool = False  # an entry in /run/mount/utab sends `umount TARGET` to umount.layerstore
+    userns: int | None = None  # the base host id of its user namespace's id range (`idmap`); None: no userns
 
     def to_json(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies every value, a measurable share of a mount
         return {"id": self.id, "env": self.env, "manifest": self.manifest, "layers": list(self.layers),
                 "config": self.config, "target": self.target, "upper": self.upper, "work": self.work,
                 "owned": self.owned, "store": self.store, "status": self.status, "error": self.error,
-                "created": self.created, "utab": self.utab}
+                "created": self.created, "utab": self.utab, "userns": self.userns}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Sandbox:
@@ -275,12 +278,16 @@ class Txn:
         self._put("sandboxes", sb.id, sb.to_json())
         self._put("targets", sb.target, {"sandbox": sb.id})
         self._put("uppers", sb.upper, {"sandbox": sb.id})
+        if sb.userns is not None:
+            self._put("idranges", str(slot_of(sb.userns)), {"sandbox": sb.id})
 
     def delete_sandbox(self, sandbox: str) -> None:
         old = self.sandbox(sandbox)
         if old is None:
             return
         self._delete("sandboxes", sandbox)
+        if old.userns is not None:
+            self._delete_ref("idranges", str(slot_of(old.userns)), sandbox)
         self._delete_ref("targets", old.target, sandbox)
         self._delete_ref("uppers", old.upper, sandbox)
 
@@ -288,6 +295,22 @@ class Txn:
         ref = self._get(db, key)
         if ref is not None and ref.get("sandbox") == sandbox:
             self._delete(db, key)
+
+    def allocate_idrange(self, sandbox: str) -> int:
+        """A free id range for the sandbox's user namespace (its base host id; `idmap`), taken
+        for it in this transaction (`put_sandbox` records it; forgetting the sandbox frees it).
+        Slots are handed out round robin from a cursor, so a range is not reused right after it
+        was freed; O(1) unless nearly every slot is taken."""
+        cur = self._get("meta", "idrange-next")
+        start = int(cur["slot"]) if cur else 0
+        for i in range(SLOTS):
+            slot = (start + i) % SLOTS
+            ref = self._get("idranges", str(slot))
+            if ref is None or ref.get("sandbox") == sandbox:
+                self._put("idranges", str(slot), {"sandbox": sandbox})
+                self._put("meta", "idrange-next", {"slot": (slot + 1) % SLOTS})
+                return base_of(slot)
+        raise CorruptObject(f"every one of the {SLOTS} sandbox id ranges is taken")
 
     def sandbox_at(self, target: str) -> Sandbox | None:
         ref = self._get("targets", target)

@@ -4,7 +4,8 @@ config builder is pure; `write_bundle` does the I/O).
 The container sees only its composed root (read-write: writes land in the sandbox's upper), with
 a minimal /proc, /dev, /sys and /tmp as runc's default spec has them; it runs as root (unless the
 environment names a user) in its own pid, ipc, uts, mount and network namespaces (the network
-namespace has only loopback). Node paths are never bind-mounted in: the daemon's socket, the
+namespace has only loopback); in a user namespace of its own when the sandbox has an id range
+(`idmap`: root in it is an unprivileged uid on the host). Node paths are never bind-mounted in: the daemon's socket, the
 store, the cache and other sandboxes' uppers are simply not in its mount tree.
 
 Least privilege (`Confinement`, every measure on unless the caller relaxes it): the default
@@ -29,6 +30,7 @@ from fuse_client.linux import read_regular_beneath
 from layerstore.errors import BadInput, NotFound
 from layerstore.fileio import write_atomic
 
+from ..idmap import RANGE_SIZE
 from .base import Confinement
 from .seccomp import default_profile
 
@@ -81,8 +83,9 @@ def resources(confinement: Confinement) -> dict[str, Any]:
 def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str = "/", uid: int = 0,
                gid: int = 0, hostname: str = "sandbox", cgroups_path: str = "",
                terminal: bool = False, nofile: int = 1024,
-               confinement: Confinement | None = None) -> dict[str, Any]:
-    """A complete config.json (OCI runtime spec 1.0.2) for a sandbox (pure)."""
+               confinement: Confinement | None = None, userns: int | None = None) -> dict[str, Any]:
+    """A complete config.json (OCI runtime spec 1.0.2) for a sandbox (pure). `userns`: the base
+    host id of the sandbox's id range (`idmap`): a user namespace mapping 0..65535 to it."""
     conf = confinement or Confinement()
     caps = list(CAPABILITIES)
     mounts: list[dict[str, Any]] = [
@@ -109,6 +112,10 @@ def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str
         linux["seccomp"] = default_profile(ptrace=conf.ptrace)
     if cgroups_path:
         linux["cgroupsPath"] = cgroups_path
+    if userns is not None:
+        linux["namespaces"].append({"type": "user"})
+        linux["uidMappings"] = [{"containerID": 0, "hostID": userns, "size": RANGE_SIZE}]
+        linux["gidMappings"] = [{"containerID": 0, "hostID": userns, "size": RANGE_SIZE}]
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -172,16 +179,18 @@ def read_rootfs_file(rootfs: str, rel: str) -> str:
 
 def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Sequence[str] | None, *,
                  sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "",
-                 confinement: Confinement | None = None) -> Path:
-    """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`."""
+                 confinement: Confinement | None = None, userns: int | None = None,
+                 root_path: str | None = None) -> Path:
+    """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`
+    (named `root_path` in the config when given: where the runtime will find it)."""
     user = config.get("user", "")
     # (the rootfs's account files are read only when a user is to be looked up in them)
     passwd = read_rootfs_file(rootfs, "etc/passwd") if user else ""
     group = read_rootfs_file(rootfs, "etc/group") if ":" in user else ""
     uid, gid = parse_user(user, passwd, group)
-    spec = oci_config(rootfs, process_args(config, command), env=process_env(config, extra_env),
+    spec = oci_config(root_path or rootfs, process_args(config, command), env=process_env(config, extra_env),
                       cwd=config.get("workdir") or "/", uid=uid, gid=gid, hostname=sandbox,
-                      cgroups_path=cgroups_path, confinement=confinement,
+                      cgroups_path=cgroups_path, confinement=confinement, userns=userns,
                       # never above the runtime's own hard limit: raising it needs CAP_SYS_RESOURCE
                       nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     bundle.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -31,6 +31,25 @@ from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# A sandbox with a user namespace: its root user (an unprivileged uid on the host) must be able to
+# look up the root's path, and the node directory (and what holds it) is 0700. The runtime runs in
+# a private mount namespace where the root is bound at this fixed, world-searchable, empty
+# directory (each runtime in its own namespace: one path serves every sandbox).
+USERNS_ROOTFS = Path("/run/layerstore/rootfs")
+USERNS_SOURCE = "rootfs.source"  # BUNDLE/rootfs.source: the root's real path, for `start`
+
+
+def userns_wrap(rootfs: str, argv: list[str]) -> list[str]:
+    """argv run in a private mount namespace with `rootfs` bound at USERNS_ROOTFS."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise RuntimeNotAvailable("a sandbox with a user namespace needs unshare(1) (util-linux) on this node")
+    for d in (USERNS_ROOTFS.parent, USERNS_ROOTFS):
+        d.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(d, 0o755)
+    script = 'mount --bind -- "$1" "$2" || exit 125; shift 2; exec "$@"'
+    return [unshare, "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, "userns-wrap",
+            rootfs, str(USERNS_ROOTFS), *argv]
 
 
 class ContainerBackend:
@@ -70,13 +89,22 @@ class ContainerBackend:
                 confinement: Confinement | None = None) -> None:
         # the environment reaches the runtime through config.json only (0600 in a 0700 bundle):
         # never its command line
-        write_bundle(self.bundle(sb.id), sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
-                     cgroups_path=f"/layerstore/{sb.id}", confinement=confinement)
+        bundle = self.bundle(sb.id)
+        write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
+                     cgroups_path=f"/layerstore/{sb.id}", confinement=confinement, userns=sb.userns,
+                     root_path=str(USERNS_ROOTFS) if sb.userns is not None else None)
+        source = bundle / USERNS_SOURCE
+        if sb.userns is not None:
+            source.write_text(sb.target)
+        else:
+            source.unlink(missing_ok=True)
 
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:
         """`runtime run` in the foreground: the container's stdio is the caller's."""
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        argv = self.wrap([*self.base(), "run", "--bundle", str(self.bundle(sandbox)), sandbox])
+        argv = [*self.base(), "run", "--bundle", str(self.bundle(sandbox)), sandbox]
+        source = self.bundle(sandbox) / USERNS_SOURCE
+        argv = self.wrap(userns_wrap(source.read_text(), argv) if source.exists() else argv)
         return Execution(sandbox, subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr))
 
     def wait(self, execution: Execution) -> int:

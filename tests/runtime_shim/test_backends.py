@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from layerstore.errors import ConfigError
-from runtime_shim import runner
+from runtime_shim import idmap, runner
 from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.container import FORWARDED, ContainerBackend, CrunBackend, RuncBackend
@@ -275,7 +275,8 @@ def test_runner_drives_the_steps_in_order(tmp_path: Path, keep: bool) -> None:
     # least privilege by default: the node's limits, every measure on, the root nosuid and nodev,
     # the upper on a size-limited tmpfs unless the sandbox is kept
     assert be.confinement == Confinement(pids=1024, memory=4 << 30, cpus=2.0)
-    assert shim.mount_options == {"upper_size": None if keep else 1 << 30, "nosuid": True, "nodev": True}
+    assert shim.mount_options == {"upper_size": None if keep else 1 << 30, "nosuid": True, "nodev": True,
+                                  "userns": idmap.supported(tmp_path, tmp_path / "layers")}
 
 
 def test_runner_takes_the_nodes_defaults_and_the_callers_relaxations(tmp_path: Path) -> None:
@@ -287,9 +288,9 @@ def test_runner_takes_the_nodes_defaults_and_the_callers_relaxations(tmp_path: P
     assert shim.mount_options["upper_size"] == 1 << 20
     relaxed = Confinement(seccomp=False, new_privileges=True, pids=None)
     runner.run(shim, "e:1", None, sandbox="s", runtime="fake", confinement=relaxed, upper_size=0,  # type: ignore[arg-type]
-               nodev=False)
+               nodev=False, userns=False)
     assert be.confinement is relaxed
-    assert shim.mount_options == {"upper_size": None, "nosuid": False, "nodev": False}
+    assert shim.mount_options == {"upper_size": None, "nosuid": False, "nodev": False, "userns": False}
     (tmp_path / "limits.json").write_text('{"pids": -1}')
     with pytest.raises(ConfigError, match="pids"):
         runner.run(shim, "e:1", None, sandbox="s", runtime="fake")  # type: ignore[arg-type]
