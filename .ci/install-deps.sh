@@ -9,6 +9,7 @@ PACKAGES=(
     ceph-mon ceph-mgr ceph-osd radosgw ceph-mds ceph-fuse ceph-common
     tar gzip zstd
     runc crun busybox-static
+    e2fsprogs mount
     mmdebstrap
 )
 

@@ -588,3 +588,70 @@ def user_namespace(uid_base: int, gid_base: int, count: int) -> int:
         os.close(ready_r)
         os.close(go_w)  # the child reads EOF and exits
         os.waitpid(pid, 0)
+
+
+# -- loop-mounted filesystem images (a kept sandbox's upper with a quota) ----------------------------
+def _tool(name: str) -> str:
+    """A system tool's path; the sbin directories too (mount(8) runs its helpers with a short PATH)."""
+    import shutil
+
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin", "/bin"])
+    return shutil.which(name, path=path) or name
+
+
+def make_ext4_image(image: str | os.PathLike[str], size: int, *, journal_mib: int = 4) -> None:
+    """Create `image` (exclusively, 0600) as a sparse file of `size` bytes holding an empty ext4
+    filesystem: no reserved blocks, a small journal (`journal_mib`, 0: none). Raises MountError."""
+    import subprocess
+
+    fd = os.open(image, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    journal = ["-J", f"size={journal_mib}"] if journal_mib else ["-O", "^has_journal"]
+    try:
+        res = subprocess.run([_tool("mkfs.ext4"), "-q", "-F", "-m", "0", *journal, os.fspath(image)],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise MountError("mkfs.ext4 is not installed (e2fsprogs)") from None
+    if res.returncode != 0:
+        raise MountError(f"mkfs.ext4 {os.fsdecode(image)}: {res.stderr.strip() or res.returncode}")
+
+
+def mount_image(image: str | os.PathLike[str], target: str | os.PathLike[str], fstype: str = "ext4",
+                options: str = "nosuid,nodev") -> None:
+    """Mount the filesystem image `image` on `target` through a loop device (util-linux mount(8):
+    the loop device it sets up is autocleared, freed when the filesystem is unmounted). No utab
+    entry (-n). Raises MountError."""
+    import subprocess
+
+    try:
+        argv = [_tool("mount"), "-n", "-t", fstype, "-o", f"loop,{options}", os.fspath(image), os.fspath(target)]
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise MountError("mount(8) is not installed (util-linux)") from None
+    if res.returncode != 0:
+        raise MountError(f"mount {os.fsdecode(image)} on {os.fsdecode(target)}: {res.stderr.strip() or res.returncode}")
+
+
+def loop_devices_of(image: str | os.PathLike[str]) -> list[str]:
+    """The loop devices backed by `image` (read from /sys/block/loop*/loop/backing_file; a deleted
+    backing file reads "<path> (deleted)")."""
+    want = os.path.abspath(image)
+    out = []
+    try:
+        names = os.listdir("/sys/block")
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not name.startswith("loop"):
+            continue
+        try:
+            with open(f"/sys/block/{name}/loop/backing_file") as f:
+                backing = f.read().strip()
+        except OSError:
+            continue
+        if backing.removesuffix(" (deleted)") == want:
+            out.append(f"/dev/{name}")
+    return sorted(out)

@@ -40,14 +40,22 @@ def _sandbox_json(sb: Any) -> dict[str, Any]:
 @sandbox_option
 @click.option("--upper", metavar="DIR", default=None,
               help="Use this upper directory (resume); it is the caller's and is never deleted.")
+@click.option("--upper-size", default=None, metavar="SIZE",
+              help="The quota of the sandbox's own upper: a sparse image of SIZE on the node disk, e.g. 10G "
+                   "(0: none). Default: the node's (10G). Not with --upper.")
 @json_option
 @click.argument("env")
 @click.argument("target", type=click.Path(file_okay=False))
 def mount_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
-              upper: str | None, as_json: bool, env: str, target: str) -> None:
+              upper: str | None, upper_size: str | None, as_json: bool, env: str, target: str) -> None:
     """Mount the root filesystem of a new sandbox of ENV (NAME:TAG or b3:...) on TARGET."""
+    from runtime_shim.runner import kept_upper_image
+
+    from .cmd_daemon import parse_size
+
     with _shim(node_dir, store_url, policy) as shim:
-        sb = shim.mount(env, target, sandbox=sandbox, upper=upper, eager=eager)
+        image = None if upper else kept_upper_image(shim.paths, parse_size(upper_size) if upper_size else None)
+        sb = shim.mount(env, target, sandbox=sandbox, upper=upper, eager=eager, upper_image=image)
     if as_json:
         emit_json(_sandbox_json(sb))
     else:
@@ -82,8 +90,9 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @click.option("--cpus", type=float, default=None, metavar="N",
               help="CPU limit in CPUs (0: none). Default: the node's (2).")
 @click.option("--upper-size", default=None, metavar="SIZE",
-              help="The writable layer's quota: a tmpfs of SIZE, e.g. 1G (0: none, on the node disk). "
-                   "Default: the node's (1G); a --keep sandbox's upper is on the node disk.")
+              help="The writable layer's quota: a tmpfs of SIZE, e.g. 1G (0: none, on the node disk); "
+                   "with --keep a sparse image of SIZE on the node disk (survives a reboot). "
+                   "Default: the node's (1G; with --keep 10G).")
 @click.option("--seccomp", type=click.Choice(["default", "unconfined"]), default="default", show_default=True,
               help="The syscall filter (unconfined: none).")
 @click.option("--allow-ptrace", is_flag=True, help="Let the seccomp profile allow ptrace (debuggers, strace).")

@@ -79,7 +79,7 @@ class SandboxLifecycle:
                     utab.remove(sb.target)
             if overlay:
                 detach(sb.target)
-            detach(self.paths.scratch(sb.id))  # (an upper's size-limited tmpfs, if it has one)
+            detach(self.paths.scratch(sb.id))  # (an upper's size-limited tmpfs or image, if it has one)
             if sb.target == str(self.paths.rootfs(sb.id)):
                 rmdir_quiet(sb.target)
             sdir = self.paths.sandbox_dir(sb.id)
@@ -134,7 +134,8 @@ class SandboxLifecycle:
     def detach_root(self, sb: Sandbox) -> None:
         """Detach the sandbox's root (lazily if busy). Called without the lock by a teardown:
         unmounting an overlay syncs its upper's filesystem, which concurrent teardowns share.
-        Then the upper's size-limited tmpfs, if it has one (O(1): EINVAL when there is none)."""
+        Then the upper's size-limited tmpfs or loop-mounted image, if it has one (O(1): EINVAL
+        when there is none; the image's loop device is autocleared when its filesystem goes)."""
         detach(sb.target)
         detach(self.paths.scratch(sb.id))
 

@@ -103,7 +103,8 @@ def parse_umount_argv(argv: Sequence[str]) -> str:
 
 def node_dir_of(target: str) -> str | None:
     """The node directory of a sandbox root, read from its overlay's upperdir when the upper is
-    the shim's own (NODE/sandboxes/<id>/upper); None otherwise (then the default applies)."""
+    the shim's own (NODE/sandboxes/<id>/upper, or NODE/sandboxes/<id>/scratch/upper on its own
+    size-limited filesystem); None otherwise (then the default applies)."""
     import os
     import re
 
@@ -112,7 +113,7 @@ def node_dir_of(target: str) -> str | None:
     m = linux.find_mount(os.path.abspath(target))  # parses only the lines naming the target
     if m is None or m.fstype != "overlay":
         return None
-    found = re.search(r"(?:^|,)upperdir=([^,]+)/sandboxes/[^/,]+/upper(?:,|$)", m.options)
+    found = re.search(r"(?:^|,)upperdir=([^,]+)/sandboxes/[^/,]+/(?:scratch/)?upper(?:,|$)", m.options)
     return found.group(1) if found else None
 
 
@@ -144,6 +145,7 @@ def _fail(e: LayerstoreError, code: int) -> int:
 
 
 def mount_main(argv: Sequence[str] | None = None) -> int:
+    from .runner import kept_upper_image
     from .shim import Shim
 
     try:
@@ -156,8 +158,10 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
         check_node_dir(req)
         with Shim.for_node(req.node_dir, req.store, policy=req.policy) as shim:
             # the utab entry makes a plain `umount TARGET` come back to umount.layerstore
+            # a shim-owned upper gets the node's quota (a sparse image: NodeDefaults.kept_upper_size)
+            image = None if req.upper else kept_upper_image(shim.paths)
             sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
-                            utab_entry=True)
+                            utab_entry=True, upper_image=image)
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
     if req.verbose:

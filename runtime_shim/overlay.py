@@ -6,8 +6,9 @@ commit can turn into a layer; renaming a lower directory copies it up instead of
 
 Every mount a sandbox can reach is `nosuid,nodev` unless the caller relaxes it: a setuid binary
 or a device node in a layer or written to the upper gives nothing. An upper with a quota lives on
-a tmpfs of its own (`mount_scratch`): a sandbox that fills it gets ENOSPC, the node disk and the
-other sandboxes do not notice.
+a filesystem of its own: a tmpfs (`mount_scratch`) for a sandbox that is not kept, a sparse ext4
+image loop-mounted (`make_upper_image`, `mount_upper_image`) for one that is kept (it survives a
+reboot). A sandbox that fills it gets ENOSPC, the node disk and the other sandboxes do not notice.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .paths import check_overlay_safe
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK)
 MAX_LOWERS = 500
+MIN_IMAGE = 32 << 20  # the smallest upper image (its journal takes 4 MiB)
 
 
 def options(lowers_top_first: Sequence[str], upper: str, work: str) -> str:
@@ -62,6 +64,32 @@ def mount_scratch(path: str | os.PathLike[str], size: int) -> None:
         linux.mount("tmpfs", path, "tmpfs", SAFE, f"size={size},mode=0700")
     except linux.MountError as e:
         raise ShimError(explain(e)) from None
+
+
+def make_upper_image(image: str | os.PathLike[str], size: int) -> None:
+    """A sparse file of `size` bytes (created exclusively, 0600) holding an empty ext4 filesystem
+    with a 4 MiB journal: a machine crash leaves it consistent (the journal is replayed when
+    recovery mounts it), as the node disk's own upper would be. Costs 4 MiB of disk at creation
+    (the journal); the rest is allocated as the sandbox writes."""
+    if size < MIN_IMAGE:
+        raise ShimError(f"upper size {size}: a kept sandbox's upper takes at least {MIN_IMAGE >> 20} MiB")
+    try:
+        linux.make_ext4_image(image, size)
+    except linux.MountError as e:
+        raise ShimError(str(e)) from None
+
+
+def mount_upper_image(image: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+    """Mount a sandbox's upper image at `path` (nosuid, nodev, through an autocleared loop device)
+    unless something is mounted there already; its root is made 0700. True if mounted here."""
+    if linux.is_mount_root(path):
+        return False
+    try:
+        linux.mount_image(image, path, "ext4", "nosuid,nodev,noatime")
+    except linux.MountError as e:
+        raise ShimError(explain(e)) from None
+    os.chmod(path, 0o700)
+    return True
 
 
 def explain(e: Exception) -> str:

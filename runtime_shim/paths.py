@@ -12,8 +12,10 @@ from reading the environment).
     NODE/locks/<hex>.all            flock(2) held by the process fetching that blob whole (--eager)
     NODE/sandboxes/<id>/upper       a sandbox's private writable layer
     NODE/sandboxes/<id>/work        overlayfs's work directory (same filesystem as upper)
-    NODE/sandboxes/<id>/scratch/    a size-limited tmpfs holding upper/ and work/ instead, when the
-                                    sandbox's upper has a quota (`layerctl run`, not kept)
+    NODE/sandboxes/<id>/scratch/    a size-limited filesystem holding upper/ and work/ instead, when the
+                                    sandbox's upper has a quota: a tmpfs (`layerctl run`, not kept), or
+    NODE/sandboxes/<id>/upper.img   a sparse ext4 image loop-mounted there (a kept or mounted sandbox:
+                                    it survives a reboot; recovery mounts it again)
     NODE/roots/<id>                 where a sandbox's root is mounted unless the caller names a target;
                                     NODE/roots is a private bind mount of itself while sandboxes exist
     NODE/sandboxes/<id>/bundle/     the OCI bundle (config.json) for `layerctl run`
@@ -122,6 +124,10 @@ class NodePaths:
     def scratch(self, sandbox: str) -> Path:
         """The mount point of a sandbox's size-limited upper filesystem (when it has one)."""
         return self.sandbox_dir(sandbox) / "scratch"
+
+    def upper_image(self, sandbox: str) -> Path:
+        """The filesystem image of a kept sandbox's size-limited upper (when it has one)."""
+        return self.sandbox_dir(sandbox) / "upper.img"
 
     @property
     def roots(self) -> Path:

@@ -55,7 +55,7 @@ from .blobs import BlobSource
 from .errors import RuntimeNotAvailable, ShimError
 from .layers import LayerMounts
 from .lifecycle import SandboxLifecycle
-from .overlay import mount_overlay
+from .overlay import mount_overlay, mount_upper_image
 from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 
 
@@ -225,6 +225,9 @@ def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
                 raise LayerstoreError(failed[bad[0]])
             # the target may be a caller's directory that was removed meanwhile
             os.makedirs(sb.target, 0o755, exist_ok=True)
+            image = paths.upper_image(sb.id)
+            if sb.owned and image.exists():  # the upper's own filesystem first (unless still mounted)
+                mount_upper_image(image, paths.scratch(sb.id))
             mount_overlay(sb.target, [layer_now[b].mountpoint for b in reversed(sb.layers)], sb.upper, sb.work)
         except (LayerstoreError, OSError) as e:
             sb.status, sb.error = BROKEN, str(e)

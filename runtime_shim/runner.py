@@ -6,7 +6,8 @@ prepare, start, wait, and delete (always, also when the run failed).
 Least privilege by default: the workload is confined as `Confinement` says (seccomp, masked
 paths, no new privileges, limits), it runs in a user namespace with an id range of its own where
 the node supports it (`idmap`), its root is mounted nosuid and nodev, and the upper of a
-sandbox that is not kept lives on a size-limited tmpfs of its own. Limits come from the caller,
+sandbox that is not kept lives on a size-limited tmpfs of its own (a kept one's on a size-limited
+sparse image on the node disk, which survives a reboot). Limits come from the caller,
 else from the node's defaults (`NodeDefaults`: NODE/limits.json, else built in).
 """
 
@@ -39,6 +40,7 @@ class NodeDefaults:
     memory: int | None = 4 << 30
     cpus: float | None = 2.0
     upper_size: int | None = 1 << 30  # (a tmpfs: memory, charged to the sandbox's memory limit)
+    kept_upper_size: int | None = 10 << 30  # a kept (or `layerctl mount`ed) sandbox's: a sparse image on disk
 
     @classmethod
     def load(cls, paths: NodePaths) -> NodeDefaults:
@@ -62,6 +64,13 @@ class NodeDefaults:
         return Confinement(pids=self.pids, memory=self.memory, cpus=self.cpus)
 
 
+def kept_upper_image(paths: NodePaths, given: int | None = None) -> int | None:
+    """The size of a kept sandbox's upper image: `given` (0: none, unlimited on the node disk),
+    else the node's default (`NodeDefaults.kept_upper_size`; null: none)."""
+    size = NodeDefaults.load(paths).kept_upper_size if given is None else given
+    return int(size) if size else None
+
+
 @dataclass
 class RunResult:
     sandbox: str
@@ -74,15 +83,17 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
         confinement: Confinement | None = None, upper_size: int | None = None, nodev: bool = True,
         userns: bool | None = None, stdin: Stdio = None, stdout: Stdio = None,
         stderr: Stdio = None) -> RunResult:
-    """`confinement`: None = the node's defaults. `upper_size`: bytes of the upper's tmpfs
-    (None: the node's default; 0: no quota, on the node disk); a kept sandbox's upper is always
-    on the node disk (it is for commit, and survives a reboot). `userns`: a user namespace with an
+    """`confinement`: None = the node's defaults. `upper_size`: bytes of the upper's quota
+    (None: the node's default; 0: no quota, on the node disk): a tmpfs, or for a kept sandbox
+    (whose upper is for commit, and survives a reboot) a sparse ext4 image on the node disk
+    (`kept_upper_image`; default `NodeDefaults.kept_upper_size`). `userns`: a user namespace with an
     id range of the sandbox's own (`idmap`); None = where this node supports it (else without, with
     a warning logged), True = required (`ShimError` if unsupported), False = none. `extra_env` may
     hold secrets: they go to the backend's prepare and nowhere else."""
     defaults = NodeDefaults.load(shim.paths)
     confinement = confinement or defaults.confinement()
     size = defaults.upper_size if upper_size is None else upper_size
+    image = kept_upper_image(shim.paths, upper_size) if keep else None
     if userns is not False:
         ok = idmap.supported(shim.paths.root, shim.paths.layers)
         if userns and not ok:
@@ -90,6 +101,7 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
                             "(kernel 5.12+ with idmapped EROFS and overlayfs lowers); run with --userns off")
         userns = ok
     sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
+                    upper_image=image,
                     nosuid=not confinement.new_privileges, nodev=nodev, userns=userns)
     try:
         backend = shim.backend(runtime)

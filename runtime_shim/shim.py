@@ -35,7 +35,7 @@ from .idmap import chown_to_range, idmapped_lowers
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
 from .lock import BlobLock, NodeLock
-from .overlay import mount_flags, mount_overlay, mount_scratch
+from .overlay import make_upper_image, mount_flags, mount_overlay, mount_scratch, mount_upper_image
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from .recover import RecoverReport, recover
 from .state import (
@@ -207,7 +207,8 @@ class Shim:
     def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
               eager: bool = False, utab_entry: bool = False, upper_size: int | None = None,
-              nosuid: bool = True, nodev: bool = True, userns: bool = False) -> Sandbox:
+              upper_image: int | None = None, nosuid: bool = True, nodev: bool = True,
+              userns: bool = False) -> Sandbox:
         """Compose a sandbox's root at `target` (default NODE/roots/<id>).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
@@ -220,6 +221,9 @@ class Shim:
         that many bytes of its own (NODE/sandboxes/<id>/scratch): a sandbox that fills it gets
         ENOSPC, the node disk keeps its space; the upper lives in memory and does not survive a
         reboot (for sandboxes that are not kept). None: on the node disk, unlimited.
+        `upper_image`: the same quota for a sandbox that is kept, on the node disk: a sparse ext4
+        image of that many bytes (NODE/sandboxes/<id>/upper.img) loop-mounted at the same place;
+        it survives a reboot (recovery mounts it again before the overlay). Not with `upper_size`.
         `nosuid`, `nodev`: the root's mount flags (both on unless relaxed).
         `userns`: the sandbox gets an id range of its own (`idmap`; recorded as `Sandbox.userns`):
         its layers are stacked as idmapped clones and its upper is owned by the range's root, for
@@ -232,6 +236,10 @@ class Shim:
         the overlay and the sandbox's directories are made without it: see `layers`."""
         if upper_size is not None and upper_size <= 0:
             raise ShimError(f"upper size {upper_size}: want a positive number of bytes (None: no quota)")
+        if upper_image is not None and (upper_image <= 0 or upper_size is not None):
+            raise ShimError(f"upper image size {upper_image}: want a positive number of bytes, without upper_size")
+        if upper is not None:
+            upper_image = None  # (an explicit upper is the caller's: it stays where it is)
         spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
         sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
         if eager:
@@ -244,10 +252,11 @@ class Shim:
         with self.lock:
             gen = self._ready_locked()
             sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry,
-                                                                upper_size is not None, userns)
+                                                                upper_size is not None or upper_image is not None,
+                                                                userns)
         mounted = False
         try:
-            self._layers_ready(sb, claimed, waits, gen, upper_size)
+            self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
             lowers = [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)]
@@ -401,7 +410,7 @@ class Shim:
         return sb, claimed, waits, created_dir
 
     def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], waits: set[str], gen: str,
-                      upper_size: int | None = None) -> None:
+                      upper_size: int | None = None, upper_image: int | None = None) -> None:
         """Without the node lock: mount the layers this call claimed, wait for those others are
         mounting, and make the sandbox's directories and record file, all at once (in the calling
         thread alone when every layer is mounted already). Raises the first failure (after every
@@ -410,16 +419,24 @@ class Shim:
         claimed.clear()  # each claimed mount settles its own outcome from here on
         fns: list[Callable[[], None]] = [functools.partial(self._mount_claimed, b, gen, lk) for b, lk in mine.items()]
         fns += [functools.partial(self._await_layer, b, gen) for b in sorted(waits)]
-        fns.append(functools.partial(self._make_dirs, sb, upper_size))
+        fns.append(functools.partial(self._make_dirs, sb, upper_size, upper_image))
         error = _concurrently(fns)
         if error is not None:
             raise error
 
-    def _make_dirs(self, sb: Sandbox, upper_size: int | None = None) -> None:
+    def _make_dirs(self, sb: Sandbox, upper_size: int | None = None, upper_image: int | None = None) -> None:
         if sb.owned and upper_size is not None:
             scratch = self.paths.scratch(sb.id)
             os.mkdir(scratch, 0o700)
             mount_scratch(scratch, upper_size)  # (detached by every teardown and undo: `lifecycle`)
+        elif sb.owned and upper_image is not None:
+            # In the sandbox's directory, which the sandbox's record precedes: a crash from here on
+            # is rolled back by recovery (the scratch detached, the directory trashed with the
+            # image); its loop device is autocleared when the filesystem is unmounted.
+            scratch = self.paths.scratch(sb.id)
+            os.mkdir(scratch, 0o700)
+            make_upper_image(self.paths.upper_image(sb.id), upper_image)
+            mount_upper_image(self.paths.upper_image(sb.id), scratch)
         if sb.owned:
             os.mkdir(sb.upper, 0o755)
             os.mkdir(sb.work, 0o700)

@@ -275,7 +275,9 @@ def test_runner_drives_the_steps_in_order(tmp_path: Path, keep: bool) -> None:
     # least privilege by default: the node's limits, every measure on, the root nosuid and nodev,
     # the upper on a size-limited tmpfs unless the sandbox is kept
     assert be.confinement == Confinement(pids=1024, memory=4 << 30, cpus=2.0)
-    assert shim.mount_options == {"upper_size": None if keep else 1 << 30, "nosuid": True, "nodev": True,
+    # (a kept one's on a sparse image of the node's kept_upper_size, 10 GiB)
+    assert shim.mount_options == {"upper_size": None if keep else 1 << 30, "upper_image": 10 << 30 if keep else None,
+                                  "nosuid": True, "nodev": True,
                                   "userns": idmap.supported(tmp_path, tmp_path / "layers")}
 
 
@@ -290,7 +292,15 @@ def test_runner_takes_the_nodes_defaults_and_the_callers_relaxations(tmp_path: P
     runner.run(shim, "e:1", None, sandbox="s", runtime="fake", confinement=relaxed, upper_size=0,  # type: ignore[arg-type]
                nodev=False, userns=False)
     assert be.confinement is relaxed
-    assert shim.mount_options == {"upper_size": None, "nosuid": False, "nodev": False, "userns": False}
+    assert shim.mount_options == {"upper_size": None, "upper_image": None, "nosuid": False, "nodev": False,
+                                  "userns": False}
+    runner.run(shim, "e:1", None, sandbox="s", runtime="fake", keep=True, upper_size=64 << 20)  # type: ignore[arg-type]
+    assert (shim.mount_options["upper_size"], shim.mount_options["upper_image"]) == (None, 64 << 20)
+    runner.run(shim, "e:1", None, sandbox="s", runtime="fake", keep=True, upper_size=0)  # type: ignore[arg-type]
+    assert (shim.mount_options["upper_size"], shim.mount_options["upper_image"]) == (None, None)
+    (tmp_path / "limits.json").write_text('{"kept_upper_size": null}')
+    runner.run(shim, "e:1", None, sandbox="s", runtime="fake", keep=True)  # type: ignore[arg-type]
+    assert shim.mount_options["upper_image"] is None
     (tmp_path / "limits.json").write_text('{"pids": -1}')
     with pytest.raises(ConfigError, match="pids"):
         runner.run(shim, "e:1", None, sandbox="s", runtime="fake")  # type: ignore[arg-type]

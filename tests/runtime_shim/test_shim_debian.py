@@ -77,7 +77,8 @@ def test_real_commands_in_a_debian_sandbox(debian_store: str, node: Path, tmp_pa
                  "--sandbox", "deb-1")
     assert r.code == 0, r.err
     (tmp_path / "root" / "etc" / "motd").write_text("sandbox motd\n")
-    assert (node / "sandboxes" / "deb-1" / "upper" / "etc" / "motd").read_text() == "sandbox motd\n"
+    # (its upper has the node's quota: on its own image, mounted at scratch/)
+    assert (node / "sandboxes" / "deb-1" / "scratch" / "upper" / "etc" / "motd").read_text() == "sandbox motd\n"
     layer = next((node / "layers").iterdir())
     assert (layer / "etc" / "motd").read_text() != "sandbox motd\n"
     assert layerctl("umount", "--node-dir", str(node), str(tmp_path / "root")).code == 0

@@ -73,8 +73,22 @@ def node_mounts(*roots: Path) -> list[linux.MountEntry]:
     return out
 
 
+def loops_under(*roots: Path) -> list[str]:
+    """Loop devices whose backing file lives at or below any of `roots` (a kept sandbox's upper image)."""
+    out = []
+    for dev in sorted(Path("/sys/block").glob("loop*")):
+        try:
+            backing = (dev / "loop" / "backing_file").read_text().strip().removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if any(backing == str(r) or backing.startswith(f"{r}/") for r in roots):
+            out.append(f"/dev/{dev.name}")
+    return out
+
+
 def cleanup_node(node: Path, *extra_roots: Path) -> None:
-    """Delete leftover containers, unmount everything (deepest first), stop the node daemon by pid."""
+    """Delete leftover containers, unmount everything (deepest first), stop the node daemon by pid,
+    detach loop devices left on the node's files."""
     pids: list[tuple[int, int]] = []
     ids: list[str] = []
     if (node / "state").exists():
@@ -111,6 +125,8 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
     if linux.is_mount(node / "fuse"):
         with contextlib.suppress(linux.MountError):
             linux.umount(node / "fuse", lazy=True)
+    for dev in loops_under(node, *extra_roots):  # (autocleared once unmounted: only a failed test's)
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
     assert not node_mounts(node, *extra_roots), "mounts left behind"
 
 
