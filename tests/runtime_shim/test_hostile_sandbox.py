@@ -20,7 +20,7 @@ from testkit.shim_support import (
     CONFIG,
     add_blob,
     busybox_rootfs,
-    cleanup_node,
+    dir_shim,
     mkfs,
     needs_busybox,
     needs_root,
@@ -58,12 +58,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture
 def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
-    node = tmp_path / "node"
-    try:
-        with Shim(NodePaths(node), DirBlobs(image[0])) as s:
-            yield s
-    finally:
-        cleanup_node(node, tmp_path)
+    with dir_shim(tmp_path, image[0]) as s:
+        yield s
 
 
 def run(shim: Shim, blob: str, script: str, **kw: object) -> tuple[int, str, str]:

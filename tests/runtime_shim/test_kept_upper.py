@@ -17,6 +17,7 @@ from testkit.shim_support import (
     add_blob,
     busybox_rootfs,
     cleanup_node,
+    dir_shim,
     loops_under,
     mkfs,
     needs_busybox,
@@ -49,12 +50,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture
 def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
-    node = tmp_path / "node"
-    try:
-        with Shim(NodePaths(node), DirBlobs(image[0])) as s:
-            yield s
-    finally:
-        cleanup_node(node, tmp_path)
+    with dir_shim(tmp_path, image[0]) as s:
+        yield s
 
 
 def run(shim: Shim, blob: str, script: str, **kw: object) -> tuple[str, int, str, str]:

@@ -13,7 +13,7 @@ from testkit.fuse_helpers import wait_until
 from testkit.shim_support import (
     add_blob,
     busybox_rootfs,
-    cleanup_node,
+    dir_shim,
     mkfs,
     needs_busybox,
     needs_root,
@@ -22,8 +22,6 @@ from testkit.shim_support import (
 )
 
 from runtime_shim import runner
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
@@ -38,12 +36,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 @pytest.fixture
 def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
-    node = tmp_path / "node"
-    try:
-        with Shim(NodePaths(node), DirBlobs(image[0])) as s:
-            yield s
-    finally:
-        cleanup_node(node, tmp_path)
+    with dir_shim(tmp_path, image[0]) as s:
+        yield s
 
 
 def run(shim: Shim, blob: str, script: str, **kw: object) -> tuple[int, str, str]:

@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -18,6 +20,9 @@ from layerstore import digest as digestmod
 from runtime_shim.daemon import is_alive
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.state import NodeState
+
+if TYPE_CHECKING:
+    from runtime_shim.shim import Shim
 
 BUSYBOX = shutil.which("busybox")
 needs_root = pytest.mark.root  # skipped without root by tests/conftest.py
@@ -128,6 +133,22 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
     for dev in loops_under(node, *extra_roots):  # (autocleared once unmounted: only a failed test's)
         subprocess.run(["losetup", "-d", dev], capture_output=True)
     assert not node_mounts(node, *extra_roots), "mounts left behind"
+
+
+@contextlib.contextmanager
+def dir_shim(tmp_path: Path, blobs: Path) -> Iterator[Shim]:
+    """A shim on a fresh node under `tmp_path` whose layers are the EROFS images in `blobs`
+    (`DirBlobs`); the node's mounts and processes are torn down afterwards, also on failure."""
+    from runtime_shim.blobs import DirBlobs
+    from runtime_shim.paths import NodePaths
+    from runtime_shim.shim import Shim
+
+    node = tmp_path / "node"
+    try:
+        with Shim(NodePaths(node), DirBlobs(blobs)) as s:
+            yield s
+    finally:
+        cleanup_node(node, tmp_path)
 
 
 def snapshot(root: Path, skip: tuple[str, ...] = ("proc", "sys", "dev", "tmp")) -> dict[str, tuple]:
