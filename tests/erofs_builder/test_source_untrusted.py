@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from testkit import deadline
+from testkit.hostile import SECRET, host_dir
 
 from erofs_builder.source_dir import Beneath, dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
@@ -26,7 +27,6 @@ from fuse_client.linux import entry_path, open_regular_beneath, read_regular_ben
 from layerstore.errors import BadInput, NotFound
 
 BENEATH = Beneath(open_regular_beneath, entry_path)
-SECRET = b"HOST-SECRET-" + os.urandom(8).hex().encode()
 DEADLINE = 20.0  # seconds: a walk that has not ended by then hangs
 
 
@@ -54,11 +54,7 @@ def bounded(fn: Callable[[], object], unblock: Callable[[], None]) -> object:
 @pytest.fixture
 def host(tmp_path: Path) -> Path:
     """A host directory the sandbox must never get into its layer: f and big hold SECRET."""
-    h = tmp_path / "host"
-    h.mkdir()
-    (h / "f").write_bytes(SECRET)
-    (h / "big").write_bytes(SECRET * ((2 << 20) // len(SECRET)))
-    return h
+    return host_dir(tmp_path)
 
 
 @pytest.fixture

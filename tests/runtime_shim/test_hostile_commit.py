@@ -31,9 +31,16 @@ from pathlib import Path
 
 import pytest
 from testkit import deadline
-from testkit.cli_helpers import layerctl
 from testkit.fuse_helpers import wait_until
-from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc
+from testkit.hostile import SECRET, host_dir
+from testkit.shim_support import (
+    busybox_rootfs,
+    needs_busybox,
+    needs_root,
+    needs_runc,
+    store_shim,
+    store_with_env,
+)
 
 from fuse_client import linux
 from layerstore.errors import BadInput
@@ -46,7 +53,6 @@ from runtime_shim.state import Sandbox
 LONG = os.environ.get("LAYERSTORE_LONG_RACE") == "1"
 RACE_SECONDS = 30.0 if LONG else 3.0
 DEADLINE = 60.0  # seconds: a commit not done by then hangs
-SECRET = b"HOST-SECRET-" + os.urandom(8).hex().encode()
 SANDBOX_FILE = b"sandbox-file\n"
 SANDBOX_DATA = b"sandbox-data\n"
 # the workload: swap /w/d for a symlink to the host directory ($1), /w/f for a FIFO and for a
@@ -70,34 +76,21 @@ done
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A store with bb:1, a busybox base that can also ln, mkfifo and mknod."""
     root = tmp_path_factory.mktemp("hostile")
-    url = str(root / "store")
-    assert layerctl("store", "init", "--store", url).code == 0
     base = busybox_rootfs(root / "base")
     for applet in ("ln", "mkfifo", "mknod"):
         os.symlink("busybox", base / "bin" / applet)
-    r = layerctl("build", str(base), "--push", "--store", url, "--all-root", "--json")
-    assert r.code == 0, r.err
-    assert layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", "bb:1").code == 0
-    return url
+    return store_with_env(root, base, "--all-root")
 
 
 @pytest.fixture
 def host(tmp_path: Path) -> Path:
-    h = tmp_path / "host"
-    h.mkdir()
-    (h / "f").write_bytes(SECRET)
-    (h / "big").write_bytes(SECRET * ((2 << 20) // len(SECRET)))
-    return h
+    return host_dir(tmp_path)
 
 
 @pytest.fixture
 def shim(tmp_path: Path, store: str) -> Iterator[Shim]:
-    node = tmp_path / "node"
-    try:
-        with Shim.for_node(node, store) as s:
-            yield s
-    finally:
-        cleanup_node(node, tmp_path)
+    with store_shim(tmp_path, store) as s:
+        yield s
 
 
 def count(sb: Sandbox) -> int:

@@ -12,19 +12,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from testkit.cli_helpers import layerctl
 from testkit.shim_support import (
-    add_blob,
+    busybox_image,
     busybox_rootfs,
     cleanup_node,
     dir_shim,
     loops_under,
-    mkfs,
     needs_busybox,
     needs_root,
     needs_runc,
     node_mounts,
     spec,
+    store_with_env,
 )
 
 from fuse_client import linux
@@ -44,8 +43,7 @@ QUOTA = 32 * MiB
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("kept")
-    blobs = root / "blobs"
-    return blobs, add_blob(blobs, mkfs(busybox_rootfs(root / "base"), root / "base.img"))
+    return busybox_image(root)
 
 
 @pytest.fixture
@@ -135,12 +133,7 @@ def test_an_explicit_upper_stays_the_callers(shim: Shim, image: tuple[Path, str]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("kept-store")
-    url = str(root / "store")
-    assert layerctl("store", "init", "--store", url).code == 0
-    r = layerctl("build", str(busybox_rootfs(root / "base")), "--push", "--store", url, "--json")
-    assert r.code == 0, r.err
-    assert layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", "bb:1").code == 0
-    return url
+    return store_with_env(root, busybox_rootfs(root / "base"))
 
 
 def test_commit_of_a_kept_quotad_sandbox(tmp_path: Path, store: str) -> None:

@@ -11,10 +11,8 @@ from pathlib import Path
 import pytest
 from testkit.fuse_helpers import wait_until
 from testkit.shim_support import (
-    add_blob,
-    busybox_rootfs,
+    busybox_image,
     dir_shim,
-    mkfs,
     needs_busybox,
     needs_root,
     needs_runc,
@@ -30,8 +28,7 @@ pytestmark = [needs_root, needs_busybox, needs_runc]
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("img")
-    blobs = root / "blobs"
-    return blobs, add_blob(blobs, mkfs(busybox_rootfs(root / "base"), root / "base.img"))
+    return busybox_image(root)
 
 
 @pytest.fixture

@@ -11,9 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from testkit.cli_helpers import layerctl
 from testkit.fuse_helpers import wait_until
-from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc
+from testkit.shim_support import (
+    busybox_rootfs,
+    needs_busybox,
+    needs_root,
+    needs_runc,
+    store_shim,
+    store_with_env,
+)
 
 from layerstore.errors import BadInput
 from layerstore.store import Store
@@ -43,8 +49,6 @@ def test_ranges_and_id_mapping_are_pure() -> None:
 def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A store with bb:1: a busybox base whose home/u is owned by 1000:1000 (owners recorded)."""
     root = tmp_path_factory.mktemp("userns")
-    url = str(root / "store")
-    assert layerctl("store", "init", "--store", url).code == 0
     base = busybox_rootfs(root / "base")
     for applet in ("chown", "id", "stat", "touch"):
         if not (base / "bin" / applet).exists():
@@ -53,22 +57,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     (base / "home" / "u" / "f").write_text("owned by u\n")
     for p in (base / "home" / "u", base / "home" / "u" / "f"):
         os.chown(p, 1000, 1000)
-    r = layerctl("build", str(base), "--push", "--store", url, "--json")
-    assert r.code == 0, r.err
-    assert layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", "bb:1").code == 0
-    return url
+    return store_with_env(root, base)
 
 
 @pytest.fixture
 def shim(tmp_path: Path, store: str) -> Iterator[Shim]:
-    node = tmp_path / "node"
-    try:
-        with Shim.for_node(node, store) as s:
-            if not idmap.supported(s.paths.root, s.paths.layers):
-                pytest.skip("this kernel cannot idmap the layers")
-            yield s
-    finally:
-        cleanup_node(node, tmp_path)
+    with store_shim(tmp_path, store) as s:
+        if not idmap.supported(s.paths.root, s.paths.layers):
+            pytest.skip("this kernel cannot idmap the layers")
+        yield s
 
 
 def status_ids(pid: int) -> tuple[int, int]:

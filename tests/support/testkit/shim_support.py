@@ -135,6 +135,40 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
     assert not node_mounts(node, *extra_roots), "mounts left behind"
 
 
+def busybox_image(root: Path) -> tuple[Path, str]:
+    """A directory of blobs holding one busybox rootfs image made with mkfs.erofs (for `DirBlobs`),
+    and that image's name."""
+    blobs = root / "blobs"
+    return blobs, add_blob(blobs, mkfs(busybox_rootfs(root / "base"), root / "base.img"))
+
+
+def store_with_env(root: Path, base: Path, *build_args: str, tag: str = "bb:1") -> str:
+    """A local store under `root` holding `base` built and pushed as the one layer of environment
+    `tag`; returns the store's URL."""
+    from .cli_helpers import layerctl
+
+    url = str(root / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    r = layerctl("build", str(base), "--push", "--store", url, *build_args, "--json")
+    assert r.code == 0, r.err
+    assert layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", tag).code == 0
+    return url
+
+
+@contextlib.contextmanager
+def store_shim(tmp_path: Path, store_url: str) -> Iterator[Shim]:
+    """The production shim (`Shim.for_node`) on a fresh node under `tmp_path`; the node's mounts
+    and processes are torn down afterwards, also on failure."""
+    from runtime_shim.shim import Shim
+
+    node = tmp_path / "node"
+    try:
+        with Shim.for_node(node, store_url) as s:
+            yield s
+    finally:
+        cleanup_node(node, tmp_path)
+
+
 @contextlib.contextmanager
 def dir_shim(tmp_path: Path, blobs: Path) -> Iterator[Shim]:
     """A shim on a fresh node under `tmp_path` whose layers are the EROFS images in `blobs`
