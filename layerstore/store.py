@@ -237,10 +237,7 @@ class Store:
                  progress: Callable[[int], None] | None = None) -> BlobResult:
         """Store a file as a blob cut at fixed offsets; its id is the one its chunk list gives
         it (`chunkmap.blob_id`)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise NotFound(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
+        fd = _open_input(path)
         try:
             size = os.fstat(fd).st_size
             bounds = list(fixed_boundaries(size, chunk_size))
@@ -287,10 +284,7 @@ class Store:
         its chunk list's, which a file alone does not give: the blob named `hint` is tried
         first, then every stored blob of the file's size. A candidate counts only if the file
         has its size and every chunk's bytes (hashed here); `NotFound` if none does."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise NotFound(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
+        fd = _open_input(path)
         try:
             size = os.fstat(fd).st_size
             candidates = ([hint] if hint else []) + [b for b in self.list_digests("blobs") if b != hint]
@@ -441,3 +435,11 @@ def _parse_tag_value(raw: bytes, ref: str) -> str:
         return digestmod.parse(raw.decode("ascii").strip())
     except (UnicodeDecodeError, LayerstoreError):
         raise CorruptObject(f"tag {ref}: does not hold a manifest digest") from None
+
+
+def _open_input(path: str | os.PathLike[str]) -> int:
+    """A descriptor of a local file to store or to look up; NotFound if it cannot be read."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise NotFound(f"cannot read {path}: {os.strerror(e.errno or 0)}") from None
