@@ -515,13 +515,10 @@ def fs_size(path: str | os.PathLike[str]) -> int:
 
 # -- user namespaces and idmapped mounts (Linux 5.12+; open_tree/move_mount 5.2+) -------------------
 SYS_OPEN_TREE = 428  # x86_64 and the generic syscall table alike
-SYS_MOVE_MOUNT = 429
 SYS_MOUNT_SETATTR = 442
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 AT_EMPTY_PATH = 0x1000
-AT_RECURSIVE = 0x8000
-MOVE_MOUNT_F_EMPTY_PATH = 0x04
 MOUNT_ATTR_IDMAP = 0x00100000
 CLONE_NEWUSER = 0x10000000
 libc.unshare.argtypes = [ctypes.c_int]
