@@ -11,6 +11,9 @@ PACKAGES=(
     runc crun busybox-static
     e2fsprogs mount
     mmdebstrap
+    containerd docker-registry
+    qemu-system-x86 qemu-utils cpio kmod
+    chromium
 )
 
 missing=()
@@ -27,3 +30,10 @@ if ((${#missing[@]})); then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# Each capability that needs more than packages (a guest kernel kit, generated stubs) adds a script
+# here; each is idempotent and runs on every `make demo` / `make test`.
+for step in "$(dirname "$0")"/install.d/*.sh; do
+    [ -e "$step" ] || continue
+    bash "$step"
+done

@@ -22,10 +22,15 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import cmd_build, cmd_daemon, cmd_env, cmd_runtime, cmd_store
+    """Every `cmd_*` module of this package registers its commands: a new command family is a new
+    module, and nothing here changes."""
+    import importlib
+    import os
+    import pkgutil
 
-    for mod in (cmd_store, cmd_build, cmd_env, cmd_daemon, cmd_runtime):
-        mod.register(cli)
+    for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda m: m.name):
+        if info.name.startswith("cmd_"):
+            importlib.import_module(f"{__package__}.{info.name}").register(cli)
 
 
 _register()

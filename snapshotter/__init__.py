@@ -1,0 +1,1 @@
+"""The containerd proxy snapshotter (see docs/snapshotter.md)."""
