@@ -10,9 +10,9 @@ import os
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ..errors import ConfigError
-from .base import Backend
+from .base import Backend, ObjectInfo
 
-__all__ = ["Backend", "open_backend"]
+__all__ = ["Backend", "ObjectInfo", "open_backend"]
 
 
 def open_backend(url: str) -> Backend:

@@ -12,6 +12,11 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
   the store is untrusted, and an 8 GiB object where a 4 MiB chunk belongs is an error, not an
   allocation. Only plain objects are read: something else at a key (on POSIX a symlink, FIFO,
   socket, device or directory) is a `CorruptObject`, never followed, never read, never waited on.
+- `list_info(prefix)`: like `list`, with each object's size and modification time (seconds since
+  the epoch, on the store's clock: the file system's or the S3 server's, never the caller's).
+  The garbage collector keeps objects younger than its grace period by this time.
+- `delete_many(keys)`: remove many objects, in batches where the backend has them (S3
+  DeleteObjects); a key that is already gone is not an error. Returns how many were removed.
 - Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
 - `is_temp_failure(e)`: whether a failure may pass if the request is made again. Only the
   backend knows its own exceptions; when and how often to retry is decided in one place for
@@ -21,9 +26,20 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
+from ..errors import NotFound
 from ..retry import is_temporary
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object: its key, its length and when it was last written (store clock)."""
+
+    key: str
+    size: int
+    mtime: float
 
 
 class Backend(ABC):
@@ -60,6 +76,21 @@ class Backend(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Yield every key that starts with `prefix`, page by page (order is not part of the contract)."""
+
+    @abstractmethod
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """`list`, with each object's size and modification time (store clock)."""
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Remove every object of `keys` that exists; returns how many this call removed."""
+        removed = 0
+        for key in keys:
+            try:
+                self.delete(key)
+            except NotFound:
+                continue
+            removed += 1
+        return removed
 
     def is_temp_failure(self, e: BaseException) -> bool:
         """May `e` (raised by this backend) pass if the request is made again?"""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, CorruptObject, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
-from .base import Backend
+from .base import Backend, ObjectInfo
 
 TMP_PREFIX = ".tmp-"
 
@@ -185,6 +185,20 @@ class PosixBackend(Backend):
         # Empty fan-out directories are left: removing them races with concurrent writers.
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        for key, _entry in self._entries(prefix):
+            yield key
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        for key, entry in self._entries(prefix):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since the directory was read
+            except OSError as e:
+                raise _translate(e, f"object {key}") from None
+            yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _entries(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
         validate_prefix(prefix)
         head, _, _ = prefix.rpartition("/")
         start = self.root / head if head else self.root
@@ -194,7 +208,7 @@ class PosixBackend(Backend):
             return
         yield from self._walk(start, head + "/" if head else "", prefix)
 
-    def _walk(self, directory: Path, rel: str, prefix: str) -> Iterator[str]:
+    def _walk(self, directory: Path, rel: str, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except FileNotFoundError:
@@ -210,7 +224,7 @@ class PosixBackend(Backend):
                 if key.startswith(prefix) or prefix.startswith(key + "/"):
                     yield from self._walk(Path(entry.path), key + "/", prefix)
             elif key.startswith(prefix):
-                yield key
+                yield key, entry
 
     def sweep_temporaries(self, older_than: float = 3600.0) -> int:
         """Remove temporary files left by writers that died; returns how many."""

@@ -30,14 +30,14 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 from ..errors import ConfigError, CorruptObject, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
 from ..retry import RetryPolicy, is_temporary
-from .base import Backend
+from .base import Backend, ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ DEFAULT_PART_SIZE = 16 * MiB
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 DEFAULT_MAX_ATTEMPTS = 5  # total attempts, when neither the environment nor ~/.aws/config says
 DEFAULT_POOL = 32
+DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects
 BACKOFF_FIRST = 0.1  # seconds: the first retry waits up to this, doubling up to BACKOFF_CAP
 BACKOFF_CAP = 5.0
 T = TypeVar("T")
@@ -415,6 +416,10 @@ class S3Backend(Backend):
         self._call(f"delete {key}", "delete_object", Bucket=self.bucket, Key=name)
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        for info in self.list_info(prefix):
+            yield info.key
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
         validate_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": self.page_size}
@@ -423,13 +428,38 @@ class S3Backend(Backend):
             for obj in page.get("Contents", ()):
                 key = obj["Key"][len(base):]
                 try:
-                    yield validate(key)
+                    validate(key)
                 except LayerstoreError:
                     continue  # not one of ours (a foreign object in a shared bucket)
+                yield ObjectInfo(key, int(obj.get("Size", 0)), obj["LastModified"].timestamp())
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
             kwargs["ContinuationToken"] = token
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """DeleteObjects, up to 1,000 keys a request (S3's limit), each batch retried alone.
+        S3 reports a key that was already gone as deleted, so the count includes those."""
+        removed = 0
+        batch: list[str] = []
+        for key in keys:
+            batch.append(self._name(key))
+            if len(batch) == DELETE_BATCH:
+                removed += self._delete_batch(batch)
+                batch = []
+        if batch:
+            removed += self._delete_batch(batch)
+        return removed
+
+    def _delete_batch(self, names: list[str]) -> int:
+        resp = self._call(f"delete {len(names)} objects", "delete_objects", Bucket=self.bucket,
+                          Delete={"Objects": [{"Key": n} for n in names], "Quiet": True})
+        errors = [e for e in resp.get("Errors", ()) if e.get("Code") not in _NOT_FOUND]
+        if errors:
+            first = errors[0]
+            raise StoreUnavailable(f"delete {first.get('Key')}: {self._where} refused ({first.get('Code')}: "
+                                   f"{first.get('Message')}); {len(errors)} of {len(names)} not deleted")
+        return len(names)
 
 
 class _PreconditionFailed(Exception):

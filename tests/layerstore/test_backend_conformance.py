@@ -136,6 +136,34 @@ class TestBackend:
         assert "manyother/x" in set(backend.list("many"))
         assert list(backend.list("nothing/")) == []
 
+    def test_list_info(self, backend: Backend) -> None:
+        import time
+
+        before = time.time()
+        backend.store_once("info/a", b"12345")
+        backend.replace("info/b/c", b"")
+        infos = {i.key: i for i in backend.list_info("info/")}
+        assert set(infos) == {"info/a", "info/b/c"}
+        assert (infos["info/a"].size, infos["info/b/c"].size) == (5, 0)
+        for info in infos.values():
+            # the store's clock, not ours: allow for a little skew between them
+            assert before - 60 < info.mtime < time.time() + 60
+        assert [i.key for i in backend.list_info("info/b/")] == ["info/b/c"]
+        assert list(backend.list_info("none/")) == []
+
+    def test_delete_many(self, backend: Backend) -> None:
+        names = [f"dm/{i % 3}/k{i:04d}" for i in range(2100)]  # more than one S3 batch
+        with ThreadPoolExecutor(16) as pool:
+            assert all(pool.map(lambda k: backend.store_once(k, b"x"), names))
+        backend.store_once("dmkeep/x", b"x")
+        assert backend.delete_many(iter(names[:1050])) == 1050
+        assert sorted(backend.list("dm/")) == sorted(names[1050:])
+        # keys already gone are not an error
+        backend.delete_many(names)
+        assert list(backend.list("dm/")) == []
+        assert backend.exists("dmkeep/x")
+        assert backend.delete_many([]) == 0
+
     def test_store_once_race(self, store_url: str) -> None:
         """Several processes write one key at once: exactly one write lands, everyone then
         reads the same bytes."""
