@@ -105,15 +105,16 @@ def dir_layer(path: Path, *, all_root: bool = False, transform: Callable[[Entrie
 
 
 def resolve_source(src: str, *, all_root: bool, stdin: BinaryIO | None = None) -> Source:
-    """What SRC names: `-` (a tar on stdin), `oci:PATH[:REF]`, `docker-archive:PATH[:REF]`, a
-    directory or a tar file."""
+    """What SRC names: `-` (a tar on stdin), `oci:PATH[:REF]`, `docker-archive:PATH[:REF]`,
+    `docker://HOST/NAME[:TAG|@DIGEST]` (a registry), a directory or a tar file."""
     if src == "-":
         stream = stdin if stdin is not None else sys.stdin.buffer
         return Source([tar_layer("stdin", lambda: contextlib.nullcontext(stream), None)], None, False)
-    if src.startswith(("oci:", "docker-archive:")):
+    if src.startswith(("oci:", "docker-archive:", "docker://")):
         from .source_oci import image_layers
+        from .source_registry import SCHEME, registry_image
 
-        image = image_layers(src)
+        image = registry_image(src) if src.startswith(SCHEME) else image_layers(src)
         return Source([LayerSource(layer.name, layer.entries, layer.size) for layer in image.layers],
                       image.config, True)
     path = Path(src)
