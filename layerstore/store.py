@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from . import chunkmap, chunkobj, keys
+from . import chunkmap, chunkobj, keys, leases
 from . import digest as digestmod
 from .backends import Backend, open_backend
 from .chunker import DEFAULT_CHUNK_SIZE, fixed_boundaries
@@ -41,6 +43,8 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_OBJECT_SIZE = {"chunks": chunkobj.MAX_OBJECT, "blobs": chunkmap.MAX_ENCODED,
                    "manifests": chunkobj.max_object_size(MAX_MANIFEST_BYTES)}
 MAX_TAG_SIZE = 1024
+PROTOCOL_PREFIXES = (leases.LEASES, "gc/")
+T = TypeVar("T")
 MAX_CONFIG_SIZE = 64 << 10
 
 
@@ -88,6 +92,8 @@ class Store:
         self.level = level
         self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
+        self._lease: leases.Lease | None = None
+        self._lease_lock = threading.Lock()
 
     @classmethod
     def open(cls, url: str | None = None, **kw: object) -> Store:
@@ -98,6 +104,9 @@ class Store:
         return self.backend.url
 
     def close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -114,6 +123,22 @@ class Store:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="store")
         return self._pool
+
+    # -- the garbage collector's protocol (docs/gc.md) ------------------------------------
+    @property
+    def lease(self) -> leases.Lease:
+        """This store handle's own lease, opened on first use, released by `close`."""
+        if self._lease is None:
+            with self._lease_lock:
+                if self._lease is None:
+                    self._lease = leases.Lease(self.backend, kind="push").open()
+        return self._lease
+
+    def protect(self, kind: str, digests: Iterable[str]) -> None:
+        """Before relying on stored objects without writing them (deduplication, a manifest's
+        layers, a tag's manifest): hold them in this handle's lease and wait out any sweep that
+        may delete them (`leases.protect`). An existence check made afterwards stays true."""
+        leases.protect(self.lease, {keys.object_key(kind, d) for d in digests})
 
     # -- the store itself ----------------------------------------------------------------
     def init(self) -> bool:
@@ -144,10 +169,14 @@ class Store:
     def has_chunk(self, chunk: str) -> bool:
         return self.backend.exists(self.chunk_key(chunk))
 
-    def put_chunk(self, payload: bytes | memoryview, chunk: str | None = None) -> tuple[str, PutStats]:
+    def put_chunk(self, payload: bytes | memoryview, chunk: str | None = None,
+                  protected: bool = False) -> tuple[str, PutStats]:
         """Store one chunk unless present. Runs in the caller's thread (zstd and blake3 release
-        the GIL, so callers parallelise with threads)."""
+        the GIL, so callers parallelise with threads). `protected`: the caller already ran
+        `protect` for it."""
         chunk = chunk or digestmod.of(payload)
+        if not protected:
+            self.protect("chunks", [chunk])
         key = self.chunk_key(chunk)
         stats = PutStats(chunks=1)
         if self.backend.exists(key):
@@ -159,18 +188,22 @@ class Store:
 
     def put_chunks(self, payloads: Iterable[bytes | memoryview]) -> Iterator[tuple[str, PutStats]]:
         """Store many chunks in parallel, yielding results in input order. At most a bounded
-        number of payloads are in flight, so memory stays flat for any blob size."""
+        number of payloads are in flight, so memory stays flat for any blob size; each batch is
+        protected (one lease shard and one look at the sweeps) before its existence checks."""
         window: list[Future[tuple[str, PutStats]]] = []
         limit = self.workers * 2
-        for payload in payloads:
-            window.append(self.pool.submit(self.put_chunk, payload))
-            if len(window) >= limit:
-                yield window.pop(0).result()
+        for batch in _batched(payloads, limit):
+            digests = list(self.pool.map(digestmod.of, batch))
+            self.protect("chunks", digests)
+            for payload, chunk in zip(batch, digests, strict=True):
+                window.append(self.pool.submit(self.put_chunk, payload, chunk, True))
+                if len(window) >= limit:
+                    yield window.pop(0).result()
         for fut in window:
             yield fut.result()
 
     def put_chunk_object(self, chunk: str, obj: bytes | memoryview, length: int | None = None,
-                         verify: bool = False) -> PutStats:
+                         verify: bool = False, protected: bool = False) -> PutStats:
         """Store a chunk object that the caller already encoded (`chunkobj.pack` of a payload
         whose blake3, `chunk`, it computed itself), unless present: a builder compresses its
         chunks while it builds, and the store does not compress them again. Checked before
@@ -182,6 +215,8 @@ class Store:
         ulen = chunkobj.check(obj, chunk, length)
         if verify:
             chunkobj.decode(obj, chunk)
+        if not protected:
+            self.protect("chunks", [chunk])
         key = self.chunk_key(chunk)
         stats = PutStats(chunks=1)
         if self.backend.exists(key):
@@ -196,10 +231,14 @@ class Store:
         input order, with a bounded number in flight (like `put_chunks`)."""
         window: list[Future[PutStats]] = []
         limit = self.workers * 2
-        for chunk, obj in items:
-            window.append(self.pool.submit(self.put_chunk_object, chunk, obj, None, verify))
-            if len(window) >= limit:
-                yield window.pop(0).result()
+        for batch in _batched(items, limit):
+            for chunk, _obj in batch:
+                digestmod.parse(chunk)
+            self.protect("chunks", [chunk for chunk, _obj in batch])
+            for chunk, obj in batch:
+                window.append(self.pool.submit(self.put_chunk_object, chunk, obj, None, verify, True))
+                if len(window) >= limit:
+                    yield window.pop(0).result()
         for fut in window:
             yield fut.result()
 
@@ -221,6 +260,8 @@ class Store:
         did, so a chunk map never points at a missing chunk; and that the map is its blob's
         (`ChunkMap.check`: the chunk list hashes to the blob id)."""
         cm.check()
+        self.protect("blobs", [cm.blob])
+        self.protect("chunks", cm.unique_digests())
         missing = [d for d in cm.unique_digests() if not self.has_chunk(d)]
         if missing:
             raise NotFound(f"blob {cm.blob}: {len(missing)} chunk(s) missing, e.g. {missing[0]}")
@@ -334,6 +375,7 @@ class Store:
         if len(data) > MAX_MANIFEST_BYTES:
             raise BadInput(f"manifest of {len(data)} bytes, more than {MAX_MANIFEST_BYTES}")
         ident, obj = chunkobj.encode(data, self.level)
+        self.protect("manifests", [ident])
         self.backend.store_once(keys.object_key("manifests", ident), obj)
         return ident
 
@@ -347,7 +389,8 @@ class Store:
     def set_tag(self, ref: str, manifest: str) -> None:
         """Point `name:tag` at a manifest, which must already be stored."""
         key = keys.tag_key(ref)
-        if not self.backend.exists(keys.object_key("manifests", digestmod.parse(manifest))):
+        self.protect("manifests", [digestmod.parse(manifest)])
+        if not self.backend.exists(keys.object_key("manifests", manifest)):
             raise NotFound(f"manifest {manifest} is not in store {self.url}")
         self.backend.replace(key, (manifest + "\n").encode())
 
@@ -387,7 +430,8 @@ class Store:
         report = VerifyReport()
         chunks = set()
         futures: list[tuple[str, Future[None]]] = []
-        all_keys = list(self.backend.list(""))
+        # the collector's and the writers' bookkeeping (layerstore.leases) is not content
+        all_keys = [k for k in self.backend.list("") if not k.startswith(PROTOCOL_PREFIXES)]
         for key in all_keys:
             if key.startswith("chunks/"):
                 with contextlib.suppress(LayerstoreError):
@@ -424,6 +468,17 @@ class Store:
             cm = ChunkMap.decode(data, ident)
             if not cm.unique_digests() <= chunks:
                 raise CorruptObject(f"{key}: points at missing chunks")
+
+
+def _batched(items: Iterable[T], n: int) -> Iterator[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _canonical(obj: object) -> bytes:

@@ -142,6 +142,7 @@ def build_manifest(store: Store, *, base: str, toolkits: Iterable[str] = (), wor
         if blob in seen:
             raise InvalidManifest(f"blob {blob} is given twice (as {seen[blob]} and as {role})")
         seen[blob] = role
+    store.protect("blobs", [b for b, _ in roles])  # held until the tag is set (docs/gc.md)
     maps = layer_chunk_maps(store, [b for b, _ in roles])
     layers = tuple(Layer(blob, maps[blob].size, role) for blob, role in roles)
     prefetch = prefetch_from_trace(trace, {b: len(cm.chunks) for b, cm in maps.items()}) if trace else {}
