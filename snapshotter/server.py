@@ -1,0 +1,154 @@
+"""The gRPC edge: containerd's snapshots service over a unix socket, each call handed to the
+`Snapshotter`, each expected error translated to the status code containerd's errdefs maps back
+(NotFound, AlreadyExists, FailedPrecondition, InvalidArgument; anything else Unknown)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import empty_pb2, timestamp_pb2
+
+from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound
+
+from .errors import SnapshotExists, SnapshotPrecondition
+from .metadata import ACTIVE, COMMITTED, VIEW, Snapshot
+from .snapshots import Mount, Snapshotter
+from .stubs import snapshots_pb2 as pb
+from .stubs import snapshots_pb2_grpc as pbg
+from .stubs import types_pb2
+
+log = logging.getLogger("layerstore.snapshotter")
+T = TypeVar("T")
+KIND = {VIEW: pb.VIEW, ACTIVE: pb.ACTIVE, COMMITTED: pb.COMMITTED}
+LIST_BATCH = 100
+
+
+def status_of(e: LayerstoreError) -> grpc.StatusCode:
+    if isinstance(e, SnapshotExists):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(e, SnapshotPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(e, NotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(e, ConfigError | BadInput):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.UNKNOWN
+
+
+def _ts(t: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def info_of(snap: Snapshot) -> pb.Info:
+    return pb.Info(name=snap.key, parent=snap.parent, kind=KIND[snap.kind], created_at=_ts(snap.created),
+                   updated_at=_ts(snap.updated), labels=snap.labels)
+
+
+def mounts_of(mounts: list[Mount]) -> list[types_pb2.Mount]:
+    return [types_pb2.Mount(type=m.type, source=m.source, options=list(m.options)) for m in mounts]
+
+
+class SnapshotsService(pbg.SnapshotsServicer):
+    def __init__(self, sn: Snapshotter) -> None:
+        self.sn = sn
+
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except LayerstoreError as e:
+            code = status_of(e)
+            if code != grpc.StatusCode.ALREADY_EXISTS:
+                log.info("%s: %s", code.name, e)
+            context.abort(code, str(e))
+        except OSError as e:
+            log.exception("snapshotter call failed")
+            context.abort(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+        raise AssertionError("unreachable")
+
+    def Prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
+        m = self._call(context, lambda: self.sn.prepare(request.key, request.parent, dict(request.labels)))
+        return pb.PrepareSnapshotResponse(mounts=mounts_of(m))
+
+    def View(self, request: Any, context: grpc.ServicerContext) -> Any:
+        m = self._call(context, lambda: self.sn.view(request.key, request.parent, dict(request.labels)))
+        return pb.ViewSnapshotResponse(mounts=mounts_of(m))
+
+    def Mounts(self, request: Any, context: grpc.ServicerContext) -> Any:
+        m = self._call(context, lambda: self.sn.mounts(request.key))
+        return pb.MountsResponse(mounts=mounts_of(m))
+
+    def Commit(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._call(context, lambda: self.sn.commit(request.name, request.key, dict(request.labels)))
+        return empty_pb2.Empty()
+
+    def Remove(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._call(context, lambda: self.sn.remove(request.key))
+        return empty_pb2.Empty()
+
+    def Stat(self, request: Any, context: grpc.ServicerContext) -> Any:
+        snap = self._call(context, lambda: self.sn.stat(request.key))
+        return pb.StatSnapshotResponse(info=info_of(snap))
+
+    def Update(self, request: Any, context: grpc.ServicerContext) -> Any:
+        info = request.info
+        paths = list(request.update_mask.paths)
+        snap = self._call(context, lambda: self.sn.update(info.name, dict(info.labels), paths))
+        return pb.UpdateSnapshotResponse(info=info_of(snap))
+
+    def List(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        snaps = self._call(context, lambda: self.sn.walk(list(request.filters)))
+        for i in range(0, len(snaps), LIST_BATCH):
+            yield pb.ListSnapshotsResponse(info=[info_of(s) for s in snaps[i:i + LIST_BATCH]])
+
+    def Usage(self, request: Any, context: grpc.ServicerContext) -> Any:
+        size, inodes = self._call(context, lambda: self.sn.usage(request.key))
+        return pb.UsageResponse(size=size, inodes=inodes)
+
+    def Cleanup(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._call(context, self.sn.cleanup)
+        return empty_pb2.Empty()
+
+
+def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 8) -> grpc.Server:
+    """Serve on a unix socket (a stale socket file is replaced; the socket is 0600)."""
+    path = Path(os.path.abspath(address))
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snapshotter"))
+    pbg.add_SnapshotsServicer_to_server(SnapshotsService(sn), server)
+    old = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+        server.start()
+    finally:
+        os.umask(old)
+    return server
+
+
+def serve(sn: Snapshotter, address: str | os.PathLike[str]) -> None:
+    """Serve until SIGTERM or SIGINT; then stop taking calls, finish those in flight, close."""
+    server = start(sn, address)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    log.info("serving containerd's snapshots service at %s (root %s)", address, sn.root)
+    try:
+        while not done.wait(1.0):
+            pass
+    finally:
+        server.stop(grace=5).wait()
+        sn.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)

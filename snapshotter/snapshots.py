@@ -1,0 +1,372 @@
+"""The snapshots service's logic (containerd's snapshotter contract), without the gRPC edge.
+
+A snapshot is a record (`metadata`) plus, for a local one, the directory SNAP/snapshots/<id>/
+(`fs/`: the bytes; `work/`: overlayfs's work directory), or, for a remote layer, the blob's EROFS
+mount (`layers`). Directories are made before the transaction that records them and deleted after
+the one that forgets them; layer mounts likewise. `reconcile` (every start, and `cleanup`) deletes
+what a crash left unrecorded; docs/snapshotter.md has the table of crash points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerstore import digest as digestmod
+from layerstore.errors import BadInput
+
+from . import filters as filtermod
+from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition, SnapshotterBusy
+from .layers import RemoteLayers
+from .metadata import ACTIVE, COMMITTED, VIEW, Metadata, Snapshot, Txn
+
+# Labels containerd passes to a proxy (it forwards only `containerd.io/snapshot.ref` and labels
+# under `containerd.io/snapshot/`): the target name of a layer being unpacked, and our blob.
+LABEL_REF = "containerd.io/snapshot.ref"
+LABEL_BLOB = "containerd.io/snapshot/layerstore.blob"
+REMOTE_PREFIX = "layerstore/"  # names of remote layer snapshots: layerstore/<target>
+CRASH_ENV = "LAYERSTORE_SNAPSHOTTER_CRASH"  # tests: die (SIGKILL) at the named step
+
+
+def crashpoint(step: str) -> None:
+    if os.environ.get(CRASH_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Mount:
+    type: str
+    source: str
+    options: tuple[str, ...] = ()
+
+
+@dataclass
+class CleanupReport:
+    directories: list[str] = field(default_factory=list)
+    layer_mounts: list[str] = field(default_factory=list)
+    remounted: list[str] = field(default_factory=list)
+
+
+def usage(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """(bytes allocated, inodes) under `path`, hard links counted once, not crossing mounts."""
+    seen: set[tuple[int, int]] = set()
+    size = 0
+    try:
+        top = os.lstat(path)
+    except FileNotFoundError:
+        return 0, 0
+    stack = [os.fspath(path)]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_dev != top.st_dev:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                size += st.st_blocks * 512
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+    return size, len(seen)
+
+
+class Snapshotter:
+    """One snapshot root. `layers`: where remote layers are mounted from (None: remote layers are
+    refused, every layer is local). Thread-safe: calls are serialised."""
+
+    def __init__(self, root: str | os.PathLike[str], layers: RemoteLayers | None = None) -> None:
+        self.root = Path(os.path.abspath(root))
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.snapshots = self.root / "snapshots"
+        self.snapshots.mkdir(mode=0o700, exist_ok=True)
+        self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise SnapshotterBusy(f"another snapshotter serves {self.root}") from None
+        self.meta = Metadata(self.root / "metadata")
+        self.layers = layers
+        self.mu = threading.RLock()
+        self.last_reconcile = self.reconcile()
+
+    def close(self) -> None:
+        with self.mu:
+            self.meta.close()
+            if self.layers is not None:
+                self.layers.close()
+            os.close(self._lock_fd)
+
+    # -- paths ---------------------------------------------------------------------------------
+    def dir(self, snap: Snapshot) -> Path:
+        return self.snapshots / str(snap.id)
+
+    def fs(self, snap: Snapshot) -> str:
+        """The directory a child stacks (or a client mounts): a remote layer's mount point."""
+        if snap.blob:
+            assert self.layers is not None
+            return self.layers.mountpoint(snap.blob)
+        return str(self.dir(snap) / "fs")
+
+    # -- create ----------------------------------------------------------------------------------
+    def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
+        labels = dict(labels or {})
+        if labels.get(LABEL_REF) and labels.get(LABEL_BLOB):
+            self._prepare_remote(key, parent, labels)  # raises SnapshotExists once it exists
+        return self._create(ACTIVE, key, parent, labels)
+
+    def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
+        return self._create(VIEW, key, parent, dict(labels or {}))
+
+    def _create(self, kind: str, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        _check_key(key)
+        with self.mu:
+            with self.meta.read() as t:
+                self._check_new(t, key, parent)
+            now = time.time()
+            with self.meta.write() as t:
+                snap = Snapshot(key, t.next_id(), kind, parent, labels, now, now)
+                d = self.dir(snap)
+                shutil.rmtree(d, ignore_errors=True)  # (an id is never reused; only a crash leaves one)
+                os.mkdir(d, 0o700)
+                os.mkdir(d / "fs", 0o755)
+                if kind == ACTIVE and parent:
+                    os.mkdir(d / "work", 0o700)
+                crashpoint("create:dirs")
+                t.add(snap)
+            crashpoint("create:recorded")
+            return self._mounts(snap)
+
+    def _check_new(self, t: Txn, key: str, parent: str) -> None:
+        if t.get(key) is not None:
+            raise SnapshotExists(f"snapshot {key!r} already exists")
+        if parent:
+            p = t.get(parent)
+            if p is None:
+                raise SnapshotNotFound(f"parent snapshot {parent!r} does not exist")
+            if p.kind != COMMITTED:
+                raise BadInput(f"parent {parent!r} is not a committed snapshot")
+
+    def _prepare_remote(self, key: str, parent: str, labels: dict[str, str]) -> None:
+        """A layer that is a layerstore blob: mount it and record a committed snapshot named
+        after the target, labelled with it, then answer AlreadyExists (containerd's remote
+        snapshot protocol: it then finds the snapshot by Walk on the ref label and parent)."""
+        target, blob = labels[LABEL_REF], digestmod.parse(labels[LABEL_BLOB])
+        if self.layers is None:
+            return  # no remote layers here: an ordinary prepare, containerd unpacks the layer
+        name = REMOTE_PREFIX + target
+        _check_key(name)
+        with self.mu:
+            with self.meta.read() as t:
+                have = t.get(name)
+                if have is not None:
+                    if have.blob == blob and have.parent == parent:
+                        raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
+                    raise SnapshotExists(f"snapshot {name!r} exists with another blob or parent")
+                self._check_new(t, key, parent)
+                rec = t.layer(blob)
+            self._layer_ready(blob, rec)
+            crashpoint("remote:mounted")
+            now = time.time()
+            with self.meta.write() as t:
+                t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now, blob))
+            crashpoint("remote:recorded")
+        raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
+
+    def _layer_ready(self, blob: str, rec: dict | None) -> None:
+        """The blob's layer mount is in place and current (mounted again if not); recorded."""
+        assert self.layers is not None
+        gen = self.layers.generation()
+        if self.layers.usable(rec, gen):
+            return
+        new = self.layers.mount(blob, gen)
+        with self.meta.write() as t:
+            t.put_layer(blob, new)
+
+    # -- mounts ----------------------------------------------------------------------------------
+    def mounts(self, key: str) -> list[Mount]:
+        with self.mu:
+            with self.meta.read() as t:
+                snap = t.get(key)
+                if snap is None:
+                    raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+                if snap.kind == COMMITTED:
+                    raise SnapshotPrecondition(f"snapshot {key!r} is committed: not active or view")
+            return self._mounts(snap)
+
+    def _mounts(self, snap: Snapshot) -> list[Mount]:
+        with self.meta.read() as t:
+            parents = t.chain(snap.key)[1:]
+            recs = {p.blob: t.layer(p.blob) for p in parents if p.blob}
+        for blob, rec in recs.items():
+            self._layer_ready(blob, rec)
+        lowers = [self.fs(p) for p in parents]
+        d = self.dir(snap)
+        if snap.kind == ACTIVE:
+            if not lowers:
+                return [Mount("bind", str(d / "fs"), ("rw", "rbind"))]
+            return [Mount("overlay", "overlay", ("index=off", f"workdir={d / 'work'}", f"upperdir={d / 'fs'}",
+                                                 f"lowerdir={':'.join(lowers)}"))]
+        if not lowers:
+            return [Mount("bind", str(d / "fs"), ("ro", "rbind"))]
+        if len(lowers) == 1:
+            return [Mount("bind", lowers[0], ("ro", "rbind"))]
+        return [Mount("overlay", "overlay", ("index=off", f"lowerdir={':'.join(lowers)}"))]
+
+    # -- commit, remove --------------------------------------------------------------------------
+    def commit(self, name: str, key: str, labels: dict[str, str] | None = None) -> None:
+        _check_key(name)
+        with self.mu:
+            with self.meta.read() as t:
+                snap = t.get(key)
+                if snap is None:
+                    raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+                if snap.kind != ACTIVE:
+                    raise SnapshotPrecondition(f"snapshot {key!r} is {snap.kind}, not active: cannot commit")
+                if t.get(name) is not None:
+                    raise SnapshotExists(f"snapshot {name!r} already exists")
+            size, inodes = usage(self.dir(snap) / "fs")
+            now = time.time()
+            with self.meta.write() as t:
+                t.delete(snap)
+                t.add(Snapshot(name, snap.id, COMMITTED, snap.parent, dict(labels or {}), now, now,
+                               size=size, inodes=inodes))
+            crashpoint("commit:recorded")
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.dir(snap) / "work")
+
+    def remove(self, key: str) -> None:
+        with self.mu:
+            with self.meta.write() as t:
+                snap = t.get(key)
+                if snap is None:
+                    raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+                kids = t.children(key)
+                if kids:
+                    raise SnapshotPrecondition(f"cannot remove snapshot {key!r}: {len(kids)} child(ren), "
+                                               f"e.g. {kids[0]!r}")
+                t.delete(snap)
+                layer = None
+                if snap.blob and t.blob_users(snap.blob) == 0:
+                    layer = t.layer(snap.blob)
+                    t.delete_layer(snap.blob)
+            crashpoint("remove:recorded")
+            if layer is not None and self.layers is not None:
+                self.layers.unmount(layer)
+            if not snap.blob:
+                shutil.rmtree(self.dir(snap), ignore_errors=True)
+
+    # -- queries -----------------------------------------------------------------------------------
+    def stat(self, key: str) -> Snapshot:
+        with self.meta.read() as t:
+            snap = t.get(key)
+        if snap is None:
+            raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+        return snap
+
+    def update(self, key: str, labels: dict[str, str], paths: Iterable[str] = ()) -> Snapshot:
+        """containerd's Update: only labels change. No paths: the labels are replaced; "labels":
+        likewise; "labels.K": label K is set to the new value (removed if it has none)."""
+        paths = list(paths)
+        for p in paths:
+            if p != "labels" and not p.startswith("labels."):
+                raise BadInput(f"cannot update {p!r} of a snapshot (only labels)")
+        with self.mu, self.meta.write() as t:
+            snap = t.get(key)
+            if snap is None:
+                raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+            if not paths or "labels" in paths:
+                new = dict(labels)
+            else:
+                new = dict(snap.labels)
+                for p in paths:
+                    k = p[len("labels."):]
+                    if k in labels:
+                        new[k] = labels[k]
+                    else:
+                        new.pop(k, None)
+            if snap.blob:
+                new.setdefault(LABEL_REF, snap.labels.get(LABEL_REF, ""))  # the remote protocol's key
+            snap.labels, snap.updated = new, time.time()
+            t.put(snap)
+            return snap
+
+    def walk(self, filters: Iterable[str] = ()) -> list[Snapshot]:
+        parsed = filtermod.parse_all(list(filters))
+        with self.meta.read() as t:
+            snaps = list(t.all())
+        return [s for s in snaps if filtermod.matches_any(parsed, _fields(s))]
+
+    def usage(self, key: str) -> tuple[int, int]:
+        """Bytes and inodes this snapshot holds on the node's disk: a remote layer holds none (its
+        bytes are the node cache's, shared and evictable); a committed local one was measured at
+        commit; an active one is measured now."""
+        snap = self.stat(key)
+        if snap.blob:
+            return 0, 0
+        if snap.kind == COMMITTED and snap.size >= 0:
+            return snap.size, snap.inodes
+        return usage(self.dir(snap) / "fs")
+
+    # -- cleanup -----------------------------------------------------------------------------------
+    def cleanup(self) -> CleanupReport:
+        return self.reconcile()
+
+    def reconcile(self) -> CleanupReport:
+        """Make the disk and the mounts agree with the records: delete directories no record
+        names, drop layer records and mounts no snapshot needs, detach unrecorded layer mounts."""
+        rep = CleanupReport()
+        with self.mu:
+            with self.meta.write() as t:
+                snaps = list(t.all())
+                ids = {str(s.id) for s in snaps if not s.blob}
+                needed = {s.blob for s in snaps if s.blob}
+                layers = t.layers()
+                for blob in set(layers) - needed:
+                    if self.layers is not None:
+                        self.layers.unmount(layers[blob])
+                    t.delete_layer(blob)
+                    rep.layer_mounts.append(layers.pop(blob)["mountpoint"])
+            for entry in os.listdir(self.snapshots):
+                if entry not in ids:
+                    shutil.rmtree(self.snapshots / entry, ignore_errors=True)
+                    rep.directories.append(entry)
+            if self.layers is not None:
+                rep.layer_mounts += self.layers.drop_orphans(layers)
+        return rep
+
+
+def _check_key(key: str) -> None:
+    if not key or "\0" in key or len(key) > 4096:
+        raise BadInput(f"bad snapshot key {key[:80]!r}")
+
+
+def _fields(snap: Snapshot) -> filtermod.Lookup:
+    def lookup(path: tuple[str, ...]) -> str | None:
+        head = path[0] if path else ""
+        if head == "kind" and len(path) == 1:
+            return snap.kind
+        if head == "name" and len(path) == 1:
+            return snap.key
+        if head == "parent" and len(path) == 1:
+            return snap.parent
+        if head == "labels" and len(path) > 1:
+            return snap.labels.get(".".join(path[1:]))
+        return None
+
+    return lookup
