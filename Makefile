@@ -25,6 +25,7 @@ bench: deps
 		echo "== make bench SIZE=$(SIZE): $$(( $$(date +%s) - t0 )) s"
 
 deps: system-deps $(STAMP)
+	@$(VPY) -m snapshotter.protoc  # containerd API stubs into snapshotter/api (git-ignored), when stale
 
 system-deps:
 	@bash .ci/install-deps.sh
