@@ -17,6 +17,7 @@ import io
 import json
 import platform
 import tempfile
+from collections.abc import Callable
 from typing import IO, Any
 
 from layerstore.errors import BadInput
@@ -44,12 +45,15 @@ def host_platform() -> tuple[str, str]:
     return "linux", _ARCH.get(machine, machine)
 
 
-def registry_image(spec: str) -> OciImage:
+Connect = Callable[[str], RegistryClient]  # registry host -> a client (tests pass their own transport)
+
+
+def registry_image(spec: str, connect: Connect = RegistryClient) -> OciImage:
     """The layers and runtime config of `docker://REF` (see the module docstring)."""
     if not spec.startswith(SCHEME):
         raise BadInput(f"{spec}: not a {SCHEME} source")
     ref = Reference.parse(spec[len(SCHEME):])
-    with RegistryClient(ref.registry) as client:
+    with connect(ref.registry) as client:
         manifest, digest = resolve_manifest(client, ref, spec)
         config_desc, layer_descs = manifest_parts(manifest, f"{spec}: manifest {digest}")
         cfg_digest, cfg_size = descriptor(config_desc, f"{spec}: image config", MAX_CONFIG_JSON)
@@ -74,7 +78,7 @@ def registry_image(spec: str) -> OciImage:
         layers.append(OciLayer(name=f"{label} ({layer_digest[:19]})", digest=layer_digest,
                                diff_id=_digest(diff_id, f"{what}: rootfs.diff_ids[{i}]"), size=size,
                                media_type=str(media),
-                               opener=_LayerDownload(ref, layer_digest, size)))
+                               opener=_LayerDownload(connect, ref, layer_digest, size)))
     return OciImage(f"{spec}@{digest}", layers, runtime_config(cfg, what), cfg)
 
 
@@ -165,13 +169,13 @@ class _LayerDownload:
     """Opens a layer: fetched into an anonymous temp file, verified, rewound (a fresh client each
     time, so nothing stays open between layers)."""
 
-    def __init__(self, ref: Reference, digest: str, size: int) -> None:
-        self.ref, self.digest, self.size = ref, digest, size
+    def __init__(self, connect: Connect, ref: Reference, digest: str, size: int) -> None:
+        self.connect, self.ref, self.digest, self.size = connect, ref, digest, size
 
     def __call__(self) -> IO[bytes]:
         f = tempfile.TemporaryFile()  # noqa: SIM115 - the caller closes it
         try:
-            with RegistryClient(self.ref.registry) as client:
+            with self.connect(self.ref.registry) as client:
                 client.fetch_blob(self.ref.repository, self.digest, f, self.size, expected_size=self.size)
         except BaseException:
             f.close()
