@@ -2,6 +2,7 @@
 
     /abs/path, rel/path, file:///abs/path   PosixBackend (local disk, CephFS, 3FS, NFS mounts)
     s3://bucket[/prefix][?endpoint=URL&region=R]   S3Backend (boto3: Ceph RGW, AWS, MinIO)
+    http(s)://host[:port][/prefix], http+unix://%2Fsocket[/prefix]   HttpBackend (the store service)
 """
 
 from __future__ import annotations
@@ -55,4 +56,8 @@ def open_backend(url: str) -> Backend:
             endpoint=query.get("endpoint", [None])[0],
             region=query.get("region", [None])[0],
         )
-    raise ConfigError(f"unknown store URL scheme {scheme!r} in {url!r} (want a path, file://, s3://)")
+    if scheme in ("http", "https", "http+unix"):
+        from .http import HttpBackend
+
+        return HttpBackend(url)
+    raise ConfigError(f"unknown store URL scheme {scheme!r} in {url!r} (want a path, file://, s3://, http(s)://)")

@@ -1,0 +1,177 @@
+"""The store service's wire, shared by the service (`service/`) and its client (`backends.http`):
+paths, headers, ETags, the listing's line format, and the one mapping between the error family
+and HTTP statuses, both ways (pure: no I/O). See docs/service.md.
+
+An error answer is `LayerstoreError.to_wire()` as JSON with the class's `http_status`; the client
+rebuilds the class by name (`from_wire`). The statuses the HTTP layer adds have their classes here,
+each a subclass of the family's class a caller already catches.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import digest as digestmod
+from .. import keys
+from ..errors import (
+    BadInput,
+    CorruptObject,
+    LayerstoreError,
+    NotFound,
+    PermissionDenied,
+    StoreUnavailable,
+    from_wire,
+)
+
+API = "/v1"
+OBJECTS = API + "/objects/"
+LIST = API + "/list"
+DELETE_MANY = API + "/delete"
+STORE = API + "/store"
+TOKEN_ENV = "LAYERSTORE_TOKEN"
+CREDENTIALS_ENV = "LAYERSTORE_CREDENTIALS"
+IMMUTABLE = "public, max-age=31536000, immutable"
+MUTABLE = "no-cache"
+MUTABLE_KINDS = ("tags", "leases", "gc")
+CONTENT_KINDS = keys.KINDS  # chunks, blobs, manifests: the key names the content's digest
+
+
+class Unauthenticated(PermissionDenied):
+    """No token, or one the service does not know (401)."""
+
+    http_status = 401
+
+
+class TooLarge(BadInput):
+    """A request body larger than any object of its key's kind can be (413)."""
+
+    http_status = 413
+
+
+class RejectedObject(CorruptObject):
+    """A body that fails the checks of its key's kind: not stored (422). The store's own corrupt
+    bytes stay a plain `CorruptObject` (502)."""
+
+    http_status = 422
+
+
+class SlowRequest(BadInput):
+    """A request body not received within the service's deadline (408)."""
+
+    http_status = 408
+
+
+class RangeNotSatisfiable(BadInput):
+    """A range that starts at or after the object's end (416); the client reads it as an empty
+    read, like POSIX."""
+
+    http_status = 416
+
+
+class PreconditionFailed(LayerstoreError):
+    """A conditional write whose condition does not hold (412): the key exists (`If-None-Match:
+    *`) or changed (`If-Match`). The client turns it into the backend call's False."""
+
+    exit_code = 2
+    http_status = 412
+
+
+def kind_of(key: str) -> str:
+    """What a (validated) key is: chunks, blobs, manifests, tags, leases, gc, config or other."""
+    head = key.split("/", 1)[0]
+    if key == keys.CONFIG:
+        return "config"
+    if head in CONTENT_KINDS:
+        return head
+    if head in MUTABLE_KINDS and "/" in key:
+        return head
+    return "other"
+
+
+def tag_name(key: str) -> str | None:
+    """The environment name a tag key holds (`tags/<name>:<tag>` -> name), else None."""
+    if not key.startswith("tags/"):
+        return None
+    try:
+        return keys.parse_tag(keys.tag_of_key(key))[0]
+    except LayerstoreError:
+        return None
+
+
+def etag_of(key: str, data: bytes | memoryview) -> str:
+    """A content-addressed object's digest (its key says it); any other object's blake3."""
+    if kind_of(key) in CONTENT_KINDS:
+        return keys.digest_of_key(key)[1]
+    return digestmod.of(data)
+
+
+def quote(etag: str) -> str:
+    return f'"{etag}"'
+
+
+def etags_in(header: str) -> list[str]:
+    """The entity tags of an `If-Match` / `If-None-Match` header (weak ones compared strongly)."""
+    out = []
+    for part in header.split(","):
+        part = part.strip()
+        if part.startswith("W/"):
+            part = part[2:]
+        if part:
+            out.append(part.strip('"') if part != "*" else "*")
+    return out
+
+
+def list_line(key: str, size: int | None = None, mtime: float | None = None) -> bytes:
+    obj: dict[str, Any] = {"k": key}
+    if size is not None:
+        obj["s"] = size
+        obj["m"] = mtime
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def parse_list_line(line: bytes) -> tuple[str, int | None, float | None]:
+    try:
+        obj = json.loads(line)
+        key = keys.validate(obj["k"])
+        size, mtime = obj.get("s"), obj.get("m")
+        if size is not None and (not isinstance(size, int) or size < 0 or not isinstance(mtime, int | float)):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, LayerstoreError):
+        raise StoreUnavailable(f"malformed listing line from the store service: {line[:200]!r}") from None
+    return key, size, (float(mtime) if mtime is not None else None)
+
+
+def error_body(e: LayerstoreError) -> bytes:
+    return json.dumps(e.to_wire()).encode()
+
+
+def error_of(status: int, body: bytes, what: str) -> LayerstoreError:
+    """The error an HTTP answer carries: the class its JSON body names (the service's own
+    answers), else one chosen by status (a proxy or load balancer in between)."""
+    try:
+        obj = json.loads(body) if body else None
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict) and obj.get("kind"):
+        err = from_wire(obj, fallback=f"{what}: HTTP {status}")
+        return err
+    text = body[:200].decode("utf-8", "replace").strip()
+    detail = f"{what}: HTTP {status}" + (f" ({text})" if text else "")
+    if status == 404:
+        return NotFound(detail)
+    if status == 401:
+        return Unauthenticated(detail)
+    if status == 403:
+        return PermissionDenied(detail)
+    if status == 412:
+        return PreconditionFailed(detail)
+    if status == 413:
+        return TooLarge(detail)
+    if status == 416:
+        return RangeNotSatisfiable(detail)
+    if status in (408, 429) or status >= 500:
+        return StoreUnavailable(detail)
+    if 400 <= status < 500:
+        return BadInput(detail)
+    return LayerstoreError(detail)

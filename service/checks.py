@@ -1,0 +1,62 @@
+"""What a PUT body must be before the service hands it to the backend, per key kind (the table in
+docs/service.md). Called in a worker thread: decoding a chunk hashes and decompresses it."""
+
+from __future__ import annotations
+
+import json
+
+from layerstore import chunkmap, chunkobj, keys, leases
+from layerstore import digest as digestmod
+from layerstore.backends import http_wire as wire
+from layerstore.errors import CorruptObject, LayerstoreError, NotFound
+from layerstore.store import MAX_CONFIG_SIZE, MAX_MANIFEST_BYTES, MAX_OBJECT_SIZE, MAX_TAG_SIZE, Store
+
+MAX_LEASE = max(leases.MAX_HEAD, leases.MAX_SHARD)
+MAX_GC = max(leases.MAX_CANDIDATES, leases.MAX_RUN)
+MAX_RAW = 256 << 20  # admin's raw objects (the service holds a body in memory while it checks it)
+LIMITS = {**MAX_OBJECT_SIZE, "tags": MAX_TAG_SIZE, "leases": MAX_LEASE, "gc": MAX_GC, "config": MAX_CONFIG_SIZE,
+          "other": MAX_RAW}
+
+
+def limit_for(key: str) -> int:
+    """The largest body a PUT of `key` may carry (and the largest object a GET of it reads)."""
+    return LIMITS[wire.kind_of(key)]
+
+
+def check_body(store: Store, key: str, data: bytes) -> None:
+    """Raise unless `data` may become `key`: `RejectedObject` for a body that is not what its key
+    says, `NotFound` for a chunk map or tag that points at something the store does not have."""
+    kind = wire.kind_of(key)
+    try:
+        if kind == "chunks":
+            chunkobj.decode(data, keys.digest_of_key(key)[1])
+        elif kind == "manifests":
+            chunkobj.decode(data, keys.digest_of_key(key)[1], MAX_MANIFEST_BYTES)
+        elif kind == "blobs":
+            cm = chunkmap.ChunkMap.decode(data, keys.digest_of_key(key)[1])
+            missing = [d for d in cm.unique_digests() if not store.has_chunk(d)]
+            if missing:
+                raise NotFound(f"blob {cm.blob}: {len(missing)} chunk(s) missing, e.g. {missing[0]}")
+        elif kind == "tags":
+            if wire.tag_name(key) is None:
+                raise wire.RejectedObject(f"{key}: not a tag key (tags/NAME:TAG)")
+            manifest = _tag_value(data, key)
+            if not store.backend.exists(keys.object_key("manifests", manifest)):
+                raise NotFound(f"manifest {manifest} is not in the store")
+        elif kind == "config":
+            conf = json.loads(data)
+            if not isinstance(conf, dict) or conf.get("format") != "layerstore":
+                raise wire.RejectedObject("config: not a layerstore store config")
+    except wire.RejectedObject:
+        raise
+    except CorruptObject as e:
+        raise wire.RejectedObject(f"{key}: {e}") from None
+    except ValueError:
+        raise wire.RejectedObject(f"{key}: not JSON") from None
+
+
+def _tag_value(data: bytes, key: str) -> str:
+    try:
+        return digestmod.parse(data.decode("ascii").strip())
+    except (UnicodeDecodeError, LayerstoreError):
+        raise wire.RejectedObject(f"{key}: a tag holds a manifest digest (b3:...)") from None
