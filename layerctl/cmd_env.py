@@ -1,14 +1,20 @@
-"""`layerctl env ...`: create, show, list, sign and verify environments (manifests named by tags)."""
+"""`layerctl env ...`: create (from layers in the store, or from a whole image with --from), show, list,
+sign and verify environments (manifests named by tags)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from layerstore.errors import ConfigError
+from layerstore.errors import ConfigError, LayerstoreError
 from manifest import environment as envmod
 from manifest import files
+
+if TYPE_CHECKING:
+    from manifest.config import RuntimeConfig
+    from manifest.signing import PrivateKey
 
 from .cmd_store import open_store
 from .options import emit_json, human_bytes, json_option, store_option
@@ -23,7 +29,12 @@ def env_group() -> None:
 
 @env_group.command("create")
 @store_option
-@click.option("--base", required=True, metavar="DIGEST", help="The base layer's blob (exactly one).")
+@click.option("--from", "image", metavar="SRC", default=None,
+              help="Make the whole image SRC the environment: oci:PATH[:REF], docker-archive:PATH[:REF] or "
+                   "docker://HOST/NAME[:TAG|@DIGEST]. Its layers are built and pushed; the bottom one is the base, "
+                   "the others toolkits; its runtime config is the environment's (docs/image-inputs.md).")
+@click.option("--top-workspace", is_flag=True, help="With --from: the image's top layer is the workspace.")
+@click.option("--base", default=None, metavar="DIGEST", help="The base layer's blob (exactly one).")
 @click.option("--toolkit", "toolkits", multiple=True, metavar="DIGEST", help="A toolkit layer, bottom first; repeat.")
 @click.option("--workspace", metavar="DIGEST", default=None, help="The workspace layer (at most one, on top).")
 @click.option("--config", "config_file", type=_file, default=None,
@@ -35,16 +46,30 @@ def env_group() -> None:
 @click.option("--sign", "key_file", type=_file, default=None, metavar="KEYFILE",
               help="Sign the manifest with this ed25519 key (from `layerctl env keygen`).")
 @json_option
-def create_cmd(store_url: str | None, base: str, toolkits: tuple[str, ...], workspace: str | None,
-               config_file: Path | None, trace_file: Path | None, annotations: tuple[str, ...], tag: str,
-               key_file: Path | None, as_json: bool) -> None:
-    """Create an environment from layers already in the store and tag it."""
+def create_cmd(store_url: str | None, image: str | None, top_workspace: bool, base: str | None,
+               toolkits: tuple[str, ...], workspace: str | None, config_file: Path | None, trace_file: Path | None,
+               annotations: tuple[str, ...], tag: str, key_file: Path | None, as_json: bool) -> None:
+    """Create an environment from layers already in the store (--base, --toolkit, --workspace),
+    or from a whole image (--from), and tag it."""
+    if image is None and base is None:
+        raise click.UsageError("Missing option '--base' (or --from SRC, a whole image)")
+    if image is not None and base is not None:
+        raise ConfigError("give --base DIGEST (layers in the store) or --from SRC (an image), not both")
+    if image is not None and toolkits:
+        raise ConfigError("--toolkit goes with --base; with --from the image's layers are the toolkits")
+    if image is None and top_workspace:
+        raise ConfigError("--top-workspace goes with --from")
     # Everything local is read and checked before the store is touched.
     envmod.check_environment_tag(tag)
     notes = _parse_annotations(annotations)
     config = files.read_config(config_file) if config_file else None
     trace = files.read_trace(trace_file) if trace_file else None
     key = files.read_private_key(key_file) if key_file else None
+    if image is not None:
+        _create_from_image(store_url, image, tag, top_workspace=top_workspace, workspace=workspace, config=config,
+                           trace=trace, annotations=notes, key=key, as_json=as_json)
+        return
+    assert base is not None
     with open_store(store_url) as store:
         manifest = envmod.build_manifest(store, base=base, toolkits=toolkits, workspace=workspace, config=config,
                                          trace=trace, annotations=notes)
@@ -55,6 +80,34 @@ def create_cmd(store_url: str | None, base: str, toolkits: tuple[str, ...], work
     click.echo(f"{created.tag} -> {created.manifest}")
     click.echo(f"  {len(manifest.layers)} layer(s), {human_bytes(manifest.size)}, "
                f"prefetch hints for {len(manifest.prefetch)} blob(s)")
+    if created.signed_by is not None:
+        click.echo(f"  signed by {created.signed_by}")
+
+
+def _create_from_image(store_url: str | None, image: str, tag: str, *, top_workspace: bool, workspace: str | None,
+                       config: RuntimeConfig | None, trace: dict[str, list[int]] | None, annotations: dict[str, str],
+                       key: PrivateKey | None, as_json: bool) -> None:
+    from erofs_builder.image_env import environment_from_image
+
+    try:
+        with open_store(store_url) as store:
+            made = environment_from_image(store, image, tag, top_workspace=top_workspace, workspace=workspace,
+                                          config=config, trace=trace, annotations=annotations, key=key)
+    except OSError as e:
+        raise LayerstoreError(f"env create --from {image}: {e.filename or ''}: {e.strerror}") from None
+    manifest, created = made.manifest, made.created
+    if as_json:
+        emit_json({**created.to_json(), "layers": [layer.to_json() for layer in manifest.layers],
+                   "image_layers": len(made.built), "dropped_duplicates": made.dropped,
+                   "config": manifest.config.to_json()})
+        return
+    click.echo(f"{created.tag} -> {created.manifest}")
+    click.echo(f"  from {image}: {len(made.built)} image layer(s), {human_bytes(manifest.size)}"
+               + (f", {made.dropped} duplicate(s) left out" if made.dropped else ""))
+    for layer in manifest.layers:
+        click.echo(f"  {layer.role:<10} {layer.blob}  {human_bytes(layer.size)}")
+    click.echo(f"  argv       {manifest.config.argv}")
+    click.echo(f"  workdir    {manifest.config.workdir}")
     if created.signed_by is not None:
         click.echo(f"  signed by {created.signed_by}")
 
