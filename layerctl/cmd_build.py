@@ -3,7 +3,7 @@ optionally write them out and push them (chunks first, then the chunk map) to a 
 
 Every layer is built completely before anything is published: a source that turns out to be bad
 half-way leaves no output file and nothing in the store. With a multi-layer source (oci:,
-docker-archive:) `--output` names a directory that receives one `<blob-hex>.erofs` per layer;
+docker-archive:, docker://) `--output` names a directory that receives one `<blob-hex>.erofs` per layer;
 the `--json` list gives their order, base first. The work is `erofs_builder.workflow.build_and_push`;
 this module holds the options, the progress bar and the printing.
 """
@@ -55,7 +55,7 @@ class _Bar:
 @click.command("build")
 @click.argument("src")
 @click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-              help="Write the image here (a directory of <blob-hex>.erofs files for oci:/docker-archive:).")
+              help="Write the image here (a directory of <blob-hex>.erofs files for oci:/docker-archive:/docker://).")
 @click.option("--push", is_flag=True, help="Store the image's chunks and chunk map in the store.")
 @store_option
 @click.option("--role", type=click.Choice(["base", "toolkit", "workspace"]), default=None,
@@ -65,7 +65,7 @@ class _Bar:
               help="Clamp modification times to at most N (seconds since the epoch).")
 @json_option
 @click.option("--config-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the image's runtime config JSON here (oci:/docker-archive: sources).")
+              help="Write the image's runtime config JSON here (oci:/docker-archive:/docker:// sources).")
 @click.option("--parent", default=None, metavar="DIGEST|FILE",
               help="Build on an earlier image of the same tree (its blob digest, or an image file whose chunk map "
                    "is in the store): unchanged files keep their chunks.")
@@ -74,13 +74,17 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     """Build SRC into EROFS layer images.
 
     SRC is a directory, a tar file (plain, gzip or zstd; '-' reads stdin), oci:PATH[:REF] (an OCI
-    image layout) or docker-archive:PATH[:REF] (a `docker save` tar).
+    image layout), docker-archive:PATH[:REF] (a `docker save` tar) or
+    docker://HOST[:PORT]/NAME[:TAG|@DIGEST] (an image in a registry; credentials from
+    ~/.docker/config.json or $LAYERSTORE_REGISTRY_USER/_PASSWORD; plain HTTP only for loopback
+    hosts and $LAYERSTORE_INSECURE_REGISTRIES). `layerctl env create --from SRC` makes a whole
+    image an environment in one step.
     """
     from erofs_builder.workflow import build_and_push, resolve_source
 
     source = resolve_source(src, all_root=all_root)
     if config_out is not None and source.config is None:
-        raise ConfigError("--config-out needs an image source (oci:PATH or docker-archive:PATH)")
+        raise ConfigError("--config-out needs an image source (oci:PATH, docker-archive:PATH or docker://REF)")
     if parent is not None and source.multi:
         raise ConfigError("--parent needs a single-layer source (a directory or a tar)")
     store = None

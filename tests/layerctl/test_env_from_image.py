@@ -163,3 +163,18 @@ def test_run_of_an_image_environment_gives_the_images_config(images: dict, tmp_p
         assert (r.code, r.out.splitlines()[0]) == (0, "hello-from-image in /work as 0 args: given args"), r.err
     finally:
         cleanup_node(node, tmp_path)
+
+
+def test_build_from_a_registry(images: dict, tmp_path: Path) -> None:
+    url = _store(tmp_path)
+    src = f"docker://{images['registry'].ref('t/bb', '1')}"
+    r = layerctl("build", src, "--push", "--store", url, "--output", str(tmp_path / "out"),
+                 "--config-out", str(tmp_path / "cfg.json"), "--json")
+    assert r.code == 0, r.err
+    local = layerctl("build", f"oci:{images['root']}/layout", "--json").json()
+    assert [x["blob"] for x in r.json()] == [x["blob"] for x in local]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(x["blob"][3:] + ".erofs" for x in local)
+    assert json.loads((tmp_path / "cfg.json").read_text()) == CONFIG
+    r = layerctl("build", f"docker://{images['registry'].ref('t/bb', 'nope')}", "--json")
+    assert_clean_failure(r, "not found")
+    assert r.code == 3
