@@ -19,7 +19,7 @@ from erofs_builder.image_env import image_roles
 
 pytestmark = [needs_registry, needs_busybox]
 CONFIG = {"entrypoint": ["/opt/tool/greet"], "cmd": ["from-cmd"],
-          "env": ["PATH=/opt/tool:/bin", "GREETING=hello-from-image"], "workdir": "/work", "user": ""}
+          "env": ["PATH=/opt/tool:/bin", "GREETING=hello-from-image"], "workdir": "/work", "user": "nobody"}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_run_of_an_image_environment_gives_the_images_config(images: dict, tmp_p
         r = layerctl(*args)
         assert (r.code, r.out) == (0, EXPECTED_OUTPUT), r.err
         r = layerctl(*args, "--", "given", "args")  # a command replaces Cmd, not the entrypoint
-        assert (r.code, r.out.splitlines()[0]) == (0, "hello-from-image in /work as 0 args: given args"), r.err
+        assert (r.code, r.out.splitlines()[0]) == (0, "hello-from-image in /work as 65534 args: given args"), r.err
     finally:
         cleanup_node(node, tmp_path)
 

@@ -6,7 +6,7 @@ The image (`busybox_spec`), three layers:
   1  (zstd)  /opt/tool/greet (a script) and a replaced /etc/motd
   2  (plain) /work/task.txt and a whiteout of /etc/motd
 and a config with Entrypoint ["/opt/tool/greet"], Cmd ["from-cmd"], Env (PATH, GREETING),
-WorkingDir /work. Run as is, it prints `EXPECTED_OUTPUT`.
+WorkingDir /work, User nobody (65534 in its /etc/passwd). Run as is, it prints `EXPECTED_OUTPUT`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ cat /work/task.txt
 if test -e /etc/motd; then echo motd-present; else echo motd-gone; fi
 """
 CONFIG = {"Entrypoint": ["/opt/tool/greet"], "Cmd": ["from-cmd"],
-          "Env": ["PATH=/opt/tool:/bin", "GREETING=hello-from-image"], "WorkingDir": "/work"}
-EXPECTED_OUTPUT = "hello-from-image in /work as 0 args: from-cmd\ntask 17\nmotd-gone\n"
+          "Env": ["PATH=/opt/tool:/bin", "GREETING=hello-from-image"], "WorkingDir": "/work", "User": "nobody"}
+EXPECTED_OUTPUT = "hello-from-image in /work as 65534 args: from-cmd\ntask 17\nmotd-gone\n"
 
 
 def rootfs_tar(src: Path) -> bytes:
