@@ -7,20 +7,22 @@ verified); an index resolves to linux/this machine's architecture (or its only r
 the chosen manifest is fetched by its digest and checked against the index's descriptor size;
 the config blob is fetched (at most `source_oci.MAX_CONFIG_JSON`) and checked against its
 descriptor. Layers are fetched only when the builder reads them: each into an anonymous
-temporary file (gone when closed, or when the process dies), capped at its descriptor size and
-verified against its digest before a byte reaches the tar reader.
+temporary file in $TMPDIR (gone when closed, or when the process dies; refused up front when its
+descriptor size, at most `MAX_LAYER_BLOB`, is more than the free space), capped at its descriptor
+size and verified against its digest before a byte reaches the tar reader.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
-from layerstore.errors import BadInput
+from layerstore.errors import BadInput, ConfigError
 
 from .image_config import runtime_config
 from .registry import DOCKER_LIST, OCI_INDEX, Reference, RegistryClient, check_digest
@@ -36,6 +38,7 @@ from .source_oci import (
 )
 
 SCHEME = "docker://"
+MAX_LAYER_BLOB = 64 << 30  # one layer as the registry stores it (compressed); it is held on local disk
 INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 _ARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}
 
@@ -57,6 +60,7 @@ def registry_image(spec: str, connect: Connect = RegistryClient) -> OciImage:
         manifest, digest = resolve_manifest(client, ref, spec)
         config_desc, layer_descs = manifest_parts(manifest, f"{spec}: manifest {digest}")
         cfg_digest, cfg_size = descriptor(config_desc, f"{spec}: image config", MAX_CONFIG_JSON)
+        checked = [layer_descriptor(desc, f"{spec}: layer {i}") for i, desc in enumerate(layer_descs)]
         buf = io.BytesIO()
         client.fetch_blob(ref.repository, cfg_digest, buf, MAX_CONFIG_JSON, expected_size=cfg_size)
     what = f"{spec}: image config {cfg_digest}"
@@ -67,18 +71,10 @@ def registry_image(spec: str, connect: Connect = RegistryClient) -> OciImage:
         raise BadInput(f"{what}: lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} diff_ids "
                        f"for {len(layer_descs)} layers")
     layers = []
-    for i, (desc, diff_id) in enumerate(zip(layer_descs, diff_ids, strict=True)):
-        label = f"{spec}: layer {i}"
-        layer_digest, size = descriptor(desc, label, None)
-        media = desc.get("mediaType")
-        if media not in LAYER_TYPES:
-            raise BadInput(f"{label} ({layer_digest}): unsupported media type {str(media)[:100]!r}")
-        if not isinstance(diff_id, str):
-            raise BadInput(f"{what}: rootfs.diff_ids[{i}] is not a digest")
-        layers.append(OciLayer(name=f"{label} ({layer_digest[:19]})", digest=layer_digest,
+    for i, ((layer_digest, size, media), diff_id) in enumerate(zip(checked, diff_ids, strict=True)):
+        layers.append(OciLayer(name=f"{spec}: layer {i} ({layer_digest[:19]})", digest=layer_digest,
                                diff_id=_digest(diff_id, f"{what}: rootfs.diff_ids[{i}]"), size=size,
-                               media_type=str(media),
-                               opener=_LayerDownload(connect, ref, layer_digest, size)))
+                               media_type=media, opener=_LayerDownload(connect, ref, layer_digest, size)))
     return OciImage(f"{spec}@{digest}", layers, runtime_config(cfg, what), cfg)
 
 
@@ -135,6 +131,15 @@ def manifest_parts(doc: dict[str, Any], what: str) -> tuple[dict[str, Any], list
     return cfg, layers
 
 
+def layer_descriptor(desc: dict[str, Any], what: str) -> tuple[str, int, str]:
+    """A layer descriptor's digest, size (at most MAX_LAYER_BLOB) and media type (a known one)."""
+    digest, size = descriptor(desc, what, MAX_LAYER_BLOB)
+    media = desc.get("mediaType")
+    if media not in LAYER_TYPES:
+        raise BadInput(f"{what} ({digest}): unsupported media type {str(media)[:100]!r}")
+    return digest, size, str(media)
+
+
 def descriptor(desc: dict[str, Any], what: str, limit: int | None) -> tuple[str, int]:
     """A descriptor's digest and size, the size within `limit` when given."""
     digest = _digest(desc.get("digest"), what)
@@ -173,6 +178,11 @@ class _LayerDownload:
         self.connect, self.ref, self.digest, self.size = connect, ref, digest, size
 
     def __call__(self) -> IO[bytes]:
+        where = tempfile.gettempdir()
+        st = os.statvfs(where)
+        if st.f_bavail * st.f_frsize < self.size:
+            raise ConfigError(f"{self.ref}: layer {self.digest} is {self.size} bytes, more than is free in "
+                              f"{where} (set TMPDIR to a larger disk)")
         f = tempfile.TemporaryFile()  # noqa: SIM115 - the caller closes it
         try:
             with self.connect(self.ref.registry) as client:
@@ -183,5 +193,6 @@ class _LayerDownload:
         return f
 
 
-__all__ = ["SCHEME", "descriptor", "host_platform", "json_object", "manifest_parts", "pick_platform",
+__all__ = ["MAX_LAYER_BLOB", "SCHEME", "descriptor", "host_platform", "json_object", "layer_descriptor",
+           "manifest_parts", "pick_platform",
            "registry_image", "resolve_manifest"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,8 +16,8 @@ import pytest
 
 from erofs_builder.registry import DOCKER_LIST, OCI_INDEX, OCI_MANIFEST, Credentials, RegistryClient
 from erofs_builder.source_oci import MAX_CONFIG_JSON, MAX_LAYERS
-from erofs_builder.source_registry import registry_image
-from layerstore.errors import BadInput, PermissionDenied, StoreUnavailable
+from erofs_builder.source_registry import MAX_LAYER_BLOB, registry_image
+from layerstore.errors import BadInput, ConfigError, PermissionDenied, StoreUnavailable
 
 HOST = "reg.example"
 Handler = Callable[[httpx.Request], httpx.Response | None]
@@ -156,6 +157,11 @@ def test_oversized_manifest_is_cut_off(fake: FakeRegistry) -> None:
     ({"schemaVersion": 2, "mediaType": OCI_MANIFEST,
       "config": {"digest": "sha256:" + "a" * 64, "size": MAX_CONFIG_JSON + 1}, "layers": [{}]},
      OCI_MANIFEST, "over the limit"),
+    ({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": {"digest": "sha256:" + "a" * 64, "size": 1},
+      "layers": [{"digest": "sha256:" + "b" * 64, "size": MAX_LAYER_BLOB + 1}]}, OCI_MANIFEST, "over the limit"),
+    ({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": {"digest": "sha256:" + "a" * 64, "size": 1},
+      "layers": [{"digest": "sha256:" + "b" * 64, "size": 1, "mediaType": "application/x-sh"}]}, OCI_MANIFEST,
+     "unsupported media type 'application/x-sh'"),
     ({"schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": {"digest": "../../etc/passwd", "size": 1},
       "layers": [{}]}, OCI_MANIFEST, "bad digest"),
     ({"schemaVersion": 2, "mediaType": OCI_INDEX, "config": {}, "layers": []}, OCI_MANIFEST,
@@ -166,7 +172,7 @@ def test_hostile_manifests(fake: FakeRegistry, doc: object, media: str, needle: 
     fake.add_manifest("1", doc, media)
     with pytest.raises(BadInput, match=needle):
         _pull(fake)
-    assert not any("/blobs/" in r.url.path for r in fake.requests if "layers" in str(doc))
+    assert not any("/blobs/" in r.url.path for r in fake.requests)  # refused before any blob is fetched
 
 
 def test_deeply_nested_manifest(fake: FakeRegistry) -> None:
@@ -226,6 +232,24 @@ def test_blob_longer_than_its_descriptor_is_cut_off(fake: FakeRegistry, tmp_path
     with fake.client() as c, pytest.raises(BadInput, match="more than the limit"):
         c.fetch_blob("t/img", sha(tars[0]), tmp_path / "blob", 5 << 20)
     assert list(tmp_path.iterdir()) == []  # no partial file left behind
+
+
+def test_layer_larger_than_the_free_space_is_refused_before_download(fake: FakeRegistry,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _, tars = _image(fake)
+    manifest = json.loads(fake.manifests["1"][0])
+    manifest["layers"][0]["size"] = 10 << 30
+    fake.add_manifest("1", manifest)
+    real = os.statvfs
+
+    def little_free(path: str) -> os.statvfs_result:
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, st.f_blocks, 1000, 1000, *st[5:]))
+
+    monkeypatch.setattr(os, "statvfs", little_free)
+    with pytest.raises(ConfigError, match="more than is free"):
+        _consume(_pull(fake))
+    assert not any(r.url.path.endswith(sha(tars[0])) for r in fake.requests)
 
 
 def test_server_errors_are_retried_then_unavailable(fake: FakeRegistry) -> None:
