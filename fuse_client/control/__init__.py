@@ -1,8 +1,9 @@
 """The daemon's control socket (HTTP/1.1 over DIR/control.sock).
 
-`client` is the blocking client (the CLI, the runtime shim): importing it, or this package,
-never imports trio. `server` is the daemon's side, on its trio thread. The client's names are
-here too: `fuse_client.control.request_json`, `.pin`, `.unpin`, `.DaemonNotRunning`, ...
+`client` is the blocking client (the CLI, the runtime shim; the standard library's http.client):
+importing it, or this package, never imports trio. `api` is the control API (a FastAPI app over
+the node cache) and `server` serves it on the daemon's trio thread (hypercorn, after a peer
+check). The client's names are here too: `fuse_client.control.request_json`, `.pin`, `.unpin`, `.DaemonNotRunning`, ...
 """
 
 from __future__ import annotations

@@ -134,8 +134,9 @@ async def test_members_of_the_control_group_are_allowed(store: Store, open_dir: 
     sock = socket_path(cache_dir)
     async with _serving(store, cache_dir, group=OTHER_GID) as server:
         cache_dir.chmod(0o755)
-        assert await trio.to_thread.run_sync(_as_nobody, sock, OTHER_GID) == "answer HTTP/1.1 200 OK"
+        # (the status line carries no reason phrase: hypercorn, through h11, sends none)
+        assert await trio.to_thread.run_sync(_as_nobody, sock, OTHER_GID) == "answer HTTP/1.1 200"
         # A supplementary group counts too (SO_PEERGROUPS).
-        assert await trio.to_thread.run_sync(_as_nobody, sock, NOBODY, (OTHER_GID,)) == "answer HTTP/1.1 200 OK"
+        assert await trio.to_thread.run_sync(_as_nobody, sock, NOBODY, (OTHER_GID,)) == "answer HTTP/1.1 200"
         assert await trio.to_thread.run_sync(_as_nobody, sock) == "connect-errno 13"
         assert server.refused == 0

@@ -11,6 +11,7 @@ import os
 import random
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from testkit.cli_helpers import assert_clean_failure, layerctl
@@ -170,10 +171,11 @@ async def test_pin_routes_and_the_blocking_client(store: Store, data: bytes, tmp
         server = ControlServer(socket_path(cache_dir), ControlAPI(r.lazy))
         await nursery.start(server.serve)
         # Unknown to the node: the route fetches the chunk map, so it can say what is missing.
-        status, _, body = await server._dispatch("POST", "/pin", b'{"blob": "%s", "holder": "x"}' % cmap.blob.encode())
-        assert status == 409 and b'"missing_bytes": %d' % len(data) in body and b'"complete": false' in body
-        status, _, body = await server._dispatch("POST", "/pin", b'{"blob": "%s"}' % cmap.blob.encode())
-        assert status == 400
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(server.api.app), base_url="http://x") as app:
+            answer = await app.post("/pin", json={"blob": cmap.blob, "holder": "x"})
+            assert answer.status_code == 409
+            assert answer.json()["missing_bytes"] == len(data) and answer.json()["complete"] is False
+            assert (await app.post("/pin", json={"blob": cmap.blob})).status_code == 400
         assert await trio.to_thread.run_sync(control.pin, cache_dir, cmap.blob, "x") is None
         await _fill(r, cmap.blob, len(data))
         path = await trio.to_thread.run_sync(control.pin, cache_dir, cmap.blob, "x")
