@@ -1,0 +1,176 @@
+"""The full-VM backend ("vm") booted for real: QEMU q35 under TCG here, the guest kit's kernel
+and init, the environment's root as one multi-device EROFS device over the layer blobs. The same
+cases as the container backend: output and exit code, environment variables and workdir, what a
+layer deleted stays deleted (and what the workload deletes), recovery after kill -9 of the VMM,
+and laziness through the node daemon. Boots are shared: each test boots once."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, spec
+
+from erofs_builder.build import build_layer
+from erofs_builder.tree import Entry, Kind
+from layerstore import digest as digestmod
+from runtime_shim import runner
+from runtime_shim.backends.vm import VmBackend
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.errors import RuntimeNotAvailable, ShimError
+from runtime_shim.paths import NodePaths
+from runtime_shim.shim import Shim
+from runtime_shim.vm.kit import find_kit
+from runtime_shim.vm.qemu import qemu_argv
+
+
+def _vm_ready() -> str:
+    try:
+        find_kit()
+    except RuntimeNotAvailable as e:
+        return str(e)
+    return "" if shutil.which("qemu-system-x86_64") else "needs qemu-system-x86"
+
+
+pytestmark = [pytest.mark.root, needs_busybox, pytest.mark.skipif(bool(_vm_ready()), reason=_vm_ready() or "-")]
+
+
+@pytest.fixture(autouse=True)
+def _tcg(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not os.environ.get("LAYERSTORE_VM_ACCEL"):
+        monkeypatch.setenv("LAYERSTORE_VM_ACCEL", "tcg")  # this node kind's /dev/kvm boots no guest
+
+
+@pytest.fixture(scope="module")
+def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """base: busybox + /data/{keep,drop}; top: a whiteout of /data/drop, /data/new, an opaque /etc/opt."""
+    root = tmp_path_factory.mktemp("vmenv")
+    base = busybox_rootfs(root / "base")
+    (base / "data").mkdir()
+    (base / "data" / "keep").write_text("keep\n")
+    (base / "data" / "drop").write_text("drop\n")
+    (base / "etc" / "opt").mkdir()
+    (base / "etc" / "opt" / "old").write_text("old\n")
+    from erofs_builder.source_dir import dir_entries
+
+    d = root / "blobs"
+    d.mkdir()
+    names = []
+    for i, entries in enumerate([
+        list(dir_entries(base, all_root=True)),
+        [(Entry(b"data/drop", Kind.CHR, rdev=(0, 0)), None), (Entry(b"data/new", Kind.REG, size=4), (b"new\n",)),
+         (Entry(b"etc/opt", Kind.DIR, xattrs={b"trusted.overlay.opaque": b"y"}), None),
+         (Entry(b"etc/opt/fresh", Kind.REG, size=6), (b"fresh\n",))],
+    ]):
+        img = root / f"l{i}.erofs"
+        build_layer(entries, img)
+        name = digestmod.of(img.read_bytes())
+        shutil.copy(img, d / name)
+        names.append(name)
+    return d, names
+
+
+@pytest.fixture
+def vm_shim(tmp_path: Path, blobs: tuple[Path, list[str]]) -> Iterator[Shim]:
+    node = tmp_path / "node"
+    paths = NodePaths(node)
+    try:
+        with Shim(paths, DirBlobs(blobs[0]), backends={"vm": VmBackend(paths)}) as s:
+            yield s
+    finally:
+        cleanup_node(node, tmp_path)
+
+
+def env(blobs: tuple[Path, list[str]]):  # noqa: ANN201 - an EnvSpec
+    base, top = blobs[1]
+    return spec((base, "base"), (top, "workspace"),
+                config={"entrypoint": [], "cmd": ["/bin/sh"], "env": ["FROM_ENV=env-value", "PATH=/bin"],
+                        "workdir": "/data", "user": ""})
+
+
+def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
+    script = ("echo out; echo err >&2; pwd; echo $FROM_ENV $EXTRA; ls /data; ls /etc/opt; "
+              "rm /data/keep; ls /data; cat /data/keep 2>/dev/null || echo gone; exit 7")
+    out, err = io.BytesIO(), io.BytesIO()
+    r_out, w_out = os.pipe()
+    r_err, w_err = os.pipe()
+    got: dict[int, bytes] = {}
+
+    def drain(fd: int) -> None:
+        with os.fdopen(fd, "rb") as f:
+            got[fd] = f.read()
+
+    readers = [threading.Thread(target=drain, args=(fd,)) for fd in (r_out, r_err)]
+    for t in readers:
+        t.start()
+    try:
+        res = runner.run(vm_shim, env(blobs), ["/bin/sh", "-c", script], runtime="vm", extra_env=["EXTRA=x1"],
+                         stdout=w_out, stderr=w_err)
+    finally:
+        os.close(w_out)
+        os.close(w_err)
+        for t in readers:
+            t.join()
+    out.write(got[r_out])
+    err.write(got[r_err])
+    assert res.exit_code == 7
+    assert out.getvalue().decode().splitlines() == [
+        "out", "/data", "env-value x1",
+        "keep", "new",  # the top layer's whiteout hides /data/drop
+        "fresh",  # an opaque directory hides the base's /etc/opt/old
+        "new", "gone",  # what the workload deleted stays deleted
+    ]
+    assert err.getvalue() == b"err\n"
+    # nothing of the run is left: the VMM is gone, its record and sockets too; the root image stays
+    backend = vm_shim.backends["vm"]
+    assert backend.leftovers() == [] and not vm_shim.sandboxes()
+    assert len(list((vm_shim.paths.root / "vm" / "roots").glob("*.erofs"))) == 1
+
+
+def test_kill9_of_the_vmm_then_recover(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
+    backend: VmBackend = vm_shim.backends["vm"]  # type: ignore[assignment]
+    errors: list[BaseException] = []
+    codes: list[int] = []
+
+    def run() -> None:
+        with open(os.devnull, "wb") as null:
+            try:
+                codes.append(runner.run(vm_shim, env(blobs), ["/bin/sh", "-c", "sleep 600"], runtime="vm", keep=True,
+                                        sandbox="k1", stdout=null, stderr=null).exit_code)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    deadline = time.monotonic() + 120
+    while backend.status("k1") != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert backend.status("k1") == "running"
+    spec_ = backend.spec("k1")
+    # every drive read-only but the sandbox's own upper, in the VMM's own command line too
+    assert [(d.serial, d.read_only) for d in spec_.drives][-2:] == [("upper", False), ("config", True)]
+    argv = " ".join(qemu_argv(spec_))
+    assert argv.count("readonly=off") == 1 and "-net none" in argv
+    pid = backend.live_pid("k1")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    th.join(60)
+    assert not th.is_alive()
+    assert codes == [] and len(errors) == 1 and isinstance(errors[0], ShimError)
+    assert backend.status("k1") is None  # the run deleted its workload on the way out
+    assert [s.id for s in vm_shim.sandboxes()] == ["k1"]  # kept
+    # a VMM killed while nobody waits for it: recovery finds its record and deletes it
+    (backend.base / "run").mkdir(exist_ok=True)
+    backend.record("k1").write_text(f'{{"pid": {pid}, "start": 1}}')
+    assert backend.status("k1") == "stopped"
+    rep = vm_shim.recover()
+    assert "vm:k1" in rep.deleted_containers and backend.leftovers() == []
+    vm_shim.unmount("k1")
+    assert not (vm_shim.paths.sandbox_dir("k1")).exists()
