@@ -25,7 +25,7 @@ from erofs_builder.source_dir import dir_entries
 from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, request_json
 from fuse_client.daemon import Daemon, DaemonConfig
-from layerstore.backends.base import Backend
+from layerstore.backends.base import Backend, ObjectInfo
 from layerstore.store import Store
 
 LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
@@ -103,6 +103,9 @@ class CountingBackend(Backend):
 
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.inner.list(prefix)
+
+    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list_info(prefix)
 
 
 # -- mounts ---------------------------------------------------------------------------------------
