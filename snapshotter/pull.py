@@ -57,7 +57,7 @@ class PullReport:
 
 def _blob(reg: RegistryClient, repo: str, digest: str, limit: int) -> bytes:
     buf = io.BytesIO()
-    reg.fetch_blob(repo, digest, buf, max_size=limit)
+    reg.fetch_blob(repo, digest, buf, max_size=limit, expected_size=limit)
     return buf.getvalue()
 
 
@@ -127,9 +127,7 @@ def _unpack(ctd: ContainerdClient, reg: RegistryClient, repo: str, snapshotter: 
     fetched = 0
     if ctd.content_info(desc.digest) is None:
         with tempfile.TemporaryFile() as f:
-            reg.fetch_blob(repo, desc.digest, f, max_size=min(desc.size, MAX_LAYER))
-            fetched = f.tell()
-            f.seek(0)
+            fetched = reg.fetch_blob(repo, desc.digest, f, max_size=MAX_LAYER, expected_size=desc.size)
             ctd.write_content(desc.digest, desc.size, f, {})
     key = f"extract-{secrets.token_hex(6)} {layer.chain_id}"
     try:

@@ -54,6 +54,7 @@ class Containerd:
     snapshotters: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     started: list[int] = field(default_factory=list)
+    namespaces: set[str] = field(default_factory=set)  # every namespace used (cleaned up at the end)
 
     @property
     def address(self) -> str:
@@ -69,8 +70,11 @@ class Containerd:
         return self.root / "containerd.log"
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 120, input: bytes | None = None,
-            ) -> subprocess.CompletedProcess[str]:
-        cmd = [CTR, "--address", self.address, "--namespace", self.namespace, *args]
+            namespace: str | None = None) -> subprocess.CompletedProcess[str]:
+        """ctr in our namespace (or another one, cleaned up at the end as well)."""
+        ns = namespace or self.namespace
+        self.namespaces.add(ns)
+        cmd = [CTR, "--address", self.address, "--namespace", ns, *args]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                              input=input.decode() if input is not None else None)
         if check and res.returncode != 0:
@@ -134,21 +138,22 @@ class Containerd:
                 out.append(int(entry))
         return out
 
-    def remove_all(self) -> None:
-        """Kill and delete every task and container of our namespace (best effort)."""
+    def remove_all(self, namespace: str | None = None) -> None:
+        """Kill and delete every task and container of a namespace (best effort)."""
         if self.proc is None:
             return
-        res = self.ctr("tasks", "ls", "-q", check=False, timeout=30)
+        ns = namespace or self.namespace
+        res = self.ctr("tasks", "ls", "-q", check=False, timeout=30, namespace=ns)
         for task in res.stdout.split():
-            self.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False, timeout=30)
+            self.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False, timeout=30, namespace=ns)
         for task in res.stdout.split():
             for _ in range(50):
-                if self.ctr("tasks", "delete", "-f", task, check=False, timeout=30).returncode == 0:
+                if self.ctr("tasks", "delete", "-f", task, check=False, timeout=30, namespace=ns).returncode == 0:
                     break
                 time.sleep(0.1)
-        res = self.ctr("containers", "ls", "-q", check=False, timeout=30)
+        res = self.ctr("containers", "ls", "-q", check=False, timeout=30, namespace=ns)
         for c in res.stdout.split():
-            self.ctr("containers", "delete", c, check=False, timeout=30)
+            self.ctr("containers", "delete", c, check=False, timeout=30, namespace=ns)
 
 
 def _detach_under(root: Path) -> None:
@@ -187,19 +192,22 @@ def containerd(root: Path | None = None, *, snapshotters: dict[str, str] | None 
     (root / "opt").mkdir(exist_ok=True)
     (root / "config.toml").write_text(config_toml(root, snapshotters or {}))
     ctd = Containerd(root, namespace or f"lstest-{secrets.token_hex(3)}", dict(snapshotters or {}))
+    ctd.namespaces.add(ctd.namespace)
     try:
         ctd.start()
         yield ctd
     finally:
-        with contextlib.suppress(Exception):
-            ctd.remove_all()
+        for ns in sorted(ctd.namespaces):
+            with contextlib.suppress(Exception):
+                ctd.remove_all(ns)
         ctd.stop()
         for pid in ctd.shim_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _detach_under(root)
-        remove_cgroups(ctd.namespace)
-        with contextlib.suppress(OSError):
-            shutil.rmtree(Path("/run/containerd/runc") / ctd.namespace)
+        for ns in ctd.namespaces:
+            remove_cgroups(ns)
+            with contextlib.suppress(OSError):
+                shutil.rmtree(Path("/run/containerd/runc") / ns)
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
