@@ -5,10 +5,11 @@ through one exit stack.
 
 Shutdown (SIGTERM/SIGINT, `stop()`, or someone unmounting the mountpoint): stop the FUSE loop
 (requests in progress get a grace period), wait for metadata pushes to the kernel, unmount, stop
-the control socket, write the trace, commit the cache journal's last batch, close the index.
+the control socket, write the trace, commit the cache journal's last batch, release the node
+lease (`nodecache.inuse`: what the node reports to the store's collector), close the index.
 After kill -9 none of this runs: the mount is dead (ENOTCONN) and the next daemon lazily
 unmounts it before mounting again; the cache needs no repair beyond what `recovery.recover` does
-at every start.
+at every start; the node lease expires on its own.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import grp
 import logging
 import resource
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 from fuse_client import linux
+from layerstore.backends import Backend
 from layerstore.errors import ConfigError, LayerstoreError
 
 from .control.client import socket_path
@@ -46,6 +49,7 @@ from .nodecache import (
     open_cache,
     write_trace,
 )
+from .nodecache.inuse import NodeLease, interval_from_env
 
 log = logging.getLogger("layerstore.fuse.daemon")
 
@@ -67,6 +71,7 @@ class DaemonConfig:
     kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
     allow_other: bool = True
     control_group: str | None = None  # a group whose members may use the control socket (else root only)
+    lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
 
     def budget(self) -> Budget:
         """--cache-size, else `Budget.default_for` the filesystem the cache directory is on (or
@@ -105,6 +110,7 @@ class Daemon:
         self.cache: NodeCache | None = None
         self.stats: Stats | None = None
         self.trace: TraceRecorder | None = None
+        self.node_lease: NodeLease | None = None
         self._stop = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -134,8 +140,16 @@ class Daemon:
             await trio.to_thread.run_sync(clear_dead_mount, mountpoint)
             async with trio.open_nursery() as service:
                 await service.start(cache.run)
+                # What the node uses, reported to the store's collector (docs/gc-node.md).
+                backend = getattr(self.store, "backend", None)
+                inuse = self.node_lease = NodeLease(
+                    cache, backend if isinstance(backend, Backend) else None,
+                    name=f"{socket.gethostname()}:{cache_dir}",
+                    interval=cfg.lease_interval if cfg.lease_interval is not None else interval_from_env())
+                cache.in_use = inuse.last_seen
+                await service.start(inuse.run)
                 lazy = LazyCache(cache, self.store, nursery=service, trace=trace, concurrency=cfg.fetch_concurrency,
-                                 deadline=cfg.fetch_deadline, readahead=cfg.readahead)
+                                 deadline=cfg.fetch_deadline, readahead=cfg.readahead, guard=inuse.guard)
                 self.stats = lazy.stats
                 # Pinned files may be mounted directly (no FUSE hop verifies their reads): re-hash
                 # their recovered chunks now, in the background (docs/fuse-client.md).
@@ -149,6 +163,10 @@ class Daemon:
                         if trace is not None and cfg.record_trace is not None:
                             await trio.to_thread.run_sync(write_trace, cfg.record_trace, trace.to_json())
                         await cache.shutdown_flush()
+                        try:
+                            await inuse.release()
+                        except LayerstoreError as e:  # it expires on its own
+                            log.warning("node lease: not released (%s); it expires on its own", e)
                     service.cancel_scope.cancel()
         log.info("daemon stopped")
 

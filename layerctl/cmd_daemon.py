@@ -1,4 +1,4 @@
-"""`layerctl daemon`, `prefetch`, `cache ls|verify|evict`, `stats`: the node daemon and the
+"""`layerctl daemon`, `prefetch`, `cache ls|verify|evict|gc`, `stats`: the node daemon and the
 commands that talk to it over the control socket in its cache directory."""
 
 from __future__ import annotations
@@ -244,6 +244,36 @@ def cache_evict_cmd(cache_dir: Path, blob: str | None, evict_all: bool, to_bytes
     else:
         click.echo(f"evicted {res['evicted_chunks']} chunk(s), {human_bytes(res['evicted_bytes'])}; "
                    f"{human_bytes(res['used_bytes'])} used")
+
+
+@cache_group.command("gc")
+@cache_dir_option
+@click.option("--older-than", "older_than", default="1d", show_default=True, metavar="DURATION",
+              help="Forget blobs not used for this long (90s, 30m, 12h, 1d2h, 1w).")
+@click.option("--dry-run", is_flag=True, help="Say what would be forgotten; change nothing.")
+@json_option
+def cache_gc_cmd(cache_dir: Path, older_than: str, dry_run: bool, as_json: bool) -> None:
+    """Forget cached blobs that nothing on the node uses (no mount, no pin, no open file) and
+    that were not used for longer than --older-than: their chunks, map and data file. Through
+    the daemon when it runs, else directly (docs/gc-node.md). Watermark eviction is separate."""
+    from layergc.retention import parse_duration
+
+    from fuse_client.control import DaemonNotRunning, request_json
+    from fuse_client.nodecache import maintenance
+
+    seconds = parse_duration(older_than)
+    try:
+        res = request_json(cache_dir, "POST", "/cache/gc", {"older_than": seconds, "dry_run": dry_run}, timeout=None)
+    except DaemonNotRunning:
+        res = maintenance.gc_offline(cache_dir, older_than=seconds, dry_run=dry_run)
+    if as_json:
+        emit_json(res)
+        return
+    verb = "would forget" if dry_run else "forgot"
+    click.echo(f"{verb} {res['dropped_blobs']} blob(s), {human_bytes(res['dropped_bytes'])}; kept "
+               f"{res['kept_in_use']} in use, {res['kept_recent']} used in the last {older_than}")
+    for d in res["dropped"]:
+        click.echo(f"{d['blob']}  {human_bytes(d['bytes'])}")
 
 
 def _with_daemon_or_offline(cache_dir: Path, method: str, path: str, body: dict[str, Any] | None,

@@ -10,10 +10,12 @@ It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the
   `blobs()`, `open_reader(entry)` -> `Reader` (`read_cached(off, size)`: the inline hot path,
   data or None; `read_missing(off, size)`: fetch, then serve; `close()`), `ensure`,
   `ensure_metadata`, `prefetch`, `pin_blob`.
-- maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `verify`, `evict`,
+- maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `verify`, `evict`, `gc_unused`,
   `pin_blob` / `unpin_blob` / `holders` (durable pins), `pin` / `unpin` (a reader's chunks),
   `gauges`; `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
 - errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`.
+- in use (`inuse`): `NodeLease`, the lease that reports the node's blobs to the store's
+  collector (`LazyCache(guard=NodeLease.guard)`, `rotate`, `release`; docs/gc-node.md).
 
 The names below load their module on first use, so that importing `errors` (what the blocking
 control client needs) does not import trio.

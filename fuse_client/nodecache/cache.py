@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
+import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import blake3
@@ -42,6 +44,7 @@ from .errors import BlobIncomplete, BlobPinned, CacheIOError
 from .eviction import Budget, Candidate, choose_victims
 from .files import BlobFiles
 from .limiter import DEMAND
+from .unused import BlobUse, choose_unused
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -93,6 +96,10 @@ class NodeCache:
         self.disk_full = 0  # ... of them with ENOSPC (each kicks an eviction)
         self._disk_full = False
         self._disk_full_at = float("-inf")
+        # blob -> when (wall clock) something beyond an open handle or a pin last used it, inf
+        # while it is in use: set by the daemon (the node lease's view: lookups, prefetches, pins
+        # in progress, mounts); for `gc_unused`.
+        self.in_use: Callable[[], Mapping[str, float]] | None = None
 
     def close(self) -> None:
         for e in self.entries.values():
@@ -169,6 +176,9 @@ class NodeCache:
         before = holders.pop(holder)
         if not holders:
             del self.pins[blob]
+            e = self.entries.get(blob)
+            if e is not None:  # its last use is now: a direct mount read it without a FUSE hop
+                e.touch(0, len(e.present), self.clock())
         await self._commit_pin_change(ci.DelPin(blob, holder), lambda: self._restore_pin(blob, holder, before))
         if self.budget is not None and self.usage > self.budget.high:
             self._evict_kick.set()
@@ -546,6 +556,75 @@ class NodeCache:
         self.evicted_bytes += nbytes
         log.info("cache: evicted %d chunk(s), %d bytes; usage now %d", len(taken), nbytes, self.usage)
         return len(taken), nbytes
+
+    # -- forgetting unused blobs (`cache gc`) ------------------------------------------------
+    def blob_uses(self, file_times: Mapping[str, float] | None = None) -> list[BlobUse]:
+        """Every blob's use (see `unused`): why it must stay, if anything uses it, and its last
+        use: the latest of its chunks' last use, `file_times` (its data file's last write) and
+        the daemon's in-use view (`in_use`)."""
+        seen = self.in_use() if self.in_use is not None else {}
+        files = file_times or {}
+        busy = {blob for blob, _ in self.busy}
+        out = []
+        for blob, e in self.entries.items():
+            daemon = seen.get(blob, 0.0)
+            why = ("pinned" if blob in self.pins else "open" if e.open_count else "busy" if blob in busy
+                   else "reading" if e.pins else "in use" if daemon == math.inf else "")
+            last = max(max(e.last_use, default=0.0), files.get(blob, 0.0), daemon if daemon != math.inf else 0.0)
+            out.append(BlobUse(blob, e.held_bytes(), last, why))
+        return out
+
+    def _file_times(self, blobs: Sequence[str]) -> dict[str, float]:
+        out = {}
+        for blob in blobs:
+            try:
+                out[blob] = os.stat(self.files.path(blob)).st_mtime
+            except OSError:
+                continue
+        return out
+
+    async def gc_unused(self, older_than: float, *, dry_run: bool = False) -> dict[str, object]:
+        """Forget every blob nothing uses and nobody used for `older_than` seconds (see
+        `unused.choose_unused`); never one that is pinned, open, in flight or in use."""
+        if older_than < 0:
+            raise BadInput(f"older than {older_than} s: want a duration >= 0")
+        times = await trio.to_thread.run_sync(self._file_times, list(self.entries))
+        now = self.clock()
+        choice = choose_unused(self.blob_uses(times), now - older_than)
+        dropped: list[dict[str, object]] = []
+        freed = 0
+        for u in choice.victims:
+            if dry_run:
+                dropped.append({"blob": u.blob, "bytes": u.held_bytes, "last_used": u.last_used})
+                freed += u.held_bytes
+                continue
+            n = self.forget_blob(u.blob)  # (no await in between: the choice still holds)
+            if n is not None:
+                dropped.append({"blob": u.blob, "bytes": n, "last_used": u.last_used})
+                freed += n
+        if dropped and not dry_run:
+            with trio.CancelScope(shield=True):
+                await self.flush()
+            log.info("cache gc: forgot %d blob(s) unused for %g s, %d bytes", len(dropped), older_than, freed)
+        return {"dry_run": dry_run, "older_than": older_than, "dropped": dropped, "dropped_blobs": len(dropped),
+                "dropped_bytes": freed, "kept_in_use": len(choice.kept_in_use),
+                "kept_recent": len(choice.kept_recent), "used_bytes": self.usage}
+
+    def forget_blob(self, blob: str) -> int | None:
+        """Trio thread, no await: take the blob out of the cache (its entry, data file and, at the
+        next batch, its index records and map). Returns the bytes it held, or None if something
+        uses it (pinned, open, in flight, held by a reader) or it is unknown."""
+        e = self.entries.get(blob)
+        if (e is None or blob in self.pins or e.open_count or e.pins
+                or any(b == blob for b, _ in self.busy)):
+            return None
+        held = e.held_bytes()
+        del self.entries[blob]  # a request from now on makes a fresh entry (and a fresh data file)
+        e.close()
+        self.files.remove(blob)
+        self.usage -= held
+        self._enqueue([ci.DelBlob(blob)])  # after every record queued for it, before any new one
+        return held
 
     # -- maintenance ---------------------------------------------------------------------------
     async def verify(self) -> dict[str, object]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,14 @@ log = logging.getLogger("layerstore.fuse.cache")
 class LazyCache:
     def __init__(self, cache: NodeCache, store: ChunkSource, *, nursery: trio.Nursery, stats: Stats | None = None,
                  trace: TraceRecorder | None = None, concurrency: int = DEFAULT_CONCURRENCY,
-                 deadline: float = DEFAULT_DEADLINE, readahead: int = DEFAULT_READAHEAD) -> None:
+                 deadline: float = DEFAULT_DEADLINE, readahead: int = DEFAULT_READAHEAD,
+                 guard: Callable[[str], Awaitable[None]] | None = None) -> None:
         """`nursery`: where fetches run (a reader giving up must not cancel a fetch that others
-        wait for); `readahead`: the largest window of a sequential stream, in chunks (0: none)."""
+        wait for); `readahead`: the largest window of a sequential stream, in chunks (0: none);
+        `guard(blob)`: awaited before the cache relies on a blob for a lookup, a prefetch or a pin
+        (the node lease's `NodeLease.guard`: docs/gc-node.md); reads of open files skip it."""
         self.cache = cache
+        self.guard = guard
         self.stats = stats if stats is not None else Stats(gauges=cache.gauges)
         self.trace = trace
         self.readahead = readahead
@@ -47,6 +52,8 @@ class LazyCache:
     async def entry(self, blob: str) -> BlobEntry:
         """The blob's entry, its chunk map fetched from the store on first use (`NotFound` if
         the store does not have it); the blob is counted in the stats from now on."""
+        if self.guard is not None:
+            await self.guard(blob)
         entry = await self.fetcher.entry(blob)
         self.stats.blob(blob, entry.size)
         return entry
@@ -80,6 +87,8 @@ class LazyCache:
                        all_chunks: bool = False, wait: bool = False) -> dict[str, Any]:
         """Fetch chunks of a blob below demand priority (see `prefetch_order`), in the
         background, or waited for with `wait`."""
+        if self.guard is not None:
+            await self.guard(blob)
         entry = await self.fetcher.entry(blob)
         idxs = prefetch_order(entry.cmap, entry.metadata, chunks=chunks, ranges=ranges, all_chunks=all_chunks)
         if wait:
@@ -92,6 +101,8 @@ class LazyCache:
     async def pin_blob(self, blob: str, holder: str) -> Path:
         """`NodeCache.pin_blob`, after fetching the chunk map of a blob the node has not seen
         (`NotFound` if the store lacks it; else `BlobIncomplete` says how much is missing)."""
+        if self.guard is not None:
+            await self.guard(blob)
         entry = self.cache.get(blob)
         if entry is None:
             entry = await self.fetcher.entry(blob)

@@ -75,3 +75,12 @@ def unpin_offline(cache_dir: Path, blob: str, holder: str) -> bool:
     if not is_cache_dir(cache_dir):
         return False
     return _offline(cache_dir, go)
+
+
+def gc_offline(cache_dir: Path, *, older_than: float, dry_run: bool = False) -> dict[str, Any]:
+    """`NodeCache.gc_unused` without a daemon (no open handles then; pins are durable and kept)."""
+
+    async def go(cache: NodeCache) -> dict[str, Any]:
+        return await cache.gc_unused(older_than, dry_run=dry_run)
+
+    return _offline(cache_dir, go)

@@ -1,0 +1,39 @@
+"""Pure policy of `cache gc`: which cached blobs nothing uses and nobody used for a while.
+
+A blob is kept when anything on the node uses it (an open handle, a durable pin, a chunk in
+flight or held by a reader, or the daemon's in-use view), or when its last use is at or after the
+cutoff; every other blob is forgotten (see `NodeCache.gc_unused`, docs/gc-node.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BlobUse:
+    blob: str
+    held_bytes: int  # bytes of chunks on disk under a record (what forgetting frees)
+    last_used: float  # seconds since the epoch (0: never)
+    in_use: str = ""  # why it must stay whatever its age ("open", "pinned", ...); "" if nothing uses it
+
+
+@dataclass
+class UnusedChoice:
+    victims: list[BlobUse]
+    kept_in_use: list[BlobUse]
+    kept_recent: list[BlobUse]
+
+
+def choose_unused(uses: Iterable[BlobUse], cutoff: float) -> UnusedChoice:
+    """Victims (oldest first): not in use and last used before `cutoff`."""
+    choice = UnusedChoice([], [], [])
+    for u in uses:
+        if u.in_use:
+            choice.kept_in_use.append(u)
+        elif u.last_used >= cutoff:
+            choice.kept_recent.append(u)
+        else:
+            choice.victims.append(u)
+    choice.victims.sort(key=lambda u: (u.last_used, u.blob))
+    return choice
