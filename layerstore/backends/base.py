@@ -17,6 +17,13 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
   The garbage collector keeps objects younger than its grace period by this time.
 - `delete_many(keys)`: remove many objects, in batches where the backend has them (S3
   DeleteObjects); a key that is already gone is not an error. Returns how many were removed.
+- `replace_if(key, data, expected)`: compare-and-swap of a mutable object (a tag): replace it
+  with `data` only if it holds exactly `expected` (None: only if there is no object), atomically
+  with respect to other `replace_if` calls, also from other hosts; False when the object was
+  not `expected`. The primitive per backend: POSIX an exclusive `link` of a lock file beside the
+  object plus `rename` (no flock: CephFS/NFS clients do not share it); S3 a conditional PUT
+  (`If-Match: <etag>`, `If-None-Match: *`); HTTP the service's `If-Match` on top of its
+  backend's `replace_if`. Plain `replace` does not take part: last write wins.
 - Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
 - `is_temp_failure(e)`: whether a failure may pass if the request is made again. Only the
   backend knows its own exceptions; when and how often to retry is decided in one place for
@@ -29,7 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ..errors import NotFound
+from ..errors import ConfigError, NotFound
 from ..retry import is_temporary
 
 
@@ -91,6 +98,11 @@ class Backend(ABC):
                 continue
             removed += 1
         return removed
+
+    def replace_if(self, key: str, data: bytes, expected: bytes | None) -> bool:
+        """Replace `key` with `data` if it holds exactly `expected` (None: if it does not exist);
+        True if this call replaced it. Backends that cannot do it atomically refuse."""
+        raise ConfigError(f"{type(self).__name__} has no compare-and-swap")
 
     def is_temp_failure(self, e: BaseException) -> bool:
         """May `e` (raised by this backend) pass if the request is made again?"""

@@ -4,7 +4,10 @@ lack: no flock, no fcntl locks. Publication uses only
 
 - `link(tmp, final)`: exclusive (EEXIST for the loser), also across CephFS clients, so exactly
   one of several concurrent writers publishes an immutable object;
-- `rename(tmp, final)`: atomic replace, for the mutable tag objects.
+- `rename(tmp, final)`: atomic replace, for the mutable tag objects;
+- compare-and-swap (`replace_if`): a lock file `.lock-<name>` beside the object, taken with an
+  exclusive `link`, then the comparison and a `rename` (or `link` to create); a dead writer's
+  lock is broken after `LOCK_STALE` seconds by the store's clock.
 
 Temporary files live next to their target (same directory, so same filesystem) and start with
 '.tmp-', which no key may, so listings never show them. A writer that dies leaves at most such a
@@ -32,6 +35,9 @@ from ..keys import validate, validate_prefix
 from .base import Backend, ObjectInfo
 
 TMP_PREFIX = ".tmp-"
+LOCK_PREFIX = ".lock-"  # a compare-and-swap in progress (hidden from listings like temporaries)
+LOCK_STALE = 30.0  # seconds on the store's clock after which a lock is a dead writer's
+LOCK_WAIT = 10.0  # seconds a compare-and-swap waits for another one's lock
 
 
 def _translate(e: OSError, what: str) -> Exception:
@@ -162,6 +168,67 @@ class PosixBackend(Backend):
             raise _translate(e, f"cannot publish {key}") from None
         self._sync_dir(path.parent)
 
+    def replace_if(self, key: str, data: bytes, expected: bytes | None) -> bool:
+        """Compare-and-swap under a lock file beside the object, taken with an exclusive `link`
+        (the one primitive that is exclusive across CephFS/NFS clients; no flock). Readers take
+        no lock: they see the old or the new object (`rename`). A lock left by a writer that
+        died is broken once it is `LOCK_STALE` seconds old by the store's clock (the mtime of a
+        file this call just wrote), never by the caller's."""
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
+            with self._cas_lock(path, key):
+                try:
+                    current: bytes | None = self.load(key, max_size=len(expected) if expected is not None else 0)
+                except NotFound:
+                    current = None
+                except CorruptObject:
+                    return False  # larger than expected, or not a plain object: not `expected`
+                if current != expected:
+                    return False
+                try:
+                    if expected is None:
+                        os.link(tmp, path)
+                    else:
+                        os.rename(tmp, path)
+                except FileExistsError:
+                    return False
+                except OSError as e:
+                    raise _translate(e, f"cannot publish {key}") from None
+        finally:
+            _unlink_quietly(tmp)
+        self._sync_dir(path.parent)
+        return True
+
+    @contextlib.contextmanager
+    def _cas_lock(self, path: Path, key: str) -> Iterator[None]:
+        lock = path.parent / f"{LOCK_PREFIX}{path.name}"
+        nonce = secrets.token_hex(16).encode()
+        mine = self._write_temp(lock, nonce)
+        held = False
+        try:
+            deadline = time.monotonic() + LOCK_WAIT
+            delay = 0.002
+            while not held:
+                try:
+                    os.link(mine, lock)
+                    held = True
+                    break
+                except FileExistsError:
+                    pass
+                except OSError as e:
+                    raise _translate(e, f"cannot lock {key}") from None
+                _break_if_stale(lock, mine)
+                if time.monotonic() > deadline:
+                    raise StoreUnavailable(f"{key}: another writer has held its lock ({lock.name}) for {LOCK_WAIT:g} s")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            yield
+        finally:
+            if held and _read_small(lock) == nonce:
+                _unlink_quietly(lock)
+            _unlink_quietly(mine)
+
     def exists(self, key: str) -> bool:
         try:
             return stat.S_ISREG(os.lstat(self._path(key)).st_mode)
@@ -287,6 +354,41 @@ def _object_length(fd: int, key: str, max_size: int | None) -> int:
     if max_size is not None and st.st_size > max_size:
         raise CorruptObject(f"object {key}: {st.st_size} bytes, more than such an object can have ({max_size})")
     return st.st_size
+
+
+def _read_small(path: Path) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 64)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _break_if_stale(lock: Path, mine: Path) -> None:
+    """Remove `lock` if it is older than LOCK_STALE by the store's clock (`mine` was just
+    written). It is renamed away first and removed only if it is still the lock judged stale (a
+    writer may have broken it and taken a fresh one meanwhile: that one is put back)."""
+    try:
+        age = os.lstat(mine).st_mtime - os.lstat(lock).st_mtime
+    except OSError:
+        return
+    if age <= LOCK_STALE:
+        return
+    stale = _read_small(lock)
+    aside = lock.with_name(f"{TMP_PREFIX}broken-{secrets.token_hex(8)}")
+    try:
+        os.rename(lock, aside)
+    except OSError:
+        return  # gone already
+    if _read_small(aside) != stale:
+        with contextlib.suppress(OSError):
+            os.link(aside, lock)  # someone's fresh lock: put it back (if nobody took another)
+    _unlink_quietly(aside)
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -12,6 +12,9 @@ store URL's `endpoint=` and `region=` override them. See docs/s3-backend.md.
   some servers (RGW 16.2 among them) ignore it there, so the same window exists for large objects.
   For content-addressed keys both writers carry identical bytes, so the window only skews stats.
 - `replace` is a plain PUT: S3 makes a whole object visible atomically.
+- `replace_if` (compare-and-swap, for tags) is a conditional PUT: `If-None-Match: *` to create,
+  else GET (the bytes must be the expected ones) then PUT with `If-Match: <that ETag>`, 412 for
+  the loser. A server that rejects conditional writes gets no compare-and-swap (ConfigError).
 - Retries are decided by the project's one policy (`layerstore.retry`: exponential backoff with
   full jitter, `max_attempts` tries, from the constructor, else AWS_MAX_ATTEMPTS / ~/.aws/config,
   else 5); botocore's own retries are off so that nothing retries twice. This backend only says
@@ -97,6 +100,8 @@ class S3Backend(Backend):
         self._lock = threading.Lock()
         # Cleared the first time the server rejects `If-None-Match` (see `store_once`).
         self._conditional_put = True
+        # Whether the server wants If-Match's ETag without quotes (see `replace_if`).
+        self._if_match_bare = False
         query = {k: v for k, v in (("endpoint", endpoint), ("region", region)) if v}
         self.url = f"s3://{bucket}/{prefix}" + (f"?{urlencode(query)}" if query else "")
         self._where = f"s3://{bucket}" + (f" at {endpoint}" if endpoint else "")
@@ -335,6 +340,62 @@ class S3Backend(Backend):
             self._multipart(name, key, data, create_once=False)
         else:
             self._put(name, key, data, conditional=False)
+
+    def replace_if(self, key: str, data: bytes, expected: bytes | None) -> bool:
+        """Compare-and-swap with S3's conditional PUT: `If-None-Match: *` to create, else the
+        current object is read (it must be `expected`) and replaced with `If-Match: <its ETag>`,
+        so a write that landed in between makes this one fail (412) instead of overwriting it.
+        A server without conditional writes is refused: there is no safe fallback.
+
+        RGW 16.2 matches `If-Match` against the ETag without its quotes (and refuses the quoted
+        form that AWS takes): after a 412 whose object still has the ETag we read, the other form
+        is tried, and the form that worked is kept for this backend's later calls."""
+        name = self._name(key)
+        if expected is None:
+            return self._put_if(key, {"Bucket": self.bucket, "Key": name, "Body": data, "IfNoneMatch": "*"})
+        try:
+            resp = self._call(f"object {key}", "get_object", Bucket=self.bucket, Key=name)
+        except NotFound:
+            return False
+        body = resp["Body"]
+        try:
+            current = body.read(len(expected) + 1)
+        finally:
+            body.close()
+        if current != expected:
+            return False
+        etag = str(resp["ETag"]).strip('"')
+        forms = [etag, f'"{etag}"'] if self._if_match_bare else [f'"{etag}"', etag]
+        for i, form in enumerate(forms):
+            if self._put_if(key, {"Bucket": self.bucket, "Key": name, "Body": data, "IfMatch": form}):
+                self._if_match_bare = form == etag
+                return True
+            if i == 0:
+                try:
+                    now = str(self._call(f"object {key}", "head_object", Bucket=self.bucket, Key=name)["ETag"])
+                except NotFound:
+                    return False
+                if now.strip('"') != etag:
+                    return False  # really changed in between
+        return False
+
+    def _put_if(self, key: str, kwargs: dict[str, Any]) -> bool:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self._retry(lambda: self.client.put_object(**kwargs))
+        except ClientError as e:
+            try:
+                _raise_if_conditional(e, True)
+            except _PreconditionFailed:
+                return False
+            except _ConditionalRejected:
+                raise ConfigError(f"{self._where} does not do conditional writes: no compare-and-swap of "
+                                  f"{key}") from None
+            raise self._translate(e, f"write {key}") from None
+        except BotoCoreError as e:
+            raise self._translate_core(e, f"write {key}") from None
+        return True
 
     def _put(self, name: str, key: str, data: bytes | memoryview, *, conditional: bool) -> None:
         from botocore.exceptions import BotoCoreError, ClientError

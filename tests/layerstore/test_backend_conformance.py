@@ -1,10 +1,13 @@
 """One conformance suite, run against every backend: a local directory, CephFS through ceph-fuse,
-and S3 on radosgw (both on the real single-node Ceph the harness starts)."""
+S3 on radosgw (both on the real single-node Ceph the harness starts), and the HTTP store service
+in front of a local directory and in front of radosgw."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,20 +18,40 @@ from testkit.blob_ids import put_blob_id
 from layerstore import chunkobj, keys
 from layerstore import digest as digestmod
 from layerstore.backends import Backend, open_backend
+from layerstore.backends.http_wire import RejectedObject
 from layerstore.chunker import DEFAULT_CHUNK_SIZE
 from layerstore.errors import BadKey, CorruptObject, NotFound
 from layerstore.store import Store
 
-BACKENDS = ["local", "cephfs", "s3"]
+BACKENDS = ["local", "cephfs", "s3", "http", "http-s3"]
+# The store behind a service's URL (where a test plants what the service refuses to write).
+BEHIND: dict[str, str] = {}
 
 
 @pytest.fixture(params=BACKENDS)
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "local":
-        return str(tmp_path / "store")
-    if request.param == "cephfs":
-        return request.getfixturevalue("cephfs_store_url")
-    return request.getfixturevalue("s3_store_url")
+        yield str(tmp_path / "store")
+    elif request.param == "cephfs":
+        yield request.getfixturevalue("cephfs_store_url")
+    elif request.param == "s3":
+        yield request.getfixturevalue("s3_store_url")
+    else:
+        from testkit.store_service import threaded_service
+
+        inner = str(tmp_path / "store") if request.param == "http" else request.getfixturevalue("s3_store_url")
+        with threaded_service(inner) as url:
+            BEHIND[url] = inner
+            try:
+                yield url
+            finally:
+                BEHIND.pop(url, None)
+
+
+def behind(backend: Backend) -> Backend:
+    """The backend a test may corrupt directly: the store behind a service, else `backend`."""
+    inner = BEHIND.get(backend.url)
+    return open_backend(inner) if inner else backend
 
 
 @pytest.fixture
@@ -117,6 +140,37 @@ class TestBackend:
         backend.replace("t/mutable", b"one")
         backend.replace("t/mutable", b"two")
         assert backend.load("t/mutable") == b"two"
+
+    def test_replace_if(self, backend: Backend) -> None:
+        assert backend.replace_if("t/cas", b"one", None) is True
+        assert backend.replace_if("t/cas", b"two", None) is False
+        assert backend.replace_if("t/cas", b"two", b"not it") is False
+        assert backend.replace_if("t/cas", b"two", b"on") is False
+        assert backend.load("t/cas") == b"one"
+        assert backend.replace_if("t/cas", b"two", b"one") is True
+        assert backend.load("t/cas") == b"two"
+        assert backend.replace_if("t/nothing", b"x", b"y") is False
+        assert not backend.exists("t/nothing")
+        assert [k for k in backend.list("t/")] == ["t/cas"]  # no lock or temporary shows
+
+    def test_replace_if_race(self, store_url: str) -> None:
+        """Several writers move one object from the same value at once: exactly one wins, and
+        the object holds the winner's bytes."""
+        n = 6
+        with contextlib.closing(open_backend(store_url)) as b:
+            b.replace("t/raced", b"start")
+        barrier = threading.Barrier(n)
+
+        def writer(i: int) -> bool:
+            with contextlib.closing(open_backend(store_url)) as b:
+                barrier.wait()
+                return b.replace_if("t/raced", f"writer {i}".encode(), b"start")
+
+        with ThreadPoolExecutor(n) as pool:
+            won = list(pool.map(writer, range(n)))
+        assert won.count(True) == 1, won
+        with contextlib.closing(open_backend(store_url)) as b:
+            assert b.load("t/raced") == f"writer {won.index(True)}".encode()
 
     def test_bad_keys(self, backend: Backend) -> None:
         for bad in ["../escape", "/abs", "a//b", ".tmp-x"]:
@@ -247,7 +301,7 @@ class TestStore:
     def test_object_under_wrong_id_is_corruption(self, store: Store) -> None:
         wrong = digestmod.of(b"not this content")
         key = keys.object_key("chunks", wrong)
-        store.backend.store_once(key, chunkobj.encode(b"other content")[1])
+        behind(store.backend).store_once(key, chunkobj.encode(b"other content")[1])
         with pytest.raises(CorruptObject, match="hashes to"):
             store.get_chunk(wrong)
         assert store.verify().corrupt == [key]
@@ -305,9 +359,14 @@ class TestStore:
 
 
 def _overwrite(backend: Backend, key: str, data: bytes) -> None:
-    """Replace an object's bytes behind the store's back, as disk rot or a bad writer would."""
-    backend.delete(key)
-    assert backend.store_once(key, data)
+    """Replace an object's bytes behind the store's back, as disk rot or a bad writer would (a
+    store service refuses to write them: they are planted in the store behind it)."""
+    raw = behind(backend)
+    if raw is not backend:
+        with pytest.raises(RejectedObject):
+            backend.replace(key, data)
+    raw.delete(key)
+    assert raw.store_once(key, data)
 
 
 def test_uninitialised_store_is_refused(tmp_path: Path) -> None:

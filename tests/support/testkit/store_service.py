@@ -139,3 +139,37 @@ def running_service(store_url: str, workdir: Path, **kw: object) -> Iterator[Ser
         yield svc
     finally:
         svc.stop()
+
+
+@contextlib.contextmanager
+def threaded_service(store_url: str, *, tokens: Path | None = None, body_timeout: float = 30.0) -> Iterator[str]:
+    """The service app on a free loopback port, served by uvicorn in a thread of this process
+    (starts in milliseconds: for suites that want a fresh store per test); yields its URL."""
+    import threading
+
+    import uvicorn
+
+    from layerstore.store import Store
+    from service.app import create_app
+    from service.auth import TokenTable
+
+    store = Store.open(store_url)
+    app = create_app(store, TokenTable(tokens), body_timeout=body_timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="store-service")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the threaded store service did not start")
+            time.sleep(0.005)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        store.close()
