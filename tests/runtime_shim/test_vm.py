@@ -174,3 +174,38 @@ def test_kill9_of_the_vmm_then_recover(vm_shim: Shim, blobs: tuple[Path, list[st
     assert "vm:k1" in rep.deleted_containers and backend.leftovers() == []
     vm_shim.unmount("k1")
     assert not (vm_shim.paths.sandbox_dir("k1")).exists()
+
+
+def test_a_cold_node_fetches_only_what_the_guest_reads(tmp_path: Path) -> None:
+    """Through the node daemon: the root image is made from the layers' metadata, and the guest's
+    reads of the layer drives (the daemon's lazily fetched files) are the only other fetches."""
+    from testkit.cli_helpers import layerctl
+    from testkit.shim_support import store_shim
+
+    url = str(tmp_path / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    base = busybox_rootfs(tmp_path / "base")
+    tk = tmp_path / "tk"
+    (tk / "opt").mkdir(parents=True)
+    (tk / "opt" / "big").write_bytes(os.urandom(8 << 20))
+    blobs = []
+    for src in (base, tk):
+        r = layerctl("build", str(src), "--push", "--store", url, "--all-root", "--json")
+        assert r.code == 0, r.err
+        blobs.append(r.json()["blob"])
+    assert layerctl("env", "create", "--store", url, "--base", blobs[0], "--toolkit", blobs[1], "-t", "big:1").code == 0
+    with store_shim(tmp_path, url) as shim:
+        shim.backends["vm"] = VmBackend(shim.paths)
+        out = tmp_path / "out"
+        with open(out, "wb") as f:
+            res = runner.run(shim, "big:1", ["/bin/sh", "-c", "cat /etc/motd; ls -l /opt/big"], runtime="vm",
+                             stdout=f, stderr=f)
+        text = out.read_text()
+        assert res.exit_code == 0, text
+        assert "base motd" in text and str(8 << 20) in text
+        r = layerctl("stats", "--cache", str(shim.paths.cache), "--json")
+        assert r.code == 0, r.err
+        st = r.json()["blobs"]
+    big = st[blobs[1]]
+    assert big["fetched_bytes"] < big["size"] // 4  # the 8 MiB file was listed, never read
+    assert sum(s["fetched_bytes"] for s in st.values()) < sum(s["size"] for s in st.values()) // 2
