@@ -1,0 +1,307 @@
+"""The store service's status page (docs/status-page.md): one server-rendered HTML page of the
+store's environments and tags, its layers with their sizes, what deduplication and compression
+save, and the last garbage collection run.
+
+`render_status(store, visible=...)` is all the app calls (in a worker thread). A refresh of the
+figures (`snapshot`) reads the store through `Store` and `manifest`; the chunk maps it has read
+stay in a per-store deduplication index (`DedupIndex`), so a refresh reads only new chunk maps.
+A snapshot is shared for `SNAPSHOT_TTL` seconds by every caller; what a caller may see
+(`visible(name)` of an environment's name) is applied when the page is rendered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from layergc.report import last_report
+
+from layerstore import digest as digestmod
+from layerstore import keys
+from layerstore.chunkmap import ChunkMap
+from layerstore.errors import LayerstoreError
+from layerstore.store import Store
+from manifest.environment import list_environments, load_manifest
+from manifest.schema import Manifest
+
+SNAPSHOT_TTL = 5.0  # seconds a snapshot serves every render
+MAX_MANIFESTS_CACHED = 4096
+TEMPLATES = Path(__file__).parent / "templates"
+DIGEST_BYTES = 32
+
+Visible = Callable[[str], bool]
+
+
+def _everyone(name: str) -> bool:
+    return True
+
+
+# -- the deduplication index (pure: no I/O) --------------------------------------------------------
+@dataclass(frozen=True)
+class BlobSummary:
+    size: int
+    chunks: int
+    digests: bytes  # its distinct chunk digests, 32 raw bytes each
+    lengths: tuple[int, ...]  # their lengths, in the same order
+
+
+def summarize(cm: ChunkMap) -> BlobSummary:
+    seen: dict[bytes, int] = {}
+    for ref in cm.chunks:
+        seen.setdefault(digestmod.raw_of(ref.digest), ref.length)
+    return BlobSummary(cm.size, len(cm.chunks), b"".join(seen), tuple(seen.values()))
+
+
+class DedupIndex:
+    """Which blobs use which chunks: every distinct chunk's length and how many blobs use it."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, BlobSummary] = {}
+        self.chunks: dict[bytes, list[int]] = {}  # raw digest -> [length, blobs using it]
+        self.unique_bytes = 0  # sum of the lengths of every distinct chunk
+
+    def add(self, blob: str, s: BlobSummary) -> None:
+        if blob in self.blobs:
+            return
+        self.blobs[blob] = s
+        for raw, length in zip(_split(s.digests), s.lengths, strict=True):
+            entry = self.chunks.get(raw)
+            if entry is None:
+                self.chunks[raw] = [length, 1]
+                self.unique_bytes += length
+            else:
+                entry[1] += 1
+
+    def remove(self, blob: str) -> None:
+        s = self.blobs.pop(blob, None)
+        if s is None:
+            return
+        for raw in _split(s.digests):
+            entry = self.chunks[raw]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.chunks[raw]
+                self.unique_bytes -= entry[0]
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(s.size for s in self.blobs.values())
+
+    def shared_bytes(self, blob: str) -> int:
+        """Bytes of `blob` in chunks that some other blob uses too."""
+        s = self.blobs[blob]
+        return sum(length for raw, length in zip(_split(s.digests), s.lengths, strict=True)
+                   if self.chunks[raw][1] > 1)
+
+
+def _split(digests: bytes) -> Iterable[bytes]:
+    return (digests[i:i + DIGEST_BYTES] for i in range(0, len(digests), DIGEST_BYTES))
+
+
+# -- a snapshot of the store ----------------------------------------------------------------------
+@dataclass
+class EnvRow:
+    ref: str
+    name: str
+    manifest: str
+    layers: list[tuple[str, str, int]] = field(default_factory=list)  # (role, blob, size)
+    size: int = 0
+    error: str = ""
+
+
+@dataclass
+class LayerRow:
+    blob: str
+    size: int = 0
+    chunks: int = 0
+    shared_bytes: int = 0
+    error: str = ""
+    used_by: list[tuple[str, str, str]] = field(default_factory=list)  # (env name, ref, role there)
+
+
+@dataclass
+class Snapshot:
+    taken: float
+    envs: list[EnvRow]
+    layers: list[LayerRow]
+    logical_bytes: int
+    unique_bytes: int
+    unique_chunks: int
+    stored_bytes: int  # every chunk object as stored
+    stored_objects: int
+    unreferenced_bytes: int  # chunk objects no chunk map names
+    unreferenced_objects: int
+    gc: dict[str, Any] | None
+    gc_error: str = ""
+
+
+class StatusSource:
+    """One store's index, manifest cache and last snapshot; refreshes are serialized."""
+
+    def __init__(self) -> None:
+        self.index = DedupIndex()
+        self.map_errors: dict[str, str] = {}
+        self.manifests: dict[str, Manifest] = {}
+        self.lock = threading.Lock()
+        self.last: Snapshot | None = None
+
+    def snapshot(self, store: Store, ttl: float | None = None) -> Snapshot:
+        ttl = SNAPSHOT_TTL if ttl is None else ttl
+        with self.lock:
+            if self.last is None or time.monotonic() - self.last.taken >= ttl:
+                self.last = self._refresh(store)
+            return self.last
+
+    def _refresh(self, store: Store) -> Snapshot:
+        taken = time.monotonic()
+        blobs = set(store.list_digests("blobs"))
+        for gone in set(self.index.blobs) - blobs:
+            self.index.remove(gone)
+        self.map_errors = {b: e for b, e in self.map_errors.items() if b in blobs}
+        new = sorted(blobs - set(self.index.blobs))
+        futures: list[tuple[str, Future[BlobSummary]]] = [
+            (b, store.pool.submit(lambda b=b: summarize(store.get_chunk_map(b)))) for b in new]  # type: ignore[misc]
+        for blob, fut in futures:
+            try:
+                self.index.add(blob, fut.result())
+                self.map_errors.pop(blob, None)
+            except LayerstoreError as e:
+                self.map_errors[blob] = str(e)  # read again at the next refresh
+
+        stored_bytes = stored_objects = unref_bytes = unref_objects = 0
+        for info in store.backend.list_info("chunks/"):
+            try:
+                raw = digestmod.raw_of(keys.digest_of_key(info.key)[1])
+            except LayerstoreError:
+                continue  # not a chunk object's key (a temporary file, a stray name)
+            stored_bytes += info.size
+            stored_objects += 1
+            if raw not in self.index.chunks:
+                unref_bytes += info.size
+                unref_objects += 1
+
+        layers = {b: self._layer_row(b) for b in sorted(blobs)}
+        envs = [self._env_row(store, ref, digest, layers) for ref, digest in sorted(list_environments(store).items())]
+        gc_error = ""
+        try:
+            gc = last_report(store)
+        except LayerstoreError as e:
+            gc, gc_error = None, str(e)
+        rows = sorted(layers.values(), key=lambda lr: lr.blob)
+        return Snapshot(taken, envs, rows, self.index.logical_bytes, self.index.unique_bytes, len(self.index.chunks),
+                        stored_bytes, stored_objects, unref_bytes, unref_objects, gc, gc_error)
+
+    def _layer_row(self, blob: str) -> LayerRow:
+        s = self.index.blobs.get(blob)
+        if s is None:
+            return LayerRow(blob, error=self.map_errors.get(blob, "not read"))
+        return LayerRow(blob, s.size, s.chunks, self.index.shared_bytes(blob))
+
+    def _env_row(self, store: Store, ref: str, digest: str, layers: dict[str, LayerRow]) -> EnvRow:
+        row = EnvRow(ref, keys.parse_tag(ref)[0], digest)
+        try:
+            m = self.manifests.get(digest)
+            if m is None:
+                m = load_manifest(store, digest)
+                if len(self.manifests) >= MAX_MANIFESTS_CACHED:
+                    self.manifests.clear()
+                self.manifests[digest] = m
+        except LayerstoreError as e:
+            row.error = str(e)
+            return row
+        row.layers = [(layer.role, layer.blob, layer.size) for layer in m.layers]
+        row.size = m.size
+        for layer in m.layers:
+            lr = layers.get(layer.blob)
+            if lr is None:
+                lr = layers[layer.blob] = LayerRow(layer.blob, layer.size, error="missing from the store")
+            lr.used_by.append((row.name, ref, layer.role))
+        return row
+
+
+_sources: weakref.WeakKeyDictionary[Store, StatusSource] = weakref.WeakKeyDictionary()
+_sources_lock = threading.Lock()
+
+
+def source_for(store: Store) -> StatusSource:
+    with _sources_lock:
+        src = _sources.get(store)
+        if src is None:
+            src = _sources[store] = StatusSource()
+        return src
+
+
+# -- the page -------------------------------------------------------------------------------------
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def when(epoch: object) -> str:
+    if not isinstance(epoch, int | float) or isinstance(epoch, bool) or epoch <= 0:
+        return "-"
+    try:
+        return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def short(digest: str) -> str:
+    return digest[:15] + "…" if len(digest) > 16 else digest
+
+
+def percent(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
+                          undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+_env.filters.update(bytes=human_bytes, when=when, short=short)
+_env.globals.update(percent=percent)
+
+
+def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
+    """What the template shows to a caller who sees the names `visible` accepts."""
+    envs = [e for e in snap.envs if visible(e.name)]
+    layers = []
+    for lr in snap.layers:
+        users = [(ref, role) for name, ref, role in lr.used_by if visible(name)]
+        if lr.used_by and not users:
+            continue  # used only by environments the caller may not know of
+        layers.append({"row": lr, "users": sorted({ref for ref, _ in users}),
+                       "roles": sorted({role for _, role in users})})
+    gc = snap.gc
+    gc_view = None
+    if gc is not None:
+        started, finished = gc.get("started"), gc.get("finished")
+        duration = finished - started if isinstance(started, int | float) and isinstance(finished, int | float) \
+            and finished >= started else None
+        gc_view = {"started": started, "finished": finished, "duration": duration,
+                   "marked_objects": gc.get("marked_objects"), "deleted_objects": gc.get("deleted_objects"),
+                   "deleted_bytes": gc.get("deleted_bytes"), "dry_run": bool(gc.get("dry_run"))}
+    referenced = snap.stored_bytes - snap.unreferenced_bytes  # the stored bytes of the layers' unique chunks
+    return {
+        "envs": envs, "layers": layers, "snap": snap, "gc": gc_view, "referenced_bytes": referenced,
+        "dedup_saved": snap.logical_bytes - snap.unique_bytes,
+        "compression_saved": snap.unique_bytes - referenced,
+        "total_saved": snap.logical_bytes - referenced,
+        "ratio": f"{snap.logical_bytes / referenced:.2f}x" if referenced else "-",
+        "generated": when(time.time()),
+    }
+
+
+def render_status(store: Store, *, visible: Visible = _everyone) -> str:
+    """The status page of `store` as the caller who sees the environment names `visible` accepts."""
+    snap = source_for(store).snapshot(store)
+    return _env.get_template("status.html").render(**page_model(snap, visible))
