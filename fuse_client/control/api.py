@@ -7,6 +7,7 @@ it on the daemon's Unix socket, inside the daemon's trio loop, through hypercorn
     GET  /cache          the JSON of `layerctl cache ls`
     POST /cache/verify   re-hash committed chunks, drop bad ones
     POST /cache/evict    {"blob": D} | {"all": true} | {"to_bytes": N} | {} (down to the low watermark)
+    POST /cache/gc       {"older_than": SECONDS, "dry_run": bool}: forget blobs nothing uses (docs/gc-node.md)
     POST /prefetch       {"blob": D, "chunks": [i...] | "ranges": [[off, len]...] | "all": true, "wait": bool}
     POST /pin            {"blob": D, "holder": H} -> {"blob", "complete": true, "path"} | 409 BlobIncomplete
     POST /unpin          {"blob": D, "holder": H} -> {"blob", "holder", "removed": bool} (idempotent)
@@ -56,6 +57,11 @@ class EvictRequest(_Body):
     to_bytes: int | None = None
 
 
+class GcRequest(_Body):
+    older_than: float = Field(ge=0, allow_inf_nan=False)
+    dry_run: bool = False
+
+
 class PrefetchRequest(_Body):
     blob: str
     chunks: list[StrictInt] | None = None
@@ -86,6 +92,7 @@ class ControlAPI:
             ("GET", "/cache", self.get_cache, None, "The node cache's blobs, usage and pins"),
             ("POST", "/cache/verify", self.post_verify, None, "Re-hash every committed chunk, drop bad ones"),
             ("POST", "/cache/evict", self.post_evict, EvictRequest, "Evict chunks"),
+            ("POST", "/cache/gc", self.post_gc, GcRequest, "Forget blobs nothing uses, unused for a while"),
             ("POST", "/prefetch", self.post_prefetch, PrefetchRequest, "Fetch chunks below demand reads"),
             ("POST", "/pin", self.post_pin, PinRequest, "Pin a complete blob: the path of its cache file"),
             ("POST", "/unpin", self.post_unpin, PinRequest, "Drop a pin (idempotent)"),
@@ -112,6 +119,10 @@ class ControlAPI:
         body = EvictRequest.model_validate(req)
         return _json(await self.cache.evict(blob=body.blob or None, all_chunks=body.all_chunks,
                                             to_bytes=body.to_bytes))
+
+    async def post_gc(self, req: dict[str, Any]) -> Response:
+        body = GcRequest.model_validate(req)
+        return _json(await self.cache.gc_unused(body.older_than, dry_run=body.dry_run))
 
     async def post_prefetch(self, req: dict[str, Any]) -> Response:
         body = PrefetchRequest.model_validate(req)

@@ -168,7 +168,8 @@ async def test_the_openapi_document_describes_every_route(store: Store, tmp_path
         doc = await trio.to_thread.run_sync(request_json, cache_dir, "GET", "/openapi.json")
     got = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
     assert got == {("GET", "/stats"), ("GET", "/metrics"), ("GET", "/cache"), ("POST", "/cache/verify"),
-                   ("POST", "/cache/evict"), ("POST", "/prefetch"), ("POST", "/pin"), ("POST", "/unpin")}
+                   ("POST", "/cache/evict"), ("POST", "/cache/gc"), ("POST", "/prefetch"), ("POST", "/pin"),
+                   ("POST", "/unpin")}
     schema = doc["paths"]["/prefetch"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(schema["properties"]) == {"blob", "chunks", "ranges", "all", "wait"}
     assert schema["required"] == ["blob"]

@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 import trio
 from testkit.cli_helpers import assert_clean_failure, layerctl
+from testkit.fuse_helpers import DaemonProcess, read_file
 from testkit.node_lease import lease_rig
 
+from fuse_client.control import request_json
 from fuse_client.nodecache import INDEX_DIR
 from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.maintenance import gc_offline
 from fuse_client.nodecache.unused import BlobUse, choose_unused
+from layerstore.errors import BadInput
 from layerstore.store import Store
+from tests.fuse_client.test_fuse_control_http import serving
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob
 
 HOUR = 3600.0
@@ -182,3 +186,38 @@ def test_cache_gc_cli_offline(store: Store, tmp_path: Path) -> None:
     assert_clean_failure(layerctl("cache", "gc", "--cache", str(cache_dir), "--older-than", "soon"), "duration")
     assert_clean_failure(layerctl("cache", "gc", "--cache", str(tmp_path / "nothing"), "--older-than", "0"),
                          "not a node cache")
+
+
+@pytest.mark.trio
+async def test_the_control_route_checks_its_body(store: Store, tmp_path: Path) -> None:
+    [(a, da)] = blobs_of(store, 1)
+    cache_dir = tmp_path / "cache"
+    async with serving(store, cache_dir):
+        for bad in ({}, {"older_than": -1}, {"older_than": "soon"}, {"older_than": float("nan")}):
+            with pytest.raises(BadInput):
+                await trio.to_thread.run_sync(request_json, cache_dir, "POST", "/cache/gc", bad)
+        res = await trio.to_thread.run_sync(request_json, cache_dir, "POST", "/cache/gc",
+                                            {"older_than": 0, "dry_run": True})
+        assert res["dry_run"] and res["dropped"] == []
+
+
+@pytest.mark.root
+def test_cache_gc_through_the_daemon_never_drops_an_open_blob(store: Store, tmp_path: Path) -> None:
+    blobs = blobs_of(store, 2)
+    (a, da), (b, db) = blobs
+    cache_dir, mnt = tmp_path / "cache", tmp_path / "mnt"
+    with DaemonProcess(store.url, cache_dir, mnt, env={"LAYERSTORE_NODE_LEASE_INTERVAL": "0.2"}) as d:
+        assert read_file(d.blob(b)) == db
+        with open(d.blob(a), "rb") as fa:  # an open handle, as a file-backed EROFS mount holds
+            assert fa.read() == da
+            # b was read a moment ago: only a threshold of 0 drops it (its lookup lingers one
+            # rotation interval, 0.2 s here)
+            res = layerctl("cache", "gc", "--cache", str(cache_dir), "--older-than", "1h", "--json").json()
+            assert res["dropped"] == [] and res["kept_in_use"] + res["kept_recent"] == 2
+            time.sleep(0.5)
+            r = layerctl("cache", "gc", "--cache", str(cache_dir), "--older-than", "0", "--json")
+            assert r.code == 0, r.err
+            assert [x["blob"] for x in r.json()["dropped"]] == [b] and r.json()["kept_in_use"] == 1
+            fa.seek(0)
+            assert fa.read() == da
+        assert read_file(d.blob(b)) == db  # fetched again
