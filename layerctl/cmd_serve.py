@@ -115,7 +115,7 @@ def _tokens(path: Path | None) -> Path:
 @token_group.command("add")
 @tokens_option
 @click.option("--scope", "scopes", multiple=True, required=True,
-              help="read, read:PREFIX, push:PREFIX, push:*, gc or admin (repeatable).")
+              help="read, read:PREFIX, push:PREFIX, push:*, lease, gc or admin (repeatable).")
 @click.argument("token_id")
 def token_add(tokens_file: Path | None, scopes: tuple[str, ...], token_id: str) -> None:
     """Create token TOKEN_ID with SCOPEs; print the token (shown once, stored hashed)."""

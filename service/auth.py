@@ -9,6 +9,8 @@ variable time, and the file does not hold a usable token). Scopes:
     push:<prefix>      read (private names under <prefix> too), store content-addressed objects,
                        move and delete the tags of names under <prefix>, write leases/;
                        push:* covers every name but the private ones
+    lease              create, renew and drop leases (leases/): a node daemon's hold on the blobs
+                       it serves, with `read`
     gc                 read everything (private names too), delete anything but `config`, write gc/
     admin              everything: the raw backend, `config`, creating the store
 
@@ -41,7 +43,7 @@ from layerstore.fileio import write_atomic
 
 TOKEN_PREFIX = "lst_"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,63}")
-_SCOPE = re.compile(r"(read|gc|admin)|(read|push):(\*|[a-z0-9][a-z0-9._/-]{0,255})")
+_SCOPE = re.compile(r"(read|lease|gc|admin)|(read|push):(\*|[a-z0-9][a-z0-9._/-]{0,255})")
 
 
 def hash_token(token: str) -> str:
@@ -58,7 +60,7 @@ def check_scopes(scopes: Iterable[str]) -> list[str]:
     out = []
     for s in scopes:
         if not isinstance(s, str) or not _SCOPE.fullmatch(s):
-            raise ConfigError(f"bad scope {s!r} (read, read:PREFIX, push:PREFIX, push:*, gc, admin)")
+            raise ConfigError(f"bad scope {s!r} (read, read:PREFIX, push:PREFIX, push:*, lease, gc, admin)")
         out.append(s)
     return out
 
@@ -118,7 +120,9 @@ class Principal:
         if self.admin:
             return True
         kind = wire.kind_of(key)
-        if kind in wire.CONTENT_KINDS or kind == "leases":
+        if kind == "leases":
+            return self.can_push or "lease" in self.scopes
+        if kind in wire.CONTENT_KINDS:
             return self.can_push
         if kind == "tags":
             name = wire.tag_name(key)

@@ -14,7 +14,7 @@ from layerstore.store import Store
 
 # id -> scopes; "secret/" names are private
 SCOPES = {"read": ["read"], "readsecret": ["read:secret/"], "pushteam": ["push:team/"], "pushall": ["push:*"],
-          "gc": ["gc"], "admin": ["admin"], "nothing": []}
+          "gc": ["gc"], "admin": ["admin"], "node": ["read", "lease"], "nothing": []}
 PRIVATE = ["secret/"]
 
 

@@ -16,7 +16,7 @@ from layerstore.store import STORE_FORMAT, Store
 
 from .conftest import SCOPES, Served
 
-READERS = {"read", "readsecret", "pushteam", "pushall", "gc", "admin"}
+READERS = {"read", "readsecret", "pushteam", "pushall", "gc", "admin", "node"}
 PUSHERS = {"pushteam", "pushall", "admin"}
 GC = {"gc", "admin"}
 ALL = set(SCOPES) | {None, "bogus"}
@@ -59,7 +59,7 @@ def _cases(w: dict[str, str]) -> list[Case]:
     def rechunk(s: Store) -> None:
         s.put_chunk(b"scoped chunk " * 100)
 
-    readers_not_secret = {"read", "pushteam", "pushall"}
+    readers_not_secret = {"read", "pushteam", "pushall", "node"}
     return [
         Case("get chunk", "GET", obj + w["chunk"], READERS),
         Case("head chunk", "HEAD", obj + w["chunk"], READERS),
@@ -76,7 +76,7 @@ def _cases(w: dict[str, str]) -> list[Case]:
         Case("put own tag", "PUT", obj + "tags/team/app:v2", PUSHERS, manifest_ref),
         Case("put other tag", "PUT", obj + "tags/other/app:v2", {"pushall", "admin"}, manifest_ref),
         Case("put private tag", "PUT", obj + "tags/secret/app:v2", {"admin"}, manifest_ref),
-        Case("put lease", "PUT", obj + "leases/l2/head", PUSHERS, b"{}"),
+        Case("put lease", "PUT", obj + "leases/l2/head", PUSHERS | {"node"}, b"{}"),
         Case("put gc state", "PUT", obj + "gc/runs/r2", GC, b"{}"),
         Case("put config", "PUT", obj + "config", {"admin"}, config),
         Case("put raw key", "PUT", obj + "t/raw", {"admin"}, b"raw"),
@@ -85,7 +85,8 @@ def _cases(w: dict[str, str]) -> list[Case]:
              setup=recreate("tags/team/app:v1", manifest_ref)),
         Case("delete private tag", "DELETE", obj + "tags/secret/app:v1", GC, hidden_from=readers_not_secret,
              setup=recreate("tags/secret/app:v1", manifest_ref)),
-        Case("delete lease", "DELETE", obj + "leases/l1/head", PUSHERS | GC, setup=recreate("leases/l1/head", b"{}")),
+        Case("delete lease", "DELETE", obj + "leases/l1/head", PUSHERS | GC | {"node"},
+             setup=recreate("leases/l1/head", b"{}")),
         Case("delete gc state", "DELETE", obj + "gc/runs/r1", GC, setup=recreate("gc/runs/r1", b"{}")),
         Case("delete config", "DELETE", obj + "config", {"admin"}, setup=recreate("config", config)),
         Case("list", "GET", "/v1/list?prefix=tags/", READERS),
