@@ -19,9 +19,10 @@ from typing import Any
 
 from fuse_client import linux
 from fuse_client.linux import detach
-from layerstore.errors import LayerstoreError
+from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet
 from runtime_shim.blobs import BlobSource, DaemonBlobs
+from runtime_shim.environment import CachingResolver, node_policy
 from runtime_shim.layers import LayerMounts
 from runtime_shim.lock import NodeLock
 from runtime_shim.paths import NodePaths
@@ -34,12 +35,13 @@ class RemoteLayers:
     made ready (the node lock for the daemon)."""
 
     def __init__(self, root: Path, blobs: BlobSource, lock: NodeLock | None = None,
-                 state: NodeState | None = None) -> None:
+                 state: NodeState | None = None, resolver: CachingResolver | None = None) -> None:
         self.paths = NodePaths(root)
         self.paths.layers.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.blobs = blobs
         self.mounts = LayerMounts(self.paths, blobs)
         self.lock = lock
+        self.resolver = resolver
         self._state = state
 
     @classmethod
@@ -57,17 +59,35 @@ class RemoteLayers:
                     rec = t.daemon()
                 store_url = rec.store if rec is not None else resolve_store_url(None)
             store = Store.open(store_url)
-            url = store.url
-            store.close()
         except BaseException:
             state.close()
             raise
-        return cls(root, DaemonBlobs(node, state, url), NodeLock(node.lock), state)
+        resolver = CachingResolver(store, node_policy(node.root, None))
+        return cls(root, DaemonBlobs(node, state, store.url), NodeLock(node.lock), state, resolver)
 
     def close(self) -> None:
         if self._state is not None:
             self._state.close()
             self._state = None
+        if self.resolver is not None:
+            self.resolver.close()
+            self.resolver = None
+
+    def check(self, blob: str, environment: str) -> None:
+        """May a client have this blob mounted? With the environment it came from (its manifest
+        digest), the node's trust policy must accept that environment (signatures, as for the
+        shim) and the blob must be one of its layers; without one, only when the node's policy
+        requires nothing. Without a store to read (tests), anything goes."""
+        if self.resolver is None:
+            return
+        if not environment:
+            if self.resolver.policy is not None:
+                raise PermissionDenied(f"layer {blob}: the node's trust policy needs the environment it belongs to "
+                                       f"(pull with layerctl ctr pull)")
+            return
+        spec = self.resolver(environment)
+        if blob not in spec.blobs:
+            raise BadInput(f"layer {blob} is not a layer of environment {environment}")
 
     def mountpoint(self, blob: str) -> str:
         return str(self.paths.layer_mount(blob))

@@ -24,6 +24,7 @@ from layerstore.errors import BadInput, LayerstoreError
 from .client import ContainerdClient, Descriptor
 from .errors import SnapshotExists
 from .image import (
+    ANNOTATION_ENV,
     DOCKER_LIST,
     MAX_CONFIG,
     OCI_INDEX,
@@ -32,7 +33,7 @@ from .image import (
     image_layers,
     pick_manifest,
 )
-from .snapshots import LABEL_BLOB, LABEL_REF
+from .snapshots import LABEL_BLOB, LABEL_ENV, LABEL_REF
 
 GC_SNAPSHOT = "containerd.io/gc.ref.snapshot."
 GC_CONFIG = "containerd.io/gc.ref.content.config"
@@ -72,7 +73,9 @@ def pull(ref: str, ctd: ContainerdClient, snapshotter: str = "layerstore", *, na
             body, media, digest = reg.get_manifest(r.repository, str(desc["digest"]))
         if media in (OCI_INDEX, DOCKER_LIST):
             raise BadInput(f"{ref}: an index inside an index")
-        cfg_desc = json.loads(body).get("config") or {}
+        manifest = json.loads(body)
+        environment = str((manifest.get("annotations") or {}).get(ANNOTATION_ENV, ""))
+        cfg_desc = manifest.get("config") or {}
         if not isinstance(cfg_desc.get("digest"), str) or not isinstance(cfg_desc.get("size"), int):
             raise BadInput(f"{ref}: the manifest has no config descriptor")
         if cfg_desc["size"] > MAX_CONFIG:
@@ -87,7 +90,7 @@ def pull(ref: str, ctd: ContainerdClient, snapshotter: str = "layerstore", *, na
                 if ctd.stat(snapshotter, layer.chain_id):
                     report.present_layers.append(layer.chain_id)
                 elif layer.blob:
-                    _remote(ctd, snapshotter, layer, parent)
+                    _remote(ctd, snapshotter, layer, parent, environment)
                     report.remote_layers.append(layer.chain_id)
                 else:
                     report.bytes_fetched += _unpack(ctd, reg, r.repository, snapshotter, layer, parent)
@@ -107,9 +110,11 @@ def pull(ref: str, ctd: ContainerdClient, snapshotter: str = "layerstore", *, na
     return report
 
 
-def _remote(ctd: ContainerdClient, snapshotter: str, layer: Layer, parent: str) -> None:
+def _remote(ctd: ContainerdClient, snapshotter: str, layer: Layer, parent: str, environment: str) -> None:
     key = f"extract-{secrets.token_hex(6)} {layer.chain_id}"
     labels = {LABEL_REF: layer.chain_id, LABEL_BLOB: layer.blob}
+    if environment:
+        labels[LABEL_ENV] = environment
     try:
         ctd.prepare(snapshotter, key, parent, labels)
     except SnapshotExists:

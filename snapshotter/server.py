@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
-from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound
+from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, PermissionDenied
 
 from .errors import SnapshotExists, SnapshotPrecondition
 from .metadata import ACTIVE, COMMITTED, VIEW, Snapshot
@@ -39,6 +39,8 @@ def status_of(e: LayerstoreError) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(e, NotFound):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(e, PermissionDenied):
+        return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(e, ConfigError | BadInput):
         return grpc.StatusCode.INVALID_ARGUMENT
     return grpc.StatusCode.UNKNOWN

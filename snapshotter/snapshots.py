@@ -32,6 +32,7 @@ from .metadata import ACTIVE, COMMITTED, VIEW, Metadata, Snapshot, Txn
 # under `containerd.io/snapshot/`): the target name of a layer being unpacked, and our blob.
 LABEL_REF = "containerd.io/snapshot.ref"
 LABEL_BLOB = "containerd.io/snapshot/layerstore.blob"
+LABEL_ENV = "containerd.io/snapshot/layerstore.environment"  # the manifest digest the blob came with
 REMOTE_PREFIX = "layerstore/"  # names of remote layer snapshots: layerstore/<target>
 CRASH_ENV = "LAYERSTORE_SNAPSHOTTER_CRASH"  # tests: die (SIGKILL) at the named step
 
@@ -102,7 +103,9 @@ class Snapshotter:
             raise SnapshotterBusy(f"another snapshotter serves {self.root}") from None
         self.meta = Metadata(self.root / "metadata")
         self.layers = layers
-        self.mu = threading.RLock()
+        self.mu = threading.RLock()  # every record change; never held while a layer is mounted
+        self._blob_mu = threading.Lock()
+        self._blob_locks: dict[str, threading.Lock] = {}
         self.last_reconcile = self.reconcile()
 
     def close(self) -> None:
@@ -150,7 +153,7 @@ class Snapshotter:
                 crashpoint("create:dirs")
                 t.add(snap)
             crashpoint("create:recorded")
-            return self._mounts(snap)
+        return self._mounts(snap)
 
     def _check_new(self, t: Txn, key: str, parent: str) -> None:
         if t.get(key) is not None:
@@ -171,50 +174,65 @@ class Snapshotter:
             return  # no remote layers here: an ordinary prepare, containerd unpacks the layer
         name = REMOTE_PREFIX + target
         _check_key(name)
-        with self.mu:
-            with self.meta.read() as t:
-                have = t.get(name)
-                if have is not None:
-                    if have.blob == blob and have.parent == parent:
-                        raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
-                    raise SnapshotExists(f"snapshot {name!r} exists with another blob or parent")
-                self._check_new(t, key, parent)
-                rec = t.layer(blob)
-            self._layer_ready(blob, rec)
-            crashpoint("remote:mounted")
-            now = time.time()
-            with self.meta.write() as t:
-                t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now, blob))
-            crashpoint("remote:recorded")
+        with self.meta.read() as t:
+            self._check_remote(t, key, name, parent, blob)
+        # Outside the record lock: the trust check reads the store, a cold mount waits for the
+        # daemon to fetch the blob's metadata; other calls go on meanwhile.
+        self.layers.check(blob, labels.get(LABEL_ENV, ""))
+        self._layer_ready(blob, self.layers.generation())
+        crashpoint("remote:mounted")
+        now = time.time()
+        with self.mu, self.meta.write() as t:
+            self._check_remote(t, key, name, parent, blob)  # (again: someone may have made it meanwhile)
+            t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now, blob))
+        crashpoint("remote:recorded")
         raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
 
-    def _layer_ready(self, blob: str, rec: dict | None) -> None:
-        """The blob's layer mount is in place and current (mounted again if not); recorded."""
+    def _check_remote(self, t: Txn, key: str, name: str, parent: str, blob: str) -> None:
+        have = t.get(name)
+        if have is not None:
+            if have.blob == blob and have.parent == parent:
+                raise SnapshotExists(f"target snapshot {name!r} exists (layerstore blob {blob})")
+            raise SnapshotExists(f"snapshot {name!r} exists with another blob or parent")
+        self._check_new(t, key, parent)
+
+    def _blob_lock(self, blob: str) -> threading.Lock:
+        with self._blob_mu:
+            return self._blob_locks.setdefault(blob, threading.Lock())
+
+    def _layer_ready(self, blob: str, gen: str) -> None:
+        """The blob's layer mount is in place and reads what the blob source serves now (mounted
+        again if not), and recorded. One mount of a blob at a time."""
         assert self.layers is not None
-        gen = self.layers.generation()
-        if self.layers.usable(rec, gen):
-            return
-        new = self.layers.mount(blob, gen)
-        with self.meta.write() as t:
-            t.put_layer(blob, new)
+        with self._blob_lock(blob):
+            with self.meta.read() as t:
+                rec = t.layer(blob)
+            if self.layers.usable(rec, gen):
+                return
+            new = self.layers.mount(blob, gen)
+            with self.mu, self.meta.write() as t:
+                t.put_layer(blob, new)
 
     # -- mounts ----------------------------------------------------------------------------------
     def mounts(self, key: str) -> list[Mount]:
-        with self.mu:
-            with self.meta.read() as t:
-                snap = t.get(key)
-                if snap is None:
-                    raise SnapshotNotFound(f"snapshot {key!r} does not exist")
-                if snap.kind == COMMITTED:
-                    raise SnapshotPrecondition(f"snapshot {key!r} is committed: not active or view")
-            return self._mounts(snap)
+        with self.meta.read() as t:
+            snap = t.get(key)
+        if snap is None:
+            raise SnapshotNotFound(f"snapshot {key!r} does not exist")
+        if snap.kind == COMMITTED:
+            raise SnapshotPrecondition(f"snapshot {key!r} is committed: not active or view")
+        return self._mounts(snap)
 
     def _mounts(self, snap: Snapshot) -> list[Mount]:
+        """The mounts of an active snapshot or a view, its remote layers made ready first."""
         with self.meta.read() as t:
             parents = t.chain(snap.key)[1:]
-            recs = {p.blob: t.layer(p.blob) for p in parents if p.blob}
-        for blob, rec in recs.items():
-            self._layer_ready(blob, rec)
+        blobs = list(dict.fromkeys(p.blob for p in parents if p.blob))
+        if blobs:
+            assert self.layers is not None
+            gen = self.layers.generation()
+            for blob in blobs:
+                self._layer_ready(blob, gen)
         lowers = [self.fs(p) for p in parents]
         d = self.dir(snap)
         if snap.kind == ACTIVE:

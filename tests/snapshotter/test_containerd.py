@@ -279,3 +279,21 @@ def test_restarts_with_running_containers_then_nothing_leaks(world: World) -> No
     assert w.snap.walk() == {}
     assert w.snap.layer_mounts() == []
     assert os.listdir(w.snap.root / "snapshots") == []
+
+
+def test_pull_of_a_blob_the_store_lacks_fails_cleanly(world: World) -> None:
+    from erofs_builder.registry import RegistryClient
+    from snapshotter.image import image_of_environment
+
+    w = world
+    img = image_of_environment("", [("b3:" + "0" * 64, 4096, "base")], {"cmd": ["/bin/sh"]})
+    with RegistryClient(w.reg.host) as reg:
+        for blob in [*img.layers, img.config]:
+            reg.push_blob("envs/missing", blob.data, blob.digest)
+        reg.put_manifest("envs/missing", "1", img.manifest.data, img.manifest.media_type)
+    before = set(w.snap.walk())
+    r = layerctl("ctr", "pull", "--address", w.ctd.address, "-n", w.ctd.namespace, w.reg.ref("envs/missing", "1"))
+    assert r.code != 0 and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1, r.err
+    assert set(w.snap.walk()) == before
+    assert not any("0" * 64 in m for m in w.snap.layer_mounts())
+    assert w.ctd.ctr("images", "ls", "-q").stdout.split() == []

@@ -1,0 +1,51 @@
+"""Which blobs a containerd client may have mounted: with the environment it came from, the
+node's trust policy must accept the environment and the blob must be one of its layers; without
+one, only on a node whose policy requires nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from testkit.cli_helpers import layerctl
+from testkit.shim_support import busybox_rootfs, needs_busybox, store_with_env
+
+from layerstore.errors import BadInput, PermissionDenied
+from layerstore.store import Store
+from manifest.errors import UntrustedManifest
+from runtime_shim.blobs import DirBlobs
+from runtime_shim.environment import CachingResolver, node_policy
+from snapshotter.layers import RemoteLayers
+
+KEY = "ed25519:IBqYGexjTO0isKTJtnTfANP12B/KnpdOKRw0hSAOIIo="
+
+
+@needs_busybox
+def test_trust_check(tmp_path: Path) -> None:
+    url = store_with_env(tmp_path, busybox_rootfs(tmp_path / "base"))
+    show = layerctl("env", "show", "--store", url, "bb:1", "--json").json()
+    env, blob = show["manifest"], show["environment"]["layers"][0]["blob"]
+    other = "b3:" + "1" * 64
+
+    open_layers = RemoteLayers(tmp_path / "snap", DirBlobs(tmp_path / "b"), resolver=CachingResolver(Store.open(url)))
+    try:
+        open_layers.check(blob, env)
+        open_layers.check(other, "")  # no policy on the node: any blob
+        with pytest.raises(BadInput, match="not a layer of environment"):
+            open_layers.check(other, env)
+    finally:
+        open_layers.close()
+
+    node = tmp_path / "node"
+    node.mkdir()
+    (node / "policy.json").write_text(json.dumps({"require_signature": True, "trusted_keys": [KEY]}))
+    strict = RemoteLayers(tmp_path / "snap2", DirBlobs(tmp_path / "b"),
+                          resolver=CachingResolver(Store.open(url), node_policy(node, None)))
+    try:
+        with pytest.raises(UntrustedManifest):
+            strict.check(blob, env)  # unsigned
+        with pytest.raises(PermissionDenied, match="needs the environment"):
+            strict.check(blob, "")
+    finally:
+        strict.close()
