@@ -6,6 +6,7 @@ and laziness through the node daemon. Boots are shared: each test boots once."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -27,6 +28,7 @@ from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import RuntimeNotAvailable, ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
+from runtime_shim.state import NodeState
 from runtime_shim.vm.kit import find_kit
 from runtime_shim.vm.qemu import qemu_argv
 
@@ -176,9 +178,10 @@ def test_kill9_of_the_vmm_then_recover(vm_shim: Shim, blobs: tuple[Path, list[st
     assert not (vm_shim.paths.sandbox_dir("k1")).exists()
 
 
-def test_a_cold_node_fetches_only_what_the_guest_reads(tmp_path: Path) -> None:
+def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(tmp_path: Path) -> None:
     """Through the node daemon: the root image is made from the layers' metadata, and the guest's
-    reads of the layer drives (the daemon's lazily fetched files) are the only other fetches."""
+    reads of the layer drives (the daemon's lazily fetched files) are the only other fetches.
+    After kill -9 of the daemon and recovery, a new VM reads through the new daemon."""
     from testkit.cli_helpers import layerctl
     from testkit.shim_support import store_shim
 
@@ -206,6 +209,18 @@ def test_a_cold_node_fetches_only_what_the_guest_reads(tmp_path: Path) -> None:
         r = layerctl("stats", "--cache", str(shim.paths.cache), "--json")
         assert r.code == 0, r.err
         st = r.json()["blobs"]
-    big = st[blobs[1]]
-    assert big["fetched_bytes"] < big["size"] // 4  # the 8 MiB file was listed, never read
-    assert sum(s["fetched_bytes"] for s in st.values()) < sum(s["size"] for s in st.values()) // 2
+        big = st[blobs[1]]
+        assert big["fetched_bytes"] < big["size"] // 4  # the 8 MiB file was listed, never read
+        assert sum(s["fetched_bytes"] for s in st.values()) < sum(s["size"] for s in st.values()) // 2
+        # kill -9 of the node daemon, then recovery: the next VM reads through the new daemon
+        with NodeState(shim.paths.state) as state, state.read() as t:
+            rec = t.daemon()
+        assert rec is not None
+        os.kill(rec.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(rec.pid, 0)
+        shim.recover()
+        with open(out, "wb") as f:
+            res = runner.run(shim, "big:1", ["/bin/sh", "-c", "head -c 100000 /opt/big | wc -c"], runtime="vm",
+                             stdout=f, stderr=f)
+        assert (res.exit_code, out.read_text().strip()) == (0, "100000")
