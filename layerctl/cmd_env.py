@@ -107,7 +107,8 @@ def _create_from_image(store_url: str | None, image: str, tag: str, *, top_works
     for layer in manifest.layers:
         click.echo(f"  {layer.role:<10} {layer.blob}  {human_bytes(layer.size)}")
     click.echo(f"  argv       {manifest.config.argv}")
-    click.echo(f"  workdir    {manifest.config.workdir}")
+    cfg = manifest.config
+    click.echo(f"  workdir    {cfg.workdir}" + (f"  user {cfg.user}" if cfg.user else ""))
     if created.signed_by is not None:
         click.echo(f"  signed by {created.signed_by}")
 
