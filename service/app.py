@@ -28,11 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from layerstore.backends import http_wire as wire
 from layerstore.errors import BadInput, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
-from layerstore.keys import validate, validate_prefix
+from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
 from .auth import Principal, TokenTable
-from .checks import check_body, limit_for
+from .checks import check_body, check_key, limit_for
 from .metrics import MetricsMiddleware, exposition
 
 log = logging.getLogger("layerstore.service")
@@ -64,11 +64,11 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
         n = int(last)
         return (max(size - n, 0), min(n, size)) if n and size else None
     start = int(first)
-    end = int(last) if last else size - 1
-    if end < start:
+    if last and int(last) < start:
         raise BadInput(f"Range {header[:100]!r} ends before it starts")
     if start >= size:
         return None
+    end = int(last) if last else size - 1
     return start, min(end, size - 1) - start + 1
 
 
@@ -158,7 +158,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     async def get_object(key: str, who: Who, byte_range: Annotated[str | None, Header(alias="range")] = None,
                          if_none_match: Annotated[str | None, Header()] = None) -> Response:
         """An object's bytes, or one range of them."""
-        validate(key)
+        check_key(key)
         readable(who, key)
         limit = limit_for(key)
         content = wire.kind_of(key) in wire.CONTENT_KINDS
@@ -186,7 +186,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     @app.head(wire.OBJECTS + "{key:path}", response_class=Response)
     async def head_object(key: str, who: Who) -> Response:
         """An object's length (Content-Length) and ETag, without its bytes."""
-        validate(key)
+        check_key(key)
         readable(who, key)
         if wire.kind_of(key) in wire.CONTENT_KINDS:
             size = await run(backend.size, key)
@@ -206,7 +206,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
                          if_none_match: Annotated[str | None, Header()] = None) -> Response:
         """Store an object. `If-None-Match: *`: only if the key is free (412 otherwise);
         `If-Match: "<etag>"`: only if the object still has that ETag (compare-and-swap)."""
-        validate(key)
+        check_key(key)
         if not who.may_write(key):
             raise PermissionDenied(f"token {who.id} may not write {key}")
         if if_match is not None and if_none_match is not None:
@@ -242,7 +242,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     @app.delete(wire.OBJECTS + "{key:path}", status_code=204, response_class=Response)
     async def delete_object(key: str, who: Who) -> Response:
         """Remove an object (404 if it is not there)."""
-        validate(key)
+        check_key(key)
         if not who.may_delete(key):
             readable(who, key)
             raise PermissionDenied(f"token {who.id} may not delete {key}")
@@ -295,7 +295,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if len(keys) > MAX_DELETE_KEYS:
             raise wire.TooLarge(f"at most {MAX_DELETE_KEYS} keys a request")
         for k in keys:
-            validate(k)
+            check_key(k)
             if not who.may_delete(k):
                 raise PermissionDenied(f"token {who.id} may not delete {k}")
         return {"removed": await run(backend.delete_many, keys)}

@@ -8,7 +8,7 @@ import json
 from layerstore import chunkmap, chunkobj, keys, leases
 from layerstore import digest as digestmod
 from layerstore.backends import http_wire as wire
-from layerstore.errors import CorruptObject, LayerstoreError, NotFound
+from layerstore.errors import BadKey, CorruptObject, LayerstoreError, NotFound
 from layerstore.store import MAX_CONFIG_SIZE, MAX_MANIFEST_BYTES, MAX_OBJECT_SIZE, MAX_TAG_SIZE, Store
 
 MAX_LEASE = max(leases.MAX_HEAD, leases.MAX_SHARD)
@@ -21,6 +21,18 @@ LIMITS = {**MAX_OBJECT_SIZE, "tags": MAX_TAG_SIZE, "leases": MAX_LEASE, "gc": MA
 def limit_for(key: str) -> int:
     """The largest body a PUT of `key` may carry (and the largest object a GET of it reads)."""
     return LIMITS[wire.kind_of(key)]
+
+
+def check_key(key: str) -> str:
+    """`key` if it is in the store's grammar and, for a kind with a grammar of its own (object
+    keys with their fan-out, tag keys), in that one too; `BadKey` otherwise."""
+    keys.validate(key)
+    kind = wire.kind_of(key)
+    if kind in wire.CONTENT_KINDS:
+        keys.digest_of_key(key)
+    elif kind == "tags" and wire.tag_name(key) is None:
+        raise BadKey(f"not a tag key (tags/NAME:TAG): {key!r}")
+    return key
 
 
 def check_body(store: Store, key: str, data: bytes) -> None:
