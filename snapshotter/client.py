@@ -18,21 +18,9 @@ from google.protobuf import field_mask_pb2
 
 from layerstore.errors import BadInput, LayerstoreError, NodeUnavailable
 
+from . import stubs as api
 from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition
 from .snapshots import Mount
-from .stubs import (
-    content_pb2,
-    content_pb2_grpc,
-    diff_pb2,
-    diff_pb2_grpc,
-    images_pb2,
-    images_pb2_grpc,
-    leases_pb2,
-    leases_pb2_grpc,
-    snapshots_pb2,
-    snapshots_pb2_grpc,
-    types_pb2,
-)
 
 T = TypeVar("T")
 WRITE_CHUNK = 1 << 20  # under gRPC's default 4 MiB message limit
@@ -46,7 +34,7 @@ class Descriptor:
     size: int
 
     def proto(self) -> Any:
-        return types_pb2.Descriptor(media_type=self.media_type, digest=self.digest, size=self.size)
+        return api.types_pb2.Descriptor(media_type=self.media_type, digest=self.digest, size=self.size)
 
 
 def _translate(e: grpc.RpcError, what: str) -> LayerstoreError:
@@ -72,11 +60,11 @@ class ContainerdClient:
         self.timeout = timeout
         self.lease = ""
         self.channel = grpc.insecure_channel(f"unix://{os.path.abspath(self.address)}")
-        self.content = content_pb2_grpc.ContentStub(self.channel)
-        self.leases = leases_pb2_grpc.LeasesStub(self.channel)
-        self.images = images_pb2_grpc.ImagesStub(self.channel)
-        self.snapshots = snapshots_pb2_grpc.SnapshotsStub(self.channel)
-        self.diff = diff_pb2_grpc.DiffStub(self.channel)
+        self.content = api.content_pb2_grpc.ContentStub(self.channel)
+        self.leases = api.leases_pb2_grpc.LeasesStub(self.channel)
+        self.images = api.images_pb2_grpc.ImagesStub(self.channel)
+        self.snapshots = api.snapshots_pb2_grpc.SnapshotsStub(self.channel)
+        self.diff = api.diff_pb2_grpc.DiffStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -105,20 +93,21 @@ class ContainerdClient:
         """A lease for what is written meanwhile (it expires on its own if we die), deleted after."""
         until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + expire))
         lid = f"layerctl-{secrets.token_hex(8)}"
-        self._call("create lease", self.leases.Create, leases_pb2.CreateRequest(id=lid, labels={LEASE_EXPIRE: until}))
+        req = api.leases_pb2.CreateRequest(id=lid, labels={LEASE_EXPIRE: until})
+        self._call("create lease", self.leases.Create, req)
         self.lease = lid
         try:
             yield lid
         finally:
             self.lease = ""
             with contextlib.suppress(LayerstoreError):
-                self._call("delete lease", self.leases.Delete, leases_pb2.DeleteRequest(id=lid))
+                self._call("delete lease", self.leases.Delete, api.leases_pb2.DeleteRequest(id=lid))
 
     # -- content -------------------------------------------------------------------------------
     def content_info(self, digest: str) -> dict[str, str] | None:
         """The labels of a blob in the content store (None: not there)."""
         try:
-            res = self._call("content info", self.content.Info, content_pb2.InfoRequest(digest=digest))
+            res = self._call("content info", self.content.Info, api.content_pb2.InfoRequest(digest=digest))
         except SnapshotNotFound:
             return None
         return dict(res.info.labels)
@@ -129,29 +118,30 @@ class ContainerdClient:
         have = self.content_info(digest)
         if have is not None:
             if any(have.get(k) != v for k, v in labels.items()):
-                info = content_pb2.Info(digest=digest, labels={**have, **labels})
+                info = api.content_pb2.Info(digest=digest, labels={**have, **labels})
                 mask = field_mask_pb2.FieldMask(paths=[f"labels.{k}" for k in labels])
-                req = content_pb2.UpdateRequest(info=info, update_mask=mask)
+                req = api.content_pb2.UpdateRequest(info=info, update_mask=mask)
                 self._call("content update", self.content.Update, req)
             return
         ref = f"layerctl-{digest}"
 
         def requests() -> Iterator[Any]:
-            yield content_pb2.WriteContentRequest(action=content_pb2.STAT, ref=ref, total=size, expected=digest)
+            yield api.content_pb2.WriteContentRequest(action=api.content_pb2.STAT, ref=ref, total=size, expected=digest)
             offset = 0
             if isinstance(data, bytes | bytearray):
                 chunks: Iterator[bytes] = (bytes(data[i:i + WRITE_CHUNK]) for i in range(0, len(data), WRITE_CHUNK))
             else:
                 chunks = iter(lambda: data.read(WRITE_CHUNK), b"")
             for chunk in chunks:
-                yield content_pb2.WriteContentRequest(action=content_pb2.WRITE, ref=ref, offset=offset, data=chunk)
+                yield api.content_pb2.WriteContentRequest(action=api.content_pb2.WRITE, ref=ref, offset=offset,
+                                                          data=chunk)
                 offset += len(chunk)
-            yield content_pb2.WriteContentRequest(action=content_pb2.COMMIT, ref=ref, total=size, offset=offset,
+            yield api.content_pb2.WriteContentRequest(action=api.content_pb2.COMMIT, ref=ref, total=size, offset=offset,
                                                   expected=digest, labels=labels)
 
         try:
             for res in self.content.Write(requests(), metadata=self._md(), timeout=self.timeout):
-                if res.action == content_pb2.COMMIT and res.digest and res.digest != digest:
+                if res.action == api.content_pb2.COMMIT and res.digest and res.digest != digest:
                     raise BadInput(f"containerd stored {res.digest}, not {digest}")
         except grpc.RpcError as e:
             err = _translate(e, f"write {digest}")  # type: ignore[arg-type]
@@ -160,16 +150,17 @@ class ContainerdClient:
 
     # -- images --------------------------------------------------------------------------------
     def put_image(self, name: str, target: Descriptor, labels: dict[str, str] | None = None) -> None:
-        image = images_pb2.Image(name=name, target=target.proto(), labels=labels or {})
+        image = api.images_pb2.Image(name=name, target=target.proto(), labels=labels or {})
         try:
-            self._call("create image", self.images.Create, images_pb2.CreateImageRequest(image=image))
+            self._call("create image", self.images.Create, api.images_pb2.CreateImageRequest(image=image))
         except SnapshotExists:
             mask = field_mask_pb2.FieldMask(paths=["target", "labels"])
-            self._call("update image", self.images.Update, images_pb2.UpdateImageRequest(image=image, update_mask=mask))
+            req = api.images_pb2.UpdateImageRequest(image=image, update_mask=mask)
+            self._call("update image", self.images.Update, req)
 
     def image_target(self, name: str) -> Descriptor | None:
         try:
-            res = self._call("get image", self.images.Get, images_pb2.GetImageRequest(name=name))
+            res = self._call("get image", self.images.Get, api.images_pb2.GetImageRequest(name=name))
         except SnapshotNotFound:
             return None
         t = res.image.target
@@ -178,27 +169,28 @@ class ContainerdClient:
     # -- snapshots -----------------------------------------------------------------------------
     def stat(self, snapshotter: str, key: str) -> bool:
         try:
-            self._call("stat", self.snapshots.Stat, snapshots_pb2.StatSnapshotRequest(snapshotter=snapshotter, key=key))
+            req = api.snapshots_pb2.StatSnapshotRequest(snapshotter=snapshotter, key=key)
+            self._call("stat", self.snapshots.Stat, req)
         except SnapshotNotFound:
             return False
         return True
 
     def prepare(self, snapshotter: str, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
-        req = snapshots_pb2.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent, labels=labels)
+        req = api.snapshots_pb2.PrepareSnapshotRequest(snapshotter=snapshotter, key=key, parent=parent, labels=labels)
         res = self._call(f"prepare {key}", self.snapshots.Prepare, req)
         return [Mount(m.type, m.source, tuple(m.options)) for m in res.mounts]
 
     def commit(self, snapshotter: str, name: str, key: str, labels: dict[str, str]) -> None:
-        req = snapshots_pb2.CommitSnapshotRequest(snapshotter=snapshotter, name=name, key=key, labels=labels)
+        req = api.snapshots_pb2.CommitSnapshotRequest(snapshotter=snapshotter, name=name, key=key, labels=labels)
         self._call(f"commit {key}", self.snapshots.Commit, req)
 
     def remove(self, snapshotter: str, key: str) -> None:
         self._call(f"remove {key}", self.snapshots.Remove,
-                   snapshots_pb2.RemoveSnapshotRequest(snapshotter=snapshotter, key=key))
+                   api.snapshots_pb2.RemoveSnapshotRequest(snapshotter=snapshotter, key=key))
 
     def apply(self, layer: Descriptor, mounts: list[Mount]) -> str:
         """Unpack a layer from the content store into mounts (containerd's differ); the diff id."""
-        req = diff_pb2.ApplyRequest(diff=layer.proto(), mounts=[types_pb2.Mount(type=m.type, source=m.source,
+        req = api.diff_pb2.ApplyRequest(diff=layer.proto(), mounts=[api.types_pb2.Mount(type=m.type, source=m.source,
                                                                                  options=list(m.options))
                                                                  for m in mounts])
         return str(self._call(f"apply {layer.digest}", self.diff.Apply, req).applied.digest)
