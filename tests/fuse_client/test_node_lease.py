@@ -8,11 +8,13 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import subprocess
 from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
+from testkit.fuse_helpers import DaemonProcess, read_file
 from testkit.node_lease import (
     JournalBackend,
     held_blobs,
@@ -23,6 +25,7 @@ from testkit.node_lease import (
     set_run_state,
 )
 
+from fuse_client import linux
 from fuse_client.nodecache.inuse import blob_key, interval_from_env
 from layerstore import leases
 from layerstore.errors import PermissionDenied
@@ -224,3 +227,23 @@ def test_the_rotation_interval_from_the_environment(monkeypatch: pytest.MonkeyPa
         assert interval_from_env(60.0) == 60.0
     monkeypatch.delenv("LAYERSTORE_NODE_LEASE_INTERVAL")
     assert interval_from_env(60.0) == 60.0
+
+
+@pytest.mark.root
+def test_a_daemon_on_a_read_only_store_warns_once_and_serves(tmp_path: Path) -> None:
+    store = Store.open(str(tmp_path / "store"))
+    store.init()
+    blobs = blobs_of(store, 2)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / "store"), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        with DaemonProcess(str(ro), tmp_path / "cache", tmp_path / "mnt") as d:
+            for blob, data in blobs:
+                assert read_file(d.blob(blob)) == data
+        log = d.log_text()
+        assert log.count("refuses this node's lease") == 1, log
+        assert list(store.backend.list(leases.LEASES)) == []
+    finally:
+        linux.umount(ro, lazy=True)
