@@ -247,3 +247,43 @@ def test_a_daemon_on_a_read_only_store_warns_once_and_serves(tmp_path: Path) -> 
         assert list(store.backend.list(leases.LEASES)) == []
     finally:
         linux.umount(ro, lazy=True)
+
+
+@pytest.mark.trio
+async def test_holds_and_rotations_interleaved_keep_every_vouched_blob_held(store: Store, backend: JournalBackend,
+                                                                            tmp_path: Path) -> None:
+    """Many opens, closes, pins and lookups of many blobs at once, with rotations (no linger)
+    running between and during them: whatever the node relies on is always in its lease."""
+    blobs = [b for b, _ in blobs_of(store, 12, seed=9)]
+    rng = random.Random(4)
+    async with lease_rig(store, tmp_path / "cache", linger=0.0) as r:
+
+        def check() -> None:
+            held = held_blobs(backend)
+            missing = (r.inuse.vouched | r.inuse.held) - held
+            assert not missing, f"relied on but not in the lease: {missing}"
+            in_use = set(r.cache.pins) | {b for b, e in r.cache.entries.items() if e.open_count}
+            assert in_use <= r.inuse.vouched | set(r.inuse.seen)
+
+        async def worker(seed: int) -> None:
+            wr = random.Random(seed)
+            for _ in range(15):
+                blob = wr.choice(blobs)
+                fh = await r.open_blob(blob)
+                await trio.sleep(wr.random() / 50)
+                await r.fs.release(fh)
+                await r.lookup(wr.choice(blobs))
+
+        async def rotator() -> None:
+            for _ in range(30):
+                await r.inuse.rotate()
+                check()
+                await trio.sleep(rng.random() / 100)
+
+        async with trio.open_nursery() as nursery:
+            for seed in range(6):
+                nursery.start_soon(worker, seed)
+            nursery.start_soon(rotator)
+        check()
+        await r.inuse.rotate()
+        assert held_blobs(backend) == set() and r.inuse.vouched == set()  # nothing open, nothing lingers
