@@ -47,7 +47,8 @@ MAX_LIST_LINE = 8 << 10
 
 class HttpBackend(Backend):
     def __init__(self, url: str, *, token: str | None = None, attempts: int = DEFAULT_ATTEMPTS,
-                 connect_timeout: float = 5.0, read_timeout: float = 60.0, pool: int = DEFAULT_POOL) -> None:
+                 connect_timeout: float = 5.0, read_timeout: float = 60.0, pool: int = DEFAULT_POOL,
+                 transport: httpx.BaseTransport | None = None) -> None:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https", "http+unix") or not parts.netloc:
@@ -74,6 +75,7 @@ class HttpBackend(Backend):
         self._uds = uds
         self._timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         self._pool = pool
+        self._transport = transport  # tests: a fake service
         self._client: httpx.Client | None = None
         self._lock = threading.Lock()
 
@@ -94,7 +96,7 @@ class HttpBackend(Backend):
 
             verify = ssl.create_default_context(cafile=ca)
         limits = httpx.Limits(max_connections=self._pool, max_keepalive_connections=self._pool)
-        transport = httpx.HTTPTransport(uds=self._uds, verify=verify, limits=limits, retries=0)
+        transport = self._transport or httpx.HTTPTransport(uds=self._uds, verify=verify, limits=limits, retries=0)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         return httpx.Client(base_url=self.base, transport=transport, timeout=self._timeout, headers=headers,
                             trust_env=False)

@@ -120,10 +120,14 @@ def client_for(url: str, **kw: object) -> httpx.Client:
 
 def _wait_ready(svc: Service, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
+    sock = unquote(svc.url[len("http+unix://"):]) if svc.url.startswith("http+unix://") else None
     with client_for(svc.url, timeout=2.0) as client:
         while time.monotonic() < deadline:
             if not svc.alive():
                 return False
+            if sock is not None and not os.path.exists(sock):
+                time.sleep(0.05)  # (httpcore leaks the socket of a failed Unix connect)
+                continue
             try:
                 client.get("/healthz")
                 return True
