@@ -22,6 +22,7 @@ from pathlib import Path
 
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput
+from runtime_shim.paths import check_overlay_safe
 
 from . import filters as filtermod
 from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition, SnapshotterBusy
@@ -92,6 +93,7 @@ class Snapshotter:
 
     def __init__(self, root: str | os.PathLike[str], layers: RemoteLayers | None = None) -> None:
         self.root = Path(os.path.abspath(root))
+        check_overlay_safe(self.root, "snapshotter root")  # (its paths go into overlay options)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.snapshots = self.root / "snapshots"
         self.snapshots.mkdir(mode=0o700, exist_ok=True)

@@ -186,3 +186,11 @@ def test_remote_layer_protocol(snaps: Served, tmp_path: Path) -> None:
     snaps.remove("ctr1")
     snaps.remove(name)
     assert not linux.is_mount(layer_mp) and not os.path.exists(layer_mp)
+
+
+def test_a_root_overlayfs_cannot_name_is_refused(tmp_path: Path) -> None:
+    from layerstore.errors import ConfigError
+    from snapshotter.snapshots import Snapshotter
+
+    with pytest.raises(ConfigError, match="overlayfs"):
+        Snapshotter(tmp_path / "a:b")
