@@ -1,0 +1,335 @@
+"""QEMU for a `VmSpec`: the command line (`qemu_argv`, pure) and a running VM (`QemuVm`): its
+streams pumped to the host, its exit status read, its process tracked by pid + start time and
+torn down on every path.
+
+Streams: for each `Stream` of the spec the host listens on the stream's unix socket *before* QEMU
+starts, and QEMU connects to it as a client at start-up (`-chardev socket,server=off`), so no
+byte the guest writes can be lost to a race. Each is read by a thread of its own: "stdout" and
+"stderr" are copied to the caller's descriptors as they come (never held: a guest that writes
+forever costs the host no memory), "status" is kept, bounded (`STATUS_MAX` bytes; the rest is
+read and dropped). The guest is an adversary: `parse_status` takes one line of a fixed grammar
+and nothing else.
+
+Acceleration: KVM when /dev/kvm works (`LAYERSTORE_VM_ACCEL=kvm|tcg|auto` overrides; auto checks
+that a VM can be created), TCG otherwise. QEMU runs with `-sandbox on` (its seccomp filter: no
+spawning, no privilege changes, no obsolete syscalls), `-nodefaults`, no network and no monitor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from ..errors import RuntimeNotAvailable, ShimError
+from .spec import VmSpec
+
+QEMU = "qemu-system-x86_64"
+STATUS_MAX = 4096  # bytes of the status stream kept
+CONNECT_TIMEOUT = 30.0  # seconds QEMU gets to connect its streams
+ACCEL_ENV = "LAYERSTORE_VM_ACCEL"
+_STATUS = re.compile(rb"exit ([0-9]{1,3})\n")
+_ERROR = re.compile(rb"error ([ -~]{0,300})\n")
+PROBE_CACHE = Path("/run/layerstore")
+PROBE_TIMEOUT = 20.0  # seconds a KVM probe boot may take (a working KVM needs well under one)
+KVM_GET_API_VERSION = 0xAE00
+KVM_CREATE_VM = 0xAE01
+
+
+def qemu_binary() -> str:
+    path = shutil.which(QEMU)
+    if path is None:
+        raise RuntimeNotAvailable(f"{QEMU} is not installed (qemu-system-x86)")
+    return path
+
+
+def kvm_usable() -> bool:
+    """Can this process create a KVM VM? (/dev/kvm opens, speaks API 12, and KVM_CREATE_VM works.)"""
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if fcntl.ioctl(fd, KVM_GET_API_VERSION, 0) != 12:
+            return False
+        vm = fcntl.ioctl(fd, KVM_CREATE_VM, 0)
+        os.close(vm)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def choose_accel(kernel: str, initrd: str | None) -> str:
+    """"kvm" or "tcg": $LAYERSTORE_VM_ACCEL when it names one; else KVM if /dev/kvm creates VMs
+    *and* boots this kernel (a probe boot in the init's "probe" mode, which powers off at once:
+    some /dev/kvm variants create VMs but boot no stock kernel), TCG otherwise. The probe's
+    outcome is remembered for the boot of the host (PROBE_CACHE/<boot id>)."""
+    want = os.environ.get(ACCEL_ENV, "auto")
+    if want in ("kvm", "tcg"):
+        return want
+    if not kvm_usable():
+        return "tcg"
+    from ..state import boot_id
+
+    cache = PROBE_CACHE / f"accel-{boot_id() or 'unknown'}"
+    with contextlib.suppress(OSError):
+        known = cache.read_text().strip()
+        if known in ("kvm", "tcg"):
+            return known
+    argv = [qemu_binary(), "-machine", "microvm,acpi=on", "-accel", "kvm", "-cpu", "host", "-m", "128M",
+            "-nodefaults", "-no-user-config", "-nographic", "-no-reboot", "-display", "none", "-monitor", "none",
+            "-net", "none", "-serial", "null", "-kernel", kernel,
+            "-append", "console=ttyS0 quiet panic=-1 layerstore.mode=probe"]
+    if initrd:
+        argv += ["-initrd", initrd]
+    try:
+        ok = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=PROBE_TIMEOUT).returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    accel = "kvm" if ok else "tcg"
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        cache.write_text(accel + "\n")
+    return accel
+
+
+def _opt(value: str) -> str:
+    return value.replace(",", ",,")  # (spec paths carry no ',' anyway: VmSpec.check)
+
+
+def host_tsc_khz() -> int | None:
+    """The host CPU's clock in kHz (/proc/cpuinfo), which is the rate a TCG guest's TSC runs at."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz"):
+                    return int(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: int | None = None) -> list[str]:
+    """The QEMU command line for `spec` (pure). microvm: virtio-mmio devices enumerated through
+    ACPI (Debian's kernel ignores virtio_mmio= on its command line); q35: virtio-pci devices.
+
+    `tsc_khz` (TCG on microvm): told to the guest kernel (tsc_early_khz=). microvm has no HPET or
+    ACPI PM timer, so the kernel calibrates its TSC against the PIT alone, and under TCG on a
+    busy host that calibration fails ("Unable to calibrate against PIT") and the boot hangs for
+    good; a TCG guest's TSC runs at the host's rate, which the host knows."""
+    spec.check()
+    mmio = spec.machine == "microvm"
+    cmdline = spec.cmdline
+    if tsc_khz and mmio and accel == "tcg":
+        cmdline += f" tsc_early_khz={tsc_khz}"
+    machine = "microvm,acpi=on" if mmio else "q35"
+    argv = [binary, "-machine", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-smp", str(spec.vcpus), "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+            "-display", "none", "-monitor", "none", "-net", "none",
+            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            "-kernel", spec.kernel, "-append", cmdline]
+    if spec.pmem:
+        total = sum(p.size for p in spec.pmem)
+        argv += ["-m", f"{spec.memory_mib}M,slots={len(spec.pmem)},maxmem={spec.memory_mib + (total >> 20)}M"]
+    else:
+        argv += ["-m", f"{spec.memory_mib}M"]
+    if spec.initrd:
+        argv += ["-initrd", spec.initrd]
+    argv += ["-serial", f"file:{spec.console_log}" if spec.console_log else "null"]
+    blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
+    for i, d in enumerate(spec.drives):
+        opts = [f"id=d{i}", f"file={_opt(d.path)}", "format=raw", "if=none", "file.locking=off",
+                f"readonly={'on' if d.read_only else 'off'}", f"cache.direct={'on' if d.direct else 'off'}"]
+        argv += ["-drive", ",".join(opts), "-device", f"{blk},drive=d{i},serial={d.serial}"]
+    if spec.streams:
+        serial = "virtio-serial-device" if mmio else "virtio-serial-pci"
+        argv += ["-device", f"{serial},max_ports={len(spec.streams) + 1}"]
+        for i, s in enumerate(spec.streams):
+            argv += ["-chardev", f"socket,id=s{i},path={_opt(s.socket)},server=off",
+                     "-device", f"virtserialport,chardev=s{i},name={s.name}"]
+    for i, p in enumerate(spec.pmem):
+        argv += ["-object", f"memory-backend-file,id=pm{i},share=on,readonly={'on' if p.read_only else 'off'},"
+                            f"mem-path={_opt(p.path)},size={p.size}",
+                 "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
+    return argv
+
+
+def parse_status(raw: bytes) -> tuple[int | None, str]:
+    """The guest's status stream: (exit code, "") for "exit N\\n" (N <= 255), (None, message) for
+    "error MESSAGE\\n" (printable ASCII, at most 300 bytes); anything else is (None, a note that
+    the guest said nothing valid). Only the first line counts."""
+    m = _STATUS.match(raw)
+    if m is not None and int(m.group(1)) <= 255:
+        return int(m.group(1)), ""
+    m = _ERROR.match(raw)
+    if m is not None:
+        return None, m.group(1).decode("ascii")
+    return None, "the guest reported no exit status"
+
+
+Sink = IO[bytes] | int | None
+
+
+def _sink_fd(sink: Sink, default: int) -> int:
+    if sink is None:
+        return default
+    if isinstance(sink, int):
+        return sink
+    sink.flush()
+    return sink.fileno()
+
+
+@dataclass
+class QemuVm:
+    """A started VM. `wait()` returns QEMU's exit status once every stream is drained."""
+
+    process: subprocess.Popen[bytes]
+    status: bytearray = field(default_factory=bytearray)
+    pumps: list[threading.Thread] = field(default_factory=list)
+    conns: list[socket.socket] = field(default_factory=list)
+    signalled: int | None = None  # the signal the host sent it, if any
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self.process.wait(timeout)
+        for th in self.pumps:
+            th.join()
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.close()
+        return rc
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        self.signalled = signum
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signum)
+
+    def result(self) -> tuple[int | None, str]:
+        """After `wait`: the guest's exit code, or None and why there is none."""
+        return parse_status(bytes(self.status))
+
+
+def _pump_to_fd(conn: socket.socket, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            view = memoryview(data)
+            while view:
+                try:
+                    n = os.write(fd, view)
+                except BrokenPipeError:
+                    return _drain(conn)
+                view = view[n:]
+
+
+def _drain(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while conn.recv(65536):
+            pass
+
+
+def _pump_bounded(conn: socket.socket, into: bytearray, limit: int) -> None:
+    with contextlib.suppress(OSError):
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            room = limit - len(into)
+            if room > 0:
+                into += data[:room]
+
+
+def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: str | None = None,
+             on_started: Callable[[int], None] | None = None, log: IO[bytes] | int | None = None) -> QemuVm:
+    """Start QEMU for `spec` (whose streams must include "stdout", "stderr" and "status"): listen
+    on the streams' sockets, start QEMU, accept its connections, start the pumps. `on_started`
+    gets QEMU's pid as soon as it runs (to record it before anything can fail). QEMU's own
+    messages go to `log` (default: discarded). On any failure QEMU is killed and reaped."""
+    spec.check()
+    accel = accel or choose_accel(spec.kernel, spec.initrd)
+    argv = qemu_argv(spec, accel=accel, binary=qemu_binary(), tsc_khz=host_tsc_khz())
+    listeners: dict[str, socket.socket] = {}
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        for s in spec.streams:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(s.socket)
+            ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            ls.bind(s.socket)
+            os.chmod(s.socket, 0o600)
+            ls.listen(1)
+            listeners[s.name] = ls
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log if log is not None else subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                                start_new_session=True)
+        if on_started is not None:
+            on_started(proc.pid)
+        vm = QemuVm(proc)
+        conns = _accept_all(listeners, proc)
+        vm.conns = list(conns.values())
+        targets = {"stdout": _sink_fd(stdout, 1), "stderr": _sink_fd(stderr, 2)}
+        for name, conn in conns.items():
+            if name == "status":
+                th = threading.Thread(target=_pump_bounded, args=(conn, vm.status, STATUS_MAX), daemon=True)
+            elif name in targets:
+                th = threading.Thread(target=_pump_to_fd, args=(conn, targets[name]), daemon=True)
+            else:
+                th = threading.Thread(target=_drain, args=(conn,), daemon=True)
+            th.start()
+            vm.pumps.append(th)
+        return vm
+    except BaseException:
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+        raise
+    finally:
+        for ls in listeners.values():
+            ls.close()
+        for s in spec.streams:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(s.socket)
+
+
+def _accept_all(listeners: dict[str, socket.socket], proc: subprocess.Popen[bytes]) -> dict[str, socket.socket]:
+    conns: dict[str, socket.socket] = {}
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    waiting = dict(listeners)
+    try:
+        while waiting:
+            if proc.poll() is not None:
+                raise ShimError(f"{QEMU} exited with status {proc.returncode} before the VM started")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShimError(f"{QEMU} did not connect its streams within {CONNECT_TIMEOUT:.0f} s")
+            ready, _, _ = select.select(list(waiting.values()), [], [], min(left, 0.1))
+            for ls in ready:
+                name = next(n for n, s in waiting.items() if s is ls)
+                conn, _ = ls.accept()
+                conns[name] = conn
+                del waiting[name]
+    except BaseException:
+        for c in conns.values():
+            c.close()
+        raise
+    return conns
