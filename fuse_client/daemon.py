@@ -172,22 +172,26 @@ class Daemon:
 
     async def _serve_mounted(self, fuse: FuseMount, control: ControlServer,
                              task_status: trio.TaskStatus[Daemon]) -> None:
-        fuse.open()
-        try:
-            async with trio.open_nursery() as front:
-                front.start_soon(fuse.run, self._stop.set)  # the mount went away (fusermount -u): stop too
-                if self.config.kernel_readahead_kb:
-                    await fuse.set_readahead(self.config.kernel_readahead_kb)
-                await front.start(control.serve)
-                if self.trace is not None:
-                    front.start_soon(self._trace_loop)
-                log.info("serving blobs at %s/blobs (cache %s)", fuse.mountpoint, self.config.cache_dir)
-                task_status.started(self)
-                await self._stop.wait()
-                await fuse.terminate()
-                front.cancel_scope.cancel()
-        finally:
-            await fuse.close()
+        async with trio.open_nursery() as sockets:
+            # The control socket answers before the mount appears: whoever waits for the mount
+            # (the runtime shim does) and then asks the daemon finds the socket there.
+            await sockets.start(control.serve)
+            fuse.open()
+            try:
+                async with trio.open_nursery() as front:
+                    front.start_soon(fuse.run, self._stop.set)  # the mount went away (fusermount -u): stop too
+                    if self.config.kernel_readahead_kb:
+                        await fuse.set_readahead(self.config.kernel_readahead_kb)
+                    if self.trace is not None:
+                        front.start_soon(self._trace_loop)
+                    log.info("serving blobs at %s/blobs (cache %s)", fuse.mountpoint, self.config.cache_dir)
+                    task_status.started(self)
+                    await self._stop.wait()
+                    await fuse.terminate()
+                    front.cancel_scope.cancel()
+            finally:
+                await fuse.close()
+            sockets.cancel_scope.cancel()  # after the unmount
 
     async def _trace_loop(self) -> None:
         assert self.trace is not None and self.config.record_trace is not None
