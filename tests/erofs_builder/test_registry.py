@@ -223,3 +223,22 @@ def test_unreachable_registry_is_unavailable() -> None:
     with RegistryClient(f"127.0.0.1:{free_port()}", auth=None, timeout=2) as c, \
             pytest.raises(StoreUnavailable, match="cannot reach"):
         c.get_manifest("t/x", "1")
+
+
+@needs_registry
+def test_an_index_in_the_registry_resolves_to_this_platform(anon: Registry, image: Path) -> None:
+    digest = push_layout(image, anon.host, "t/multi", "amd64")
+    body, manifest = _manifest(image)
+    other = json.dumps({**manifest, "annotations": {"variant": "arm"}}).encode()
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [
+        {"mediaType": OCI_MANIFEST, "digest": "sha256:" + hashlib.sha256(other).hexdigest(), "size": len(other),
+         "platform": {"os": "linux", "architecture": "arm64"}},
+        {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(body),
+         "platform": {"os": "linux", "architecture": "amd64"}}]}
+    with RegistryClient(anon.host) as reg:
+        reg.put_manifest("t/multi", "sha256:" + hashlib.sha256(other).hexdigest(), other, OCI_MANIFEST)
+        index_digest = reg.put_manifest("t/multi", "1", json.dumps(index).encode(),
+                                        "application/vnd.oci.image.index.v1+json")
+    assert registry_image(f"docker://{anon.ref('t/multi', '1')}").source.endswith("@" + digest)
+    pinned = registry_image(f"docker://{anon.host}/t/multi@{index_digest}")
+    assert pinned.source.endswith("@" + digest)

@@ -4,6 +4,7 @@ of it is kept or used."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from erofs_builder.registry import DOCKER_LIST, OCI_INDEX, OCI_MANIFEST, Credentials, RegistryClient
 from erofs_builder.source_oci import MAX_CONFIG_JSON, MAX_LAYERS
 from erofs_builder.source_registry import MAX_LAYER_BLOB, registry_image
-from layerstore.errors import BadInput, ConfigError, PermissionDenied, StoreUnavailable
+from layerstore.errors import BadInput, ConfigError, LayerstoreError, PermissionDenied, StoreUnavailable
 
 HOST = "reg.example"
 Handler = Callable[[httpx.Request], httpx.Response | None]
@@ -313,3 +316,53 @@ def test_upload_location_on_another_origin_is_refused(fake: FakeRegistry) -> Non
     with fake.client() as c, pytest.raises(BadInput, match="another origin"):
         c.push_blob("t/img", b"data")
     assert not any(r.url.host == "elsewhere.example" for r in fake.requests)
+
+
+# -- any document ------------------------------------------------------------------------------
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.text(max_size=20)
+    | st.sampled_from(["sha256:" + "a" * 64, OCI_MANIFEST, OCI_INDEX, "linux", "amd64",
+                       "application/vnd.oci.image.layer.v1.tar"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["schemaVersion", "mediaType", "config", "layers", "manifests", "digest", "size",
+                         "platform", "os", "architecture", "rootfs", "diff_ids"]), inner, max_size=6),
+    max_leaves=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(doc=_json_values, media=st.sampled_from([OCI_MANIFEST, OCI_INDEX, DOCKER_LIST, "application/json", ""]))
+def test_any_manifest_document_gives_a_project_error(doc: object, media: str) -> None:
+    fake = FakeRegistry()
+    fake.add_manifest("1", doc, media)
+    fake.blobs["sha256:" + "a" * 64] = json.dumps(doc).encode()
+    with contextlib.suppress(LayerstoreError):  # anything else (TypeError, KeyError, ...) fails the test
+        _consume(_pull(fake))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_any_almost_valid_image_gives_a_project_error_or_builds(data: st.DataObject) -> None:
+    """A valid image with some descriptor fields and config values replaced."""
+    fake = FakeRegistry()
+    _, tars = _image(fake, layers=2)
+    manifest = json.loads(fake.manifests["1"][0])
+    config = json.loads(fake.blobs[manifest["config"]["digest"]])
+    odd = st.one_of(_json_values, st.integers(-1, 1 << 40))
+    for desc in [manifest["config"], *manifest["layers"]]:
+        for key in ("digest", "size", "mediaType"):
+            if data.draw(st.booleans()):
+                desc[key] = data.draw(odd)
+    if data.draw(st.booleans()):
+        manifest["layers"] = data.draw(st.lists(st.sampled_from(manifest["layers"]), max_size=3))
+    fake.add_manifest("1", manifest)
+    if data.draw(st.booleans()):
+        config["config"] = data.draw(odd)
+    if data.draw(st.booleans()):
+        config["rootfs"]["diff_ids"] = data.draw(st.lists(st.sampled_from([sha(t) for t in tars]) | odd, max_size=3))
+    body = json.dumps(config).encode()
+    fake.blobs[sha(body)] = body
+    if data.draw(st.booleans()):
+        manifest["config"] = {"digest": sha(body), "size": len(body)}
+        fake.add_manifest("1", manifest)
+    with contextlib.suppress(LayerstoreError):
+        _consume(_pull(fake))
