@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 RUN_TTL = 120.0  # seconds a run record lives without renewal (renewed every third of it)
 DELETE_BATCH = 1000
-KEEP_RUNS = 20  # finished run records kept for inspection
+KEEP_RUNS = 20  # finished runs kept in the history
+HISTORY = "gc/history/"
 CONTENT = ("manifests/", "blobs/", "chunks/")
 
 Progress = Callable[[str, int, int | None], None]
@@ -58,8 +59,8 @@ class RunLost(StoreUnavailable):
 class _Run:
     """The run record and its heartbeat."""
 
-    def __init__(self, store: Store, run_id: str) -> None:
-        self.store, self.id = store, run_id
+    def __init__(self, store: Store, run_id: str, ttl: float) -> None:
+        self.store, self.id, self.ttl = store, run_id, ttl
         self.started = time.time()
         self.state = "marking"
         self.extra: dict[str, object] = {}
@@ -73,7 +74,7 @@ class _Run:
             if state is not None:
                 self.state = state
             started = time.monotonic()
-            body = {"state": self.state, "started": self.started, "expires": time.time() + RUN_TTL,
+            body = {"state": self.state, "started": self.started, "expires": time.time() + self.ttl,
                     "holder": f"{socket.gethostname()}:{threading.get_native_id()}", **self.extra}
             self.store.backend.replace(leases.run_key(self.id), json.dumps(body, sort_keys=True).encode())
             self._renewed = started
@@ -83,7 +84,7 @@ class _Run:
         self._thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(RUN_TTL / 3):
+        while not self._stop.wait(self.ttl / 3):
             try:
                 self.write()
             except LayerstoreError as e:
@@ -91,7 +92,7 @@ class _Run:
 
     def check_fresh(self) -> None:
         """Raise `RunLost` unless every writer still sees this run as live."""
-        if time.monotonic() - self._renewed > RUN_TTL - leases.SKEW:
+        if time.monotonic() - self._renewed > self.ttl - leases.SKEW:
             try:
                 self.write()
             except LayerstoreError as e:
@@ -99,22 +100,33 @@ class _Run:
                               "stopped before deleting more") from None
 
     def stop(self, state: str) -> None:
+        """Stop the heartbeat; keep the record in the history and take it out of `gc/runs/`,
+        which writers read on every protect and so holds only runs in progress."""
         self._stop.set()
         self._thread.join(timeout=5)
+        with self._lock:
+            self.state = state
+            body = {"state": state, "started": self.started, "finished": time.time(), **self.extra}
         try:
-            self.write(state)
+            self.store.backend.replace(history_key(self.id), json.dumps(body, sort_keys=True).encode())
+            self.store.backend.delete_many([leases.run_key(self.id), leases.candidates_key(self.id)])
         except LayerstoreError as e:
-            log.warning("gc run %s: could not record state %s (%s); it expires on its own", self.id, state, e)
+            log.warning("gc run %s: could not close its record (%s); it expires on its own", self.id, e)
+
+
+def history_key(run_id: str) -> str:
+    return keys.validate(f"{HISTORY}{run_id}")
 
 
 def collect(store: Store, *, grace: float = 3600.0, dry_run: bool = False, policy: RetentionPolicy | None = None,
-            progress: Progress | None = None) -> Report:
-    """Run one collection on `store` (see the module docstring); returns its report."""
-    if grace < 0:
-        raise ValueError("negative grace")
+            progress: Progress | None = None, run_ttl: float = RUN_TTL) -> Report:
+    """Run one collection on `store` (see the module docstring); returns its report. `run_ttl`:
+    how long writers wait for this run if it dies mid-sweep (plus `leases.SKEW`)."""
+    if grace < 0 or run_ttl <= 0:
+        raise ValueError("negative grace or run time to live")
     report = Report(run=leases.new_id("gc"), dry_run=dry_run, grace=grace, started=time.time())
     tick = progress or (lambda phase, done, total: None)
-    run = None if dry_run else _Run(store, report.run)
+    run = None if dry_run else _Run(store, report.run, run_ttl)
     state = "aborted"
     try:
         if run is not None:
@@ -284,10 +296,12 @@ def _housekeeping(store: Store, run: _Run, deleted: set[str]) -> dict[str, int]:
     orphans = [i.key for i in backend.list_info(leases.LEASES)
                if i.key.rpartition("/")[0] not in heads and now - i.mtime > 2 * leases.SKEW]
     stats["leases"] += backend.delete_many(orphans)
-    finished = sorted((r for r in leases.read_runs(backend) if r.id != run.id and not r.sweeping(now)),
-                      key=lambda r: r.started, reverse=True)
-    for old in finished[KEEP_RUNS:]:
-        stats["runs"] += backend.delete_many([leases.run_key(old.id), leases.candidates_key(old.id)])
+    # Runs that died: past their expiry they bind nobody; their records and candidates go.
+    for dead in leases.read_runs(backend):
+        if dead.id != run.id and now > dead.expires + 2 * leases.SKEW:
+            stats["runs"] += backend.delete_many([leases.run_key(dead.id), leases.candidates_key(dead.id)])
+    history = sorted(backend.list_info(HISTORY), key=lambda i: i.mtime, reverse=True)
+    stats["runs"] += backend.delete_many(i.key for i in history[KEEP_RUNS:])
     # Signature tags of manifests this run deleted: they sign nothing any more (their signature
     # objects go in a later run). One re-signed meanwhile is kept: its manifest is back.
     gone = {digestmod.hex_of(keys.digest_of_key(k)[1]) for k in deleted if k.startswith("manifests/")}

@@ -54,7 +54,7 @@ MAX_HEAD = 4 << 20  # a lease head (its inline keys included)
 MAX_SHARD = 4 << 20
 MAX_RUN = 64 << 10
 MAX_CANDIDATES = 256 << 20  # compressed
-POLL = 0.1  # seconds between looks at a sweep a writer waits for
+POLL_FIRST, POLL_CAP = 0.002, 0.5  # seconds between looks at a sweep a writer waits for (doubling)
 
 
 def new_id(prefix: str) -> str:
@@ -128,6 +128,7 @@ class Lease:
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.created = time.time()
         self._inline: frozenset[str] = frozenset()
+        self._held: set[str] = set()  # every key held so far, inline or in a shard
         self._shards: list[str] = []
         self._lock = threading.Lock()
         self._renewed = 0.0  # time.monotonic() of the last head write that landed
@@ -148,6 +149,7 @@ class Lease:
         with self._lock:
             self._inline = frozenset(validate(k) for k in keys)
             self._write_head()
+            self._held |= self._inline
         if self._renew and self._thread is None:
             self._thread = threading.Thread(target=self._renewer, name=f"lease-{self.kind}", daemon=True)
             self._thread.start()
@@ -174,19 +176,23 @@ class Lease:
                     raise StoreUnavailable(f"lease {self.id} could not be renewed: {e}") from None
 
     # holding -------------------------------------------------------------------------------
-    def hold(self, keys: Collection[str]) -> None:
-        """Durably add `keys` to the lease (a new create-once shard)."""
-        keys = sorted({validate(k) for k in keys} - self._inline)
-        if not keys:
-            return
+    def hold(self, keys: Collection[str]) -> list[str]:
+        """Durably add `keys` to the lease (a new create-once shard); returns those it did not
+        hold already."""
         self.check()
         with self._lock:
+            new = sorted({validate(k) for k in keys} - self._held)
+            if not new:
+                return []
             key = _shard_key(self.id, len(self._shards))
             self._shards.append(key)
-        if not self.backend.store_once(key, _dump(keys)):
+        if not self.backend.store_once(key, _dump(new)):
             raise StoreUnavailable(f"lease {self.id}: shard {key} exists already (two holders of one lease?)")
         # A hold is binding only if the lease was alive when it landed and still is now.
         self.check()
+        with self._lock:
+            self._held.update(new)
+        return new
 
     def replace_keys(self, keys: Iterable[str]) -> None:
         """Hold exactly `keys` from now on (a node's in-use set): the new set is written first,
@@ -195,6 +201,7 @@ class Lease:
             self._inline = frozenset(validate(k) for k in keys)
             self._write_head()
             old, self._shards = self._shards, []
+            self._held = set(self._inline)
         self.backend.delete_many(old)
 
     def release(self) -> None:
@@ -323,6 +330,7 @@ def conflicting_sweeps(backend: Backend, keys: Collection[str]) -> list[RunInfo]
 def wait_out(backend: Backend, runs: Collection[RunInfo], deadline: float | None = None) -> None:
     """Wait until none of `runs` can delete anything any more (done, aborted, gone or expired)."""
     pending = {r.id for r in runs}
+    pause = POLL_FIRST
     while pending:
         now = time.time()
         current = {r.id: r for r in read_runs(backend)}
@@ -331,17 +339,20 @@ def wait_out(backend: Backend, runs: Collection[RunInfo], deadline: float | None
             return
         if deadline is not None and time.monotonic() > deadline:
             raise StoreUnavailable(f"gc run(s) {sorted(pending)} still sweeping objects this write needs")
-        time.sleep(POLL)
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_CAP)
 
 
 def protect(lease: Lease, keys: Collection[str], deadline: float | None = None) -> None:
     """The writer's rule (module docstring): hold `keys`, then wait out every live sweep that
     may delete one of them. Afterwards, an existence check of these keys stays true for as long
-    as the lease lives."""
-    if not keys:
-        return
-    lease.hold(keys)
-    runs = conflicting_sweeps(lease.backend, keys)
+    as the lease lives. Keys the lease held already need nothing more: a sweep that published
+    its candidates after their hold re-reads the lease, one that published before was waited
+    out then."""
+    new = lease.hold(keys)
+    if not new:
+        return  # held before, and checked against the sweeps then: still binding (`hold` checked the lease)
+    runs = conflicting_sweeps(lease.backend, new)
     if runs:
         log.info("waiting for gc run(s) %s to end before relying on %d object(s)", [r.id for r in runs], len(keys))
         wait_out(lease.backend, runs, deadline)

@@ -260,8 +260,8 @@ class Store:
         did, so a chunk map never points at a missing chunk; and that the map is its blob's
         (`ChunkMap.check`: the chunk list hashes to the blob id)."""
         cm.check()
-        self.protect("blobs", [cm.blob])
-        self.protect("chunks", cm.unique_digests())
+        leases.protect(self.lease, {keys.object_key("blobs", cm.blob),
+                                    *(keys.object_key("chunks", d) for d in cm.unique_digests())})
         missing = [d for d in cm.unique_digests() if not self.has_chunk(d)]
         if missing:
             raise NotFound(f"blob {cm.blob}: {len(missing)} chunk(s) missing, e.g. {missing[0]}")

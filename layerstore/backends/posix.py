@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, CorruptObject, NotFound, PermissionDenied, StoreUnavailable
@@ -105,15 +105,20 @@ class PosixBackend(Backend):
 
     def _write_temp(self, path: Path, data: bytes | memoryview) -> Path:
         """Write `data` to a fresh temporary file beside `path`, durably."""
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _translate(e, f"cannot create {path.parent}") from None
         tmp = path.parent / f"{TMP_PREFIX}{path.name[:64]}-{secrets.token_hex(8)}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise _translate(e, f"cannot write to store {self.url}") from None
+        for attempt in range(5):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise _translate(e, f"cannot create {path.parent}") from None
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                break
+            except FileNotFoundError:
+                if attempt == 4:  # pruned again and again (`delete_many` removes empty directories)
+                    raise StoreUnavailable(f"cannot write to store {self.url}: {path.parent} keeps vanishing") from None
+            except OSError as e:
+                raise _translate(e, f"cannot write to store {self.url}") from None
         try:
             view = memoryview(data)
             while view:
@@ -249,7 +254,37 @@ class PosixBackend(Backend):
             os.unlink(path)
         except OSError as e:
             raise _translate(e, f"object {key}") from None
-        # Empty fan-out directories are left: removing them races with concurrent writers.
+        # Empty fan-out directories are left here; `delete_many` (the collector's) prunes them.
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Unlink each; then remove the directories that became empty (fan-out directories of a
+        collected store would otherwise pile up and slow every listing). A writer that loses its
+        directory to this between creating it and creating its temporary file creates it again."""
+        removed = 0
+        parents: set[Path] = set()
+        for key in keys:
+            path = self._path(key)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise _translate(e, f"object {key}") from None
+            removed += 1
+            parents.add(path.parent)
+        while parents:
+            deepest = max(len(p.parts) for p in parents)
+            level = {p for p in parents if len(p.parts) == deepest}
+            parents -= level
+            for d in level:
+                if d == self.root or self.root not in d.parents:
+                    continue
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    continue  # not empty (the usual case), or gone
+                parents.add(d.parent)
+        return removed
 
     def list(self, prefix: str = "") -> Iterator[str]:
         for key, _entry in self._entries(prefix):
