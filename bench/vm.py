@@ -310,7 +310,7 @@ def main() -> None:
     outp = Path(a.out)
     with contextlib.suppress(FileNotFoundError, ValueError):
         old = json.loads(outp.read_text())
-        result.update({k: v for k, v in old.items() if k in ("flatten", "backends")})
+        result.update({k: v for k, v in old.items() if k in ("flatten", "backends", "backends_when")})
     with tempfile.TemporaryDirectory(prefix="vmbench-", dir="/var/tmp") as tmp:
         work = Path(tmp)
         env = environment(work)
@@ -320,8 +320,11 @@ def main() -> None:
             print(json.dumps(result["flatten"], indent=1), flush=True)
         if a.part in ("backends", "all"):
             names = [n for n in a.backends.split(",") if n in REGISTRY.names()]
-            result["backends_skipped"] = [n for n in a.backends.split(",") if n not in REGISTRY.names()]
-            result["backends"] = backends_run(env, work, names, [int(c) for c in a.counts.split(",")])
+            skipped = [n for n in a.backends.split(",") if n not in REGISTRY.names()]
+            result["backends_skipped"] = [n for n in skipped if n not in result.get("backends", {})]
+            ran = backends_run(env, work, names, [int(c) for c in a.counts.split(",")])
+            result["backends"] = {**result.get("backends", {}), **ran}  # a run of some backends keeps the others'
+            result.setdefault("backends_when", {}).update({n: result["when"] for n in ran})
     outp.parent.mkdir(parents=True, exist_ok=True)
     outp.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {outp}")

@@ -99,7 +99,8 @@ def env(blobs: tuple[Path, list[str]]):  # noqa: ANN201 - an EnvSpec
 
 def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
     script = ("echo out; echo err >&2; pwd; echo $FROM_ENV $EXTRA; ls /data; ls /etc/opt; "
-              "rm /data/keep; ls /data; cat /data/keep 2>/dev/null || echo gone; exit 7")
+              "rm /data/keep; ls /data; cat /data/keep 2>/dev/null || echo gone; "
+              "ls /dev | grep -c '^vd'; exit 7")
     out, err = io.BytesIO(), io.BytesIO()
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
@@ -128,6 +129,7 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
         "keep", "new",  # the top layer's whiteout hides /data/drop
         "fresh",  # an opaque directory hides the base's /etc/opt/old
         "new", "gone",  # what the workload deleted stays deleted
+        "0",  # no block device of the VM (its layer blobs, its disks) inside the sandbox's /dev
     ]
     assert err.getvalue() == b"err\n"
     # nothing of the run is left: the VMM is gone, its record and sockets too; the root image stays
@@ -224,3 +226,22 @@ def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(t
             res = runner.run(shim, "big:1", ["/bin/sh", "-c", "head -c 100000 /opt/big | wc -c"], runtime="vm",
                              stdout=f, stderr=f)
         assert (res.exit_code, out.read_text().strip()) == (0, "100000")
+
+
+def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
+    """What clean-up relies on, with no VM: constructing touches nothing; an unknown sandbox is
+    unknown; a record whose process is gone is "stopped" and is deleted; delete is idempotent."""
+    paths = NodePaths(tmp_path / "node")
+    b = VmBackend(paths)
+    assert not (tmp_path / "node").exists()
+    assert (b.has("x"), b.status("x"), b.leftovers(), b.pause("x")) == (False, None, [], False)
+    b.delete("x")
+    with pytest.raises(ShimError):
+        b.spec("x")
+    b.record("x").parent.mkdir(parents=True)
+    b.record("x").write_text('{"pid": 1, "start": 0}')  # pid 1 never started at tick 0
+    assert (b.has("x"), b.status("x"), b.leftovers(), b.live_pid("x")) == (True, "stopped", ["x"], None)
+    b.delete("x")
+    b.delete("x")
+    assert (b.has("x"), b.leftovers()) == (False, [])
+    assert len(b.sockets("x").name) < 40 and len(str(b.sockets("x") / "status.sock")) < 100
