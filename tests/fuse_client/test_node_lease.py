@@ -9,6 +9,7 @@ import errno
 import logging
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import pyfuse3
@@ -287,3 +288,23 @@ async def test_holds_and_rotations_interleaved_keep_every_vouched_blob_held(stor
         check()
         await r.inuse.rotate()
         assert held_blobs(backend) == set() and r.inuse.vouched == set()  # nothing open, nothing lingers
+
+
+@pytest.mark.root
+def test_after_kill_9_the_lease_stays_until_it_expires(tmp_path: Path) -> None:
+    store = Store.open(str(tmp_path / "store"))
+    store.init()
+    (a, da), (b, db) = blobs_of(store, 2)
+    cache, mnt = tmp_path / "cache", tmp_path / "mnt"
+    with DaemonProcess(store.url, cache, mnt) as d:
+        assert read_file(d.blob(a)) == da
+        d.kill9()
+    [old] = node_leases(store.backend)
+    assert held_blobs(store.backend) == {a}
+    assert old.live(old.expires) and not old.live(old.expires + leases.SKEW + 1)  # a collector's view
+    assert old.expires <= time.time() + leases.DEFAULT_TTL
+    with DaemonProcess(store.url, cache, mnt) as d:  # a new daemon: a lease of its own
+        assert read_file(d.blob(b)) == db
+        assert {info.id for info in node_leases(store.backend)} > {old.id}
+        assert held_blobs(store.backend) == {a, b}
+    assert [info.id for info in node_leases(store.backend)] == [old.id]  # (the new one was released)
