@@ -1,10 +1,11 @@
 """Which tags a retention policy removes (pure: no store, no clock of its own).
 
 Per environment name, a tag is kept if any rule keeps it: it is among the `keep_last` most
-recently written tags of its name, it was written less than `keep_newer_than` seconds ago, or
-`name:tag` matches one of `keep_patterns` (shell-style, kept forever). A policy with neither
-`keep_last` nor `keep_newer_than` removes nothing: patterns only protect. Signature tags
-(`sig/...`) are never removed by a policy; they go with the manifests they sign.
+recently written tags of its name (not counting those kept forever), it was written less than
+`keep_newer_than` seconds ago, or `name:tag` matches one of `keep_patterns` (shell-style, kept
+forever). A policy with neither `keep_last` nor `keep_newer_than` removes nothing: patterns only
+protect. Signature tags (`sig/...`) are never removed by a policy; they go with the manifests
+they sign.
 """
 
 from __future__ import annotations
@@ -80,10 +81,9 @@ class RetentionPolicy:
                 by_name.setdefault(t.name, []).append(t)
         out = []
         for group in by_name.values():
-            group.sort(key=lambda t: (t.mtime, t.ref), reverse=True)
-            for rank, t in enumerate(group):
-                if self.kept_forever(t.ref):
-                    continue
+            ranked = sorted((t for t in group if not self.kept_forever(t.ref)), key=lambda t: (t.mtime, t.ref),
+                            reverse=True)
+            for rank, t in enumerate(ranked):
                 if self.keep_last is not None and rank < self.keep_last:
                     continue
                 if self.keep_newer_than is not None and now - t.mtime < self.keep_newer_than:
