@@ -265,7 +265,7 @@ class _Capped:
         self.limit, self.what, self.parts, self.size = limit, what, [], 0
 
     def feed(self, response: httpx.Response) -> bytes:
-        for part in response.iter_bytes(1 << 16):
+        for part in response.iter_raw(1 << 16):
             self.size += len(part)
             if self.size > self.limit:
                 raise BadInput(f"{self.what}: the registry sent more than {self.limit} bytes (the limit)")
@@ -287,7 +287,9 @@ class RegistryClient:
         self.credentials = credentials_for(registry) if auth is AUTO else auth
         self.chunk_size = chunk_size
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                 follow_redirects=False, transport=transport, trust_env=False)
+                                 follow_redirects=False, transport=transport, trust_env=False,
+                                 # bytes as stored: what the digest covers (no decompression bombs)
+                                 headers={"Accept-Encoding": "identity"})
         self.tokens: dict[str, str] = {}  # scope -> bearer token
         self.basic = False  # the registry asked for basic credentials
 
@@ -377,7 +379,7 @@ class RegistryClient:
         alg, hexd = digest.split(":", 1)
         h, size = hashlib.new(alg), 0
         with self._send("GET", repo, f"/v2/{repo}/blobs/{digest}", "pull", what, stream=True) as r:
-            for part in r.iter_bytes(1 << 20):
+            for part in r.iter_raw(1 << 20):
                 size += len(part)
                 if size > limit:
                     raise BadInput(f"{what}: the registry sent more than "

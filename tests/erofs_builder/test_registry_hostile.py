@@ -50,6 +50,14 @@ class FakeRegistry:
         return {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": sha(data), "size": len(data)}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        """An answer streamed as from the network (a response made from bytes counts as read)."""
+        r = self.answer(request)
+        if isinstance(r.stream, httpx.ByteStream):
+            body = r.content
+            r = httpx.Response(r.status_code, headers=r.headers, content=iter([body] if body else []))
+        return r
+
+    def answer(self, request: httpx.Request) -> httpx.Response:
         self.requests.append(request)
         hooked = self.hook(request)
         if hooked is not None:
@@ -146,6 +154,17 @@ def test_oversized_manifest_is_cut_off(fake: FakeRegistry) -> None:
     with pytest.raises(BadInput, match="more than 4194304 bytes"):
         _pull(fake)
     assert len(sent) < 80  # stopped at the limit, not at the end of an endless stream
+
+
+def test_a_compressed_body_is_never_inflated(fake: FakeRegistry) -> None:
+    import gzip
+
+    bomb = gzip.compress(b" " * (256 << 20), compresslevel=9)  # 256 MiB of spaces in ~250 KiB
+    fake.hook = lambda r: httpx.Response(200, content=iter([bomb]), headers={"Content-Type": OCI_MANIFEST,
+                                                                              "Content-Encoding": "gzip"})
+    with pytest.raises(BadInput, match="not JSON"):  # the bytes as sent: gzip, not a manifest
+        _pull(fake)
+    assert all(r.headers["Accept-Encoding"] == "identity" for r in fake.requests)
 
 
 @pytest.mark.parametrize(("doc", "media", "needle"), [
