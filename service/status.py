@@ -33,6 +33,7 @@ from manifest.environment import list_environments, load_manifest
 from manifest.schema import Manifest
 
 SNAPSHOT_TTL = 5.0  # seconds a snapshot serves every render
+LISTING_TTL = 300.0  # seconds between two listings of every chunk object (stored sizes, unreferenced chunks)
 MAX_MANIFESTS_CACHED = 4096
 TEMPLATES = Path(__file__).parent / "templates"
 DIGEST_BYTES = 32
@@ -61,12 +62,15 @@ def summarize(cm: ChunkMap) -> BlobSummary:
 
 
 class DedupIndex:
-    """Which blobs use which chunks: every distinct chunk's length and how many blobs use it."""
+    """Which blobs use which chunks: every distinct chunk's length, how many blobs use it, and
+    the size of its stored object once known (-1 until then)."""
 
     def __init__(self) -> None:
         self.blobs: dict[str, BlobSummary] = {}
-        self.chunks: dict[bytes, list[int]] = {}  # raw digest -> [length, blobs using it]
+        self.chunks: dict[bytes, list[int]] = {}  # raw digest -> [length, blobs using it, stored size]
         self.unique_bytes = 0  # sum of the lengths of every distinct chunk
+        self.stored_bytes = 0  # sum of the known stored sizes of every distinct chunk
+        self.unsized: set[bytes] = set()  # distinct chunks whose stored size is not known
 
     def add(self, blob: str, s: BlobSummary) -> None:
         if blob in self.blobs:
@@ -75,8 +79,9 @@ class DedupIndex:
         for raw, length in zip(_split(s.digests), s.lengths, strict=True):
             entry = self.chunks.get(raw)
             if entry is None:
-                self.chunks[raw] = [length, 1]
+                self.chunks[raw] = [length, 1, -1]
                 self.unique_bytes += length
+                self.unsized.add(raw)
             else:
                 entry[1] += 1
 
@@ -90,6 +95,18 @@ class DedupIndex:
             if entry[1] == 0:
                 del self.chunks[raw]
                 self.unique_bytes -= entry[0]
+                self.stored_bytes -= max(entry[2], 0)
+                self.unsized.discard(raw)
+
+    def set_stored(self, raw: bytes, size: int) -> bool:
+        """Record the stored size of a chunk; False if no blob uses it."""
+        entry = self.chunks.get(raw)
+        if entry is None:
+            return False
+        self.stored_bytes += size - max(entry[2], 0)
+        entry[2] = size
+        self.unsized.discard(raw)
+        return True
 
     @property
     def logical_bytes(self) -> int:
@@ -135,10 +152,12 @@ class Snapshot:
     logical_bytes: int
     unique_bytes: int
     unique_chunks: int
-    stored_bytes: int  # every chunk object as stored
-    stored_objects: int
-    unreferenced_bytes: int  # chunk objects no chunk map names
+    stored_bytes: int  # the stored objects of the distinct chunks the layers use
+    missing_chunks: int  # distinct chunks some layer uses whose object is not in the store
+    stored_objects: int  # every chunk object, at the last listing
+    unreferenced_bytes: int  # chunk objects no chunk map named, at the last listing
     unreferenced_objects: int
+    listed: float  # when the chunk objects were last listed (epoch seconds)
     gc: dict[str, Any] | None
     gc_error: str = ""
 
@@ -152,6 +171,7 @@ class StatusSource:
         self.manifests: dict[str, Manifest] = {}
         self.lock = threading.Lock()
         self.last: Snapshot | None = None
+        self.listing: tuple[float, float, int, int, int] | None = None  # (monotonic, epoch, objects, unref bytes, n)
 
     def snapshot(self, store: Store, ttl: float | None = None) -> Snapshot:
         ttl = SNAPSHOT_TTL if ttl is None else ttl
@@ -176,17 +196,11 @@ class StatusSource:
             except LayerstoreError as e:
                 self.map_errors[blob] = str(e)  # read again at the next refresh
 
-        stored_bytes = stored_objects = unref_bytes = unref_objects = 0
-        for info in store.backend.list_info("chunks/"):
-            try:
-                raw = digestmod.raw_of(keys.digest_of_key(info.key)[1])
-            except LayerstoreError:
-                continue  # not a chunk object's key (a temporary file, a stray name)
-            stored_bytes += info.size
-            stored_objects += 1
-            if raw not in self.index.chunks:
-                unref_bytes += info.size
-                unref_objects += 1
+        if self.listing is None or taken - self.listing[0] >= LISTING_TTL:
+            self._list_chunks(store, taken)
+        else:
+            self._size_new_chunks(store)
+        _, listed, stored_objects, unref_bytes, unref_objects = self.listing  # type: ignore[misc]
 
         layers = {b: self._layer_row(b) for b in sorted(blobs)}
         envs = [self._env_row(store, ref, digest, layers) for ref, digest in sorted(list_environments(store).items())]
@@ -197,7 +211,38 @@ class StatusSource:
             gc, gc_error = None, str(e)
         rows = sorted(layers.values(), key=lambda lr: lr.blob)
         return Snapshot(taken, envs, rows, self.index.logical_bytes, self.index.unique_bytes, len(self.index.chunks),
-                        stored_bytes, stored_objects, unref_bytes, unref_objects, gc, gc_error)
+                        self.index.stored_bytes, len(self.index.unsized), stored_objects, unref_bytes, unref_objects,
+                        listed, gc, gc_error)
+
+    def _list_chunks(self, store: Store, taken: float) -> None:
+        """One listing of every chunk object: the stored size of each one a layer uses, and what
+        the ones no layer uses hold (nothing per object is kept for those)."""
+        listed = time.time()
+        objects = unref_bytes = unref_objects = 0
+        for info in store.backend.list_info("chunks/"):
+            try:
+                raw = digestmod.raw_of(keys.digest_of_key(info.key)[1])
+            except LayerstoreError:
+                continue  # not a chunk object's key (a temporary file, a stray name)
+            objects += 1
+            if not self.index.set_stored(raw, info.size):
+                unref_bytes += info.size
+                unref_objects += 1
+        self.listing = (taken, listed, objects, unref_bytes, unref_objects)
+
+    def _size_new_chunks(self, store: Store) -> None:
+        """Between listings: the stored size of each chunk that a new layer brought, one `size`
+        call each (a chunk missing from the store stays unsized: shown as missing)."""
+        def size(raw: bytes) -> int | None:
+            try:
+                return store.backend.size(keys.object_key("chunks", digestmod.from_raw(raw)))
+            except LayerstoreError:
+                return None
+
+        unsized = sorted(self.index.unsized)
+        for raw, n in zip(unsized, store.pool.map(size, unsized), strict=True):
+            if n is not None:
+                self.index.set_stored(raw, n)
 
     def _layer_row(self, blob: str) -> LayerRow:
         s = self.index.blobs.get(blob)
@@ -290,9 +335,10 @@ def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
         gc_view = {"started": started, "finished": finished, "duration": duration,
                    "marked_objects": gc.get("marked_objects"), "deleted_objects": gc.get("deleted_objects"),
                    "deleted_bytes": gc.get("deleted_bytes"), "dry_run": bool(gc.get("dry_run"))}
-    referenced = snap.stored_bytes - snap.unreferenced_bytes  # the stored bytes of the layers' unique chunks
+    referenced = snap.stored_bytes  # the stored bytes of the layers' distinct chunks
     return {
         "envs": envs, "layers": layers, "snap": snap, "gc": gc_view, "referenced_bytes": referenced,
+        "listed": when(snap.listed),
         "dedup_saved": snap.logical_bytes - snap.unique_bytes,
         "compression_saved": snap.unique_bytes - referenced,
         "total_saved": snap.logical_bytes - referenced,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -191,37 +192,50 @@ def test_names_the_caller_may_not_see_are_not_on_the_page(filled: Filled) -> Non
     assert "secret" not in html and filled.blobs["private"] not in html
 
 
-def test_only_new_chunk_maps_are_read_and_deleted_blobs_leave_the_totals(
+def test_a_refresh_reads_only_new_chunk_maps_and_lists_chunks_only_now_and_then(
         filled: Filled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "store"
-    import shutil
-
     shutil.copytree(filled.root, root)
     monkeypatch.setattr(status, "SNAPSHOT_TTL", 0.0)
     with Store.open(str(root)) as s:
         reads: list[str] = []
-        real = s.get_chunk_map
-        monkeypatch.setattr(s, "get_chunk_map", lambda blob: reads.append(blob) or real(blob))
+        listings: list[str] = []
+        real_map, real_list = s.get_chunk_map, s.backend.list_info
+        monkeypatch.setattr(s, "get_chunk_map", lambda blob: reads.append(blob) or real_map(blob))
+        monkeypatch.setattr(s.backend, "list_info", lambda prefix="": listings.append(prefix) or real_list(prefix))
+
+        def figure(page: Page, name: str) -> int:
+            value = page.figures[name]["bytes"]
+            assert isinstance(value, int)
+            return value
+
         first = Page(status.render_status(s))
-        assert sorted(reads) == sorted(filled.blobs.values())
+        assert sorted(reads) == sorted(filled.blobs.values()) and listings == ["chunks/"]
         reads.clear()
-        extra = _put(s, tmp_path, "extra", filled.segments["s5"] + random.Random(3).randbytes(CHUNK))
+        new_segment = random.Random(3).randbytes(CHUNK)
+        extra = _put(s, tmp_path, "extra", filled.segments["s5"] + new_segment)
         second = Page(status.render_status(s))
-        assert reads == [extra]
-        assert second.figures["logical"]["bytes"] == first.figures["logical"]["bytes"] + 2 * CHUNK  # type: ignore[operator]
-        assert second.figures["unique"]["bytes"] == first.figures["unique"]["bytes"] + CHUNK  # type: ignore[operator]
+        assert reads == [extra] and listings == ["chunks/"]  # no new listing: the new chunk's size is asked
+        assert figure(second, "logical") == figure(first, "logical") + 2 * CHUNK
+        assert figure(second, "unique") == figure(first, "unique") + CHUNK
+        new_object = root / keys.object_key("chunks", digestmod.of(new_segment))
+        assert figure(second, "stored") == figure(first, "stored") + new_object.stat().st_size
+        assert figure(second, "unreferenced") == figure(first, "unreferenced")  # as of the last listing
+
         s.backend.delete(keys.object_key("blobs", extra))
         s.backend.delete(keys.object_key("blobs", filled.blobs["loose"]))
+        monkeypatch.setattr(status, "LISTING_TTL", 0.0)
         third = Page(status.render_status(s))
-        assert reads == [extra]
+        assert reads == [extra] and listings == ["chunks/", "chunks/"]
         assert extra not in third.layers and filled.blobs["loose"] not in third.layers
-        assert third.figures["logical"]["bytes"] == first.figures["logical"]["bytes"] - CHUNK  # type: ignore[operator]
-        assert third.figures["unique"]["bytes"] == first.figures["unique"]["bytes"]  # s3 is still the base's
+        assert figure(third, "logical") == figure(first, "logical") - CHUNK
+        assert figure(third, "unique") == figure(first, "unique")  # s3 is still the base's
+        assert figure(third, "stored") == figure(first, "stored")
+        # the extra layer's own chunk is referenced by nothing now
+        assert figure(third, "unreferenced") == figure(first, "unreferenced") + new_object.stat().st_size
 
 
 def test_damaged_objects_and_a_hostile_gc_report_do_not_break_the_page(filled: Filled, tmp_path: Path) -> None:
-    import shutil
-
     root = tmp_path / "store"
     shutil.copytree(filled.root, root)
     with Store.open(str(root)) as s:
@@ -230,6 +244,7 @@ def test_damaged_objects_and_a_hostile_gc_report_do_not_break_the_page(filled: F
         manifest = s.get_tag("team/app:v2")
         mpath = root / keys.object_key("manifests", manifest)
         mpath.write_bytes(mpath.read_bytes()[:-1] + b"\x00")
+        (root / keys.object_key("chunks", digestmod.of(filled.segments["tail"]))).unlink()  # the workspace's
         s.backend.replace("gc/last-report", json.dumps({
             "started": "<script>alert(1)</script>", "finished": 1e300, "dry_run": "<b>yes</b>",
             "marked": {"objects": "<img src=x onerror=alert(1)>"}, "deleted": {"objects": [1, 2], "bytes": -5},
@@ -245,6 +260,7 @@ def test_damaged_objects_and_a_hostile_gc_report_do_not_break_the_page(filled: F
     assert map_error in page.layers[filled.blobs["toolkit"]]
     assert "toolkit" in page.layers[filled.blobs["toolkit"]]  # its role, from the manifests that still read
     assert page.figures["started"]["text"] == "started -" and page.figures["finished"]["text"] == "finished -"
+    assert "1 chunk(s) missing from the store" in str(page.figures["stored"]["text"])
 
     with Store.open(str(root)) as s:
         s.backend.replace("gc/last-report", b"[not json")
