@@ -34,19 +34,19 @@ Errors are the project's: `NotFound` (404, unknown name/tag/blob), `PermissionDe
 after the auth flow), `StoreUnavailable` (no connection, timeouts, 429/5xx; retried a few times
 first), `BadInput` (anything the registry sends that is malformed, over its limit or not what was
 asked for), `ConfigError` (a bad reference).
+
+References and media types live in `registry_names` (pure), settings and credentials in
+`registry_auth`; their public names are re-exported here, so `erofs_builder.registry` is the one
+import a caller needs.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import ipaddress
 import json
 import os
-import re
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,28 +55,28 @@ import httpx
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
 from layerstore.retry import RetryPolicy, is_temporary
 
-OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-MANIFEST_MEDIA_TYPES = (OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST)
-MAX_MANIFEST = 4 << 20  # as source_oci.MAX_MANIFEST_JSON; distribution itself refuses larger ones
+from .registry_auth import Credentials, auth_file, credentials_for, is_insecure, is_loopback, parse_challenge
+from .registry_names import (
+    DOCKER_LIST,
+    DOCKER_MANIFEST,
+    MANIFEST_MEDIA_TYPES,
+    MAX_MANIFEST,
+    OCI_INDEX,
+    OCI_MANIFEST,
+    Reference,
+    check_digest,
+    check_manifest_ref,
+    check_repository,
+    is_digest,
+    registry_host_ok,
+    sha256_digest,
+)
+
 MAX_TOKEN_RESPONSE = 1 << 20
 MAX_ERROR_BODY = 64 << 10
 MAX_REDIRECTS = 5
 CHUNK_SIZE = 16 << 20  # pushes of larger blobs go in PATCH chunks of this size
-INSECURE_ENV = "LAYERSTORE_INSECURE_REGISTRIES"
-USER_ENV, PASSWORD_ENV = "LAYERSTORE_REGISTRY_USER", "LAYERSTORE_REGISTRY_PASSWORD"
 RETRY = RetryPolicy(first=0.2, cap=2.0, attempts=3)
-
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
-_HOST = rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\])"
-_REGISTRY = re.compile(rf"{_HOST}(?::[0-9]{{1,5}})?")
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REPOSITORY = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-_DIGEST = re.compile(r"(sha256:[0-9a-f]{64}|sha512:[0-9a-f]{128})")
-_CHALLENGE_PARAM = re.compile(r'([A-Za-z_]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]*))')
 
 
 class _Auto:
@@ -86,172 +86,6 @@ class _Auto:
 
 AUTO: Any = _Auto()
 
-
-# -- references ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Reference:
-    """`HOST[:PORT]/NAME[:TAG][@DIGEST]`; the tag defaults to `latest` when there is no digest."""
-
-    registry: str
-    repository: str
-    tag: str | None = None
-    digest: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Reference:
-        what = f"image reference {text[:200]!r}"
-        if len(text) > 4096:
-            raise ConfigError(f"{what}: too long")
-        rest, digest = text, None
-        if "@" in rest:
-            rest, digest = rest.split("@", 1)
-            if not _DIGEST.fullmatch(digest):
-                raise ConfigError(f"{what}: bad digest (want sha256:<64 hex>)")
-        host, sep, path = rest.partition("/")
-        if not sep or not ("." in host or ":" in host or host == "localhost"):
-            raise ConfigError(f"{what}: name the registry (HOST[:PORT]/NAME[:TAG]); there is no default registry")
-        if not _REGISTRY.fullmatch(host):
-            raise ConfigError(f"{what}: bad registry host {host!r}")
-        name, tag = path, None
-        last = path.rsplit("/", 1)[-1]
-        if ":" in last:
-            name, tag = path.rsplit(":", 1)
-            if not _TAG.fullmatch(tag):
-                raise ConfigError(f"{what}: bad tag {tag!r}")
-        if not _REPOSITORY.fullmatch(name) or len(name) > 255:
-            raise ConfigError(f"{what}: bad repository name {name!r} (lowercase letters, digits, . _ - and /)")
-        if tag is None and digest is None:
-            tag = "latest"
-        return cls(host, name, tag, digest)
-
-    @property
-    def reference(self) -> str:
-        """What goes after /manifests/: the digest when given, else the tag."""
-        return self.digest or self.tag or "latest"
-
-    def __str__(self) -> str:
-        return f"{self.registry}/{self.repository}" + (f":{self.tag}" if self.tag else "") + \
-            (f"@{self.digest}" if self.digest else "")
-
-
-def check_repository(repo: str) -> str:
-    if not _REPOSITORY.fullmatch(repo) or len(repo) > 255:
-        raise ConfigError(f"bad repository name {repo[:200]!r}")
-    return repo
-
-
-def check_digest(digest: str) -> str:
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise BadInput(f"bad digest {str(digest)[:100]!r} (want sha256:<64 hex>)")
-    return digest
-
-
-def check_manifest_ref(ref: str) -> str:
-    if not (_DIGEST.fullmatch(ref) or _TAG.fullmatch(ref)):
-        raise ConfigError(f"bad tag or digest {ref[:200]!r}")
-    return ref
-
-
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-# -- settings from the environment ------------------------------------------------------------
-@dataclass(frozen=True)
-class Credentials:
-    username: str
-    password: str = ""
-
-    def __repr__(self) -> str:  # never print a password
-        return f"Credentials({self.username!r}, ***)"
-
-    def basic(self) -> str:
-        return "Basic " + base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
-
-
-def _host_only(registry: str) -> str:
-    if registry.startswith("["):
-        return registry[1:].split("]", 1)[0]
-    return registry.rsplit(":", 1)[0] if registry.count(":") == 1 else registry
-
-
-def is_loopback(registry: str) -> bool:
-    host = _host_only(registry)
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_insecure(registry: str, env: Mapping[str, str] | None = None) -> bool:
-    """Whether `registry` speaks plain HTTP: a loopback host, or one the user listed."""
-    env = os.environ if env is None else env
-    listed = {r.strip() for r in env.get(INSECURE_ENV, "").split(",") if r.strip()}
-    return is_loopback(registry) or registry in listed or _host_only(registry) in listed
-
-
-def auth_file(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    if env.get("REGISTRY_AUTH_FILE"):
-        return Path(env["REGISTRY_AUTH_FILE"])
-    if env.get("DOCKER_CONFIG"):
-        return Path(env["DOCKER_CONFIG"]) / "config.json"
-    return Path(env.get("HOME", os.path.expanduser("~"))) / ".docker" / "config.json"
-
-
-def credentials_for(registry: str, env: Mapping[str, str] | None = None) -> Credentials | None:
-    """The credentials for `registry`: the environment's, else the auth file's entry, else None."""
-    env = os.environ if env is None else env
-    if env.get(USER_ENV):
-        return Credentials(env[USER_ENV], env.get(PASSWORD_ENV, ""))
-    path = auth_file(env)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_RESPONSE + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        doc = json.loads(raw) if len(raw) <= MAX_TOKEN_RESPONSE else None
-    except (ValueError, RecursionError):
-        doc = None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: not a registry auth file (a JSON object with 'auths')")
-    auths = doc.get("auths")
-    if not isinstance(auths, dict):
-        return None
-    entry = next((v for k, v in auths.items() if isinstance(k, str) and _auth_key(k) == registry), None)
-    if not isinstance(entry, dict):
-        return None
-    if isinstance(entry.get("auth"), str) and entry["auth"]:
-        try:
-            user, sep, password = base64.b64decode(entry["auth"], validate=True).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            raise ConfigError(f"{path}: auths[{registry!r}].auth is not base64 of user:password") from None
-        if not sep:
-            raise ConfigError(f"{path}: auths[{registry!r}].auth is not base64 of user:password")
-        return Credentials(user, password)
-    if isinstance(entry.get("username"), str):
-        return Credentials(entry["username"], str(entry.get("password") or ""))
-    return None
-
-
-def _auth_key(key: str) -> str:
-    """`https://host:port/v1/` (old docker config keys) -> `host:port`."""
-    if "://" in key:
-        key = key.split("://", 1)[1]
-    return key.split("/", 1)[0]
-
-
-# -- the client ---------------------------------------------------------------------------------
-def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    scheme, _, rest = header.strip().partition(" ")
-    params = {m[1].lower(): m[2].replace('\\"', '"') if m[2] is not None else m[3] or ""
-              for m in _CHALLENGE_PARAM.finditer(rest)}
-    return scheme.lower(), params
 
 
 def _media_type(value: str | None) -> str:
@@ -279,7 +113,7 @@ class RegistryClient:
     def __init__(self, registry: str, *, insecure: bool | None = None, auth: Credentials | None = AUTO,
                  timeout: float = 60.0, chunk_size: int = CHUNK_SIZE,
                  transport: httpx.BaseTransport | None = None) -> None:
-        if not _REGISTRY.fullmatch(registry):
+        if not registry_host_ok(registry):
             raise ConfigError(f"bad registry host {registry[:200]!r}")
         self.registry = registry
         self.insecure = is_insecure(registry) if insecure is None else insecure
@@ -318,7 +152,7 @@ class RegistryClient:
                 media = _media_type(r.headers.get("Content-Type"))
                 sent = r.headers.get("Docker-Content-Digest")
             digest = sha256_digest(body)
-            if _DIGEST.fullmatch(ref):
+            if is_digest(ref):
                 alg, hexd = ref.split(":", 1)
                 if hashlib.new(alg, body).hexdigest() != hexd:
                     raise BadInput(f"{what}: digest mismatch: the registry sent content hashing to {digest}")
@@ -450,7 +284,7 @@ class RegistryClient:
         check_manifest_ref(ref)
         digest = sha256_digest(body)
         what = f"{self.registry}/{repo}: manifest {ref}"
-        if _DIGEST.fullmatch(ref) and ref != digest:
+        if is_digest(ref) and ref != digest:
             raise ConfigError(f"{what}: the body hashes to {digest}")
 
         def once() -> str:
@@ -535,7 +369,7 @@ class RegistryClient:
             raise StoreUnavailable(f"{what}: cannot reach registry {self.registry}: {str(e)[:200]}") from None
 
     def _answer(self, challenge: str, scope: str, what: str) -> None:
-        scheme, params = _parse_challenge(challenge)
+        scheme, params = parse_challenge(challenge)
         if scheme == "basic":
             if self.credentials is None or self.basic:
                 raise PermissionDenied(f"{what}: registry {self.registry} wants credentials "
@@ -625,13 +459,11 @@ def _chunks(data: bytes | str | os.PathLike[str], size: int) -> Iterator[bytes]:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while part := f.read(1 << 20):
-            h.update(part)
-    return "sha256:" + h.hexdigest()
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
 
 
-__all__ = ["AUTO", "DOCKER_LIST", "DOCKER_MANIFEST", "MANIFEST_MEDIA_TYPES", "OCI_INDEX", "OCI_MANIFEST",
-           "Credentials", "Reference", "RegistryClient", "auth_file", "check_digest", "check_repository",
-           "credentials_for", "is_insecure", "is_loopback", "sha256_digest"]
+__all__ = ["AUTO", "CHUNK_SIZE", "DOCKER_LIST", "DOCKER_MANIFEST", "MANIFEST_MEDIA_TYPES", "MAX_MANIFEST", "OCI_INDEX",
+           "OCI_MANIFEST", "Credentials", "Reference", "RegistryClient", "auth_file", "check_digest",
+           "check_manifest_ref", "check_repository", "credentials_for", "is_insecure", "is_loopback",
+           "sha256_digest"]
