@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class RemoteLayers:
         self.lock = lock
         self.resolver = resolver
         self._state = state
+        self._hint_mu = threading.Lock()
+        self._hinted: set[str] = set()
 
     @classmethod
     def for_node(cls, root: Path, node: NodePaths, store_url: str | None = None) -> RemoteLayers:
@@ -73,21 +76,37 @@ class RemoteLayers:
             self.resolver.close()
             self.resolver = None
 
-    def check(self, blob: str, environment: str) -> None:
+    def check(self, blob: str, environment: str) -> tuple[int, ...]:
         """May a client have this blob mounted? With the environment it came from (its manifest
         digest), the node's trust policy must accept that environment (signatures, as for the
         shim) and the blob must be one of its layers; without one, only when the node's policy
-        requires nothing. Without a store to read (tests), anything goes."""
+        requires nothing. Without a store to read (tests), anything goes. Returns the environment's
+        prefetch hints for the blob (chunk indexes in first-access order; () if none)."""
         if self.resolver is None:
-            return
+            return ()
         if not environment:
             if self.resolver.policy is not None:
                 raise PermissionDenied(f"layer {blob}: the node's trust policy needs the environment it belongs to "
                                        f"(pull with layerctl ctr pull)")
-            return
+            return ()
         spec = self.resolver(environment)
         if blob not in spec.blobs:
             raise BadInput(f"layer {blob} is not a layer of environment {environment}")
+        return tuple(spec.prefetch.get(blob, ()))
+
+    def hint(self, blob: str, chunks: tuple[int, ...]) -> None:
+        """Ask the daemon for the blob's hinted chunks in the background (below demand reads), once
+        per blob per process: an optimisation, so failures are ignored."""
+        with self._hint_mu:
+            if not chunks or blob in self._hinted:
+                return
+            self._hinted.add(blob)
+
+        def send() -> None:
+            with contextlib.suppress(Exception):
+                self.blobs.prefetch(blob, list(chunks))
+
+        threading.Thread(target=send, name="snapshotter-hints", daemon=True).start()
 
     def mountpoint(self, blob: str) -> str:
         return str(self.paths.layer_mount(blob))

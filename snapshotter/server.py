@@ -123,19 +123,23 @@ class SnapshotsService(pbg.SnapshotsServicer):
 
 
 def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 8) -> grpc.Server:
-    """Serve on a unix socket (a stale socket file is replaced; the socket is 0600)."""
+    """Serve on a unix socket (0600). The socket is bound under a temporary name and renamed over
+    `address` once the server listens: a client never finds a socket that refuses connections, and
+    a stale one is replaced in one step."""
     path = Path(os.path.abspath(address))
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+        tmp.unlink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snapshotter"))
     pbg.add_SnapshotsServicer_to_server(SnapshotsService(sn), server)
     old = os.umask(0o177)
     try:
-        server.add_insecure_port(f"unix://{path}")
+        server.add_insecure_port(f"unix://{tmp}")
         server.start()
     finally:
         os.umask(old)
+    os.rename(tmp, path)
     return server
 
 

@@ -180,8 +180,9 @@ class Snapshotter:
             self._check_remote(t, key, name, parent, blob)
         # Outside the record lock: the trust check reads the store, a cold mount waits for the
         # daemon to fetch the blob's metadata; other calls go on meanwhile.
-        self.layers.check(blob, labels.get(LABEL_ENV, ""))
+        hints = self.layers.check(blob, labels.get(LABEL_ENV, ""))
         self._layer_ready(blob, self.layers.generation())
+        self.layers.hint(blob, hints)  # after the metadata is in, as the shim does
         crashpoint("remote:mounted")
         now = time.time()
         with self.mu, self.meta.write() as t:
