@@ -66,6 +66,20 @@ def test_every_kind_of_image_source_gives_the_same_environment(images: dict, tmp
     assert layerctl("env", "verify", "--store", url, "--policy", str(policy), "a:1").code == 0
 
 
+def test_running_again_stores_nothing_twice(images: dict, tmp_path: Path) -> None:
+    """What a rerun after a crash does: the layers are there already; only a tag is new."""
+    url = _store(tmp_path)
+    src = f"docker://{images['registry'].ref('t/bb', '1')}"
+
+    def objects() -> set[Path]:
+        return {p for kind in ("chunks", "blobs", "manifests") for p in (Path(url) / kind).rglob("*") if p.is_file()}
+
+    first = _from(url, src, "again:1")
+    before = objects()
+    assert _from(url, src, "again:2")["manifest"] == first["manifest"]
+    assert objects() == before
+
+
 def test_top_workspace_workspace_and_config_override(images: dict, tmp_path: Path) -> None:
     url = _store(tmp_path)
     src = f"oci:{images['root']}/layout"
