@@ -12,12 +12,12 @@ from layerstore.errors import ConfigError, LayerstoreError
 from manifest import environment as envmod
 from manifest import files
 
+from .cmd_store import open_store
+from .options import emit_json, human_bytes, json_option, store_option
+
 if TYPE_CHECKING:
     from manifest.config import RuntimeConfig
     from manifest.signing import PrivateKey
-
-from .cmd_store import open_store
-from .options import emit_json, human_bytes, json_option, store_option
 
 _file = click.Path(dir_okay=False, path_type=Path)
 
