@@ -49,3 +49,35 @@ def test_trust_check(tmp_path: Path) -> None:
             strict.check(blob, "")
     finally:
         strict.close()
+
+
+def test_prefetch_hints_of_the_environment_go_to_the_daemon(tmp_path: Path) -> None:
+    import threading
+
+    from runtime_shim.environment import EnvSpec, LayerSpec
+
+    blob = "b3:" + "2" * 64
+    sent: list[tuple[str, list[int]]] = []
+    done = threading.Event()
+
+    class Blobs(DirBlobs):
+        def prefetch(self, blob: str, chunks: list[int]) -> None:
+            sent.append((blob, chunks))
+            done.set()
+
+    class Resolver:
+        policy = None
+
+        def __call__(self, ref: str) -> EnvSpec:
+            return EnvSpec(ref, (LayerSpec(blob, 1, "base"),), prefetch={blob: (5, 1, 3)})
+
+        def close(self) -> None:
+            pass
+
+    layers = RemoteLayers(tmp_path / "snap", Blobs(tmp_path / "b"), resolver=Resolver())  # type: ignore[arg-type]
+    hints = layers.check(blob, "b3:" + "3" * 64)
+    assert hints == (5, 1, 3)
+    layers.hint(blob, hints)
+    layers.hint(blob, hints)  # once per blob
+    assert done.wait(10)
+    assert sent == [(blob, [5, 1, 3])]
