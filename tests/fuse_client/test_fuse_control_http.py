@@ -10,12 +10,17 @@ import ast
 import contextlib
 import json
 import logging
+import socket
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fuse_client.control as controlpkg
 import fuse_client.control.api as apimod
@@ -270,3 +275,84 @@ def test_the_client_parses_nothing_itself_when_the_answer_is_not_http(tmp_path: 
     finally:
         t.join(10)
         srv.close()
+
+
+# -- property: whatever the body, a clear answer -----------------------------------------------------
+@dataclass
+class Running:
+    cache_dir: Path
+    blob: str
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """One control server on a trio thread for the whole module (hypothesis calls in many times)."""
+    tmp = tmp_path_factory.mktemp("control")
+    store = Store.open(str(tmp / "store"))
+    store.init()
+    cmap = put_blob(store, bytes(range(256)) * 300)
+    cache_dir = tmp / "cache"
+    ready, stop = threading.Event(), trio.Event()
+    token: list[trio.lowlevel.TrioToken] = []
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with serving(store, cache_dir):
+            token.append(trio.lowlevel.current_trio_token())
+            ready.set()
+            await stop.wait()
+
+    def thread() -> None:
+        try:
+            trio.run(main)
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+            ready.set()
+
+    t = threading.Thread(target=thread, daemon=True)
+    t.start()
+    ready.wait(60)
+    try:
+        assert token and not errors, errors
+        yield Running(cache_dir, cmap.blob)
+    finally:
+        if token:
+            trio.from_thread.run_sync(stop.set, trio_token=token[0])
+        t.join(60)
+        store.close()
+    assert not errors, errors
+
+
+KEYS = ("blob", "holder", "chunks", "ranges", "all", "wait", "to_bytes")
+
+
+def json_values(blob: str) -> st.SearchStrategy[object]:
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                        st.text(max_size=40), st.sampled_from([blob, "b3:" + "0" * 64, "h", "", "../x"]))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=5)
+                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_body_on_any_route_gets_an_answer_below_500(running: Running, data: st.DataObject) -> None:
+    method, path = data.draw(st.sampled_from([("POST", "/prefetch"), ("POST", "/pin"), ("POST", "/unpin"),
+                                              ("POST", "/cache/evict"), ("POST", "/cache/verify"),
+                                              ("GET", "/stats"), ("GET", "/cache")]))
+    if data.draw(st.booleans()):
+        body = json.dumps(data.draw(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8),
+                                                    json_values(running.blob), max_size=6))).encode()
+    else:
+        body = data.draw(st.binary(max_size=200))
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(str(socket_path(running.cache_dir)))
+        s.sendall(head + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status = status_of(answer)
+    assert 200 <= status < 500, (method, path, body[:200], answer[:500])
+    if status != 200:
+        assert "error" in body_of(answer), answer[:500]
