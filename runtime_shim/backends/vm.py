@@ -8,18 +8,27 @@ The guest gets, as virtio-blk drives in this order (the guest's init finds them 
     vdb, vdc...  "dev1".. the layer blobs themselves, read-only: the extra devices the root's
                            device table names (the node daemon's lazily fetched files, or the
                            cache files of pinned blobs: whatever the node's layer mounts read)
-    next         "upper"   the sandbox's writable disk: a sparse ext4 image of its own
+    next         "upper"   a kept sandbox's writable disk: NODE/sandboxes/<id>/upper.img, the sparse
+                           ext4 image the shim made (`Shim.mount(guest=...)`), never mounted on the
+                           host; a sandbox that is not kept has its upper in the guest's memory
     last         "config"  the workload (argv, env, workdir, user; `runtime_shim.vm.config`), 0600
 
 and nothing else: no network, no shared directory, no other host file. The guest kit's init
-mounts the root as the one lower of an overlay under the upper disk and runs the command;
-stdout, stderr and the exit status come back on virtio-console ports (`runtime_shim.vm.qemu`).
+mounts the root as the one lower of an overlay under the upper and runs the command; stdout,
+stderr and the exit status come back on virtio-console ports (`runtime_shim.vm.qemu`). The shim
+mounts the layers on the node (their files are the drives) but composes no root there
+(`guest_root`).
+
+Commit (`upper_source`): the upper drive is read after the VM stopped, never by the host kernel:
+a helper VM of the same kit (init mode "export") mounts it read-only and writes the upper as a
+pax tar on its stdout port; the host parses it with the hardened tar reader
+(`erofs_builder.source_tar`) and keeps only what a layer may hold.
 
 State, all of it the backend's own:
 
-    NODE/sandboxes/<id>/vm/    config.tar, upper.img (the writable disk), console.log, qemu.log:
-                               deleted with the sandbox's directory, so a kept sandbox's disk
-                               outlives the run (like the container backend's bundle/)
+    NODE/sandboxes/<id>/vm/    config.tar, vm.json (the prepared drives), console and QEMU logs:
+                               deleted with the sandbox's directory (like the container
+                               backend's bundle/)
     NODE/vm/run/<id>.json      the running VMM: pid and start time (written as soon as QEMU
                                runs; what `has`, `status`, `delete` and recovery look at)
     NODE/vm/roots/             the flattened roots (derived data, rebuilt if missing)
@@ -38,17 +47,18 @@ import json
 import os
 import shutil
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import blake3
 
+from erofs_builder.tree import Kind
 from fuse_client.linux import find_mount
 from layerstore.fileio import write_atomic
 
 from ..errors import ShimError
-from ..overlay import make_upper_image
 from ..paths import NodePaths
 from ..state import Sandbox, start_time
 from ..vm.config import GuestConfig, write_config
@@ -60,8 +70,9 @@ from .base import Confinement, Execution, Stdio
 from .bundle import process_args, process_env
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-UPPER_SIZE = 4 << 30  # the writable disk: sparse, allocated as the guest writes
 MEMORY_MIB = 256
+MAX_MEMORY_MIB = 1024
+EXPORT_MEMORY_MIB = 256
 SOCKETS = Path("/run/layerstore/vm")
 STREAMS = ("stdout", "stderr", "status")
 
@@ -69,6 +80,7 @@ STREAMS = ("stdout", "stderr", "status")
 class VmBackend:
     name = "vm"
     machine = "q35"
+    guest_root = True  # the runner mounts its sandboxes with Shim.mount(guest=...)
 
     def __init__(self, paths: NodePaths) -> None:
         self.paths = paths
@@ -94,22 +106,29 @@ class VmBackend:
     # -- the steps --------------------------------------------------------------------------
     def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = (),
                 confinement: Confinement | None = None) -> None:
+        if getattr(sb, "backend", "") != self.name:
+            raise ShimError(f"sandbox {sb.id} was not made for the {self.name} backend "
+                            f"(layerctl run --backend {self.name})")
         conf = confinement or Confinement()
         sources = [self.layer_source(blob) for blob in sb.layers]
         root, _built = root_image(self.base / "roots", sb.layers, sources)
+        memory = MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
+        upper = sb.upper if self.kept(sb) else ""
         wd = self.workdir(sb.id)
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)
         cfg = sb.config
         guest = GuestConfig(argv=tuple(process_args(cfg, command)), env=tuple(process_env(cfg, extra_env)),
-                            workdir=cfg.get("workdir") or "/", user=cfg.get("user") or "", upper="drive",
+                            workdir=cfg.get("workdir") or "/", user=cfg.get("user") or "",
+                            upper="drive" if upper else "tmpfs", upper_size=(memory << 20) // 2,
                             nosuid=not conf.new_privileges, nodev=True, hostname=sb.id)
         write_config(wd / "config.tar", guest)
-        upper = wd / "upper.img"
-        if not upper.exists():
-            make_upper_image(upper, UPPER_SIZE)
-        memory = MEMORY_MIB if conf.memory is None else max(64, min(MEMORY_MIB, conf.memory >> 20))
-        plan = {"root": str(root), "devices": [str(s) for s in sources], "memory_mib": memory}
+        plan = {"root": str(root), "devices": [str(s) for s in sources], "upper": upper, "memory_mib": memory}
         write_atomic(wd / "vm.json", json.dumps(plan).encode(), mode=0o600)
+
+    @staticmethod
+    def kept(sb: Sandbox) -> bool:
+        """Has the sandbox an upper drive (it was made to be kept)?"""
+        return sb.upper.endswith(".img") and os.path.isfile(sb.upper)
 
     def layer_source(self, blob: str) -> str:
         """The file the node's EROFS mount of `blob` reads: the VM reads the same one."""
@@ -124,32 +143,94 @@ class VmBackend:
             plan = json.loads((wd / "vm.json").read_text())
         except (OSError, ValueError):
             raise ShimError(f"sandbox {sandbox}: no prepared VM") from None
-        kit = find_kit()
         drives = [Drive(plan["root"], role="root", serial="layer0")]
         drives += [Drive(d, role="meta", serial=f"dev{i + 1}") for i, d in enumerate(plan["devices"])]
-        drives += [Drive(str(wd / "upper.img"), read_only=False, role="upper", serial="upper"),
-                   Drive(str(wd / "config.tar"), role="config", serial="config")]
+        if plan["upper"]:
+            drives.append(Drive(plan["upper"], read_only=False, role="upper", serial="upper"))
+        drives.append(Drive(str(wd / "config.tar"), role="config", serial="config"))
+        return self.vm_spec(sandbox, "run", drives, plan["memory_mib"])
+
+    def vm_spec(self, sandbox: str, mode: str, drives: list[Drive], memory_mib: int) -> VmSpec:
+        kit = find_kit()
         socks = self.sockets(sandbox)
-        cmdline = f"console=ttyS0 quiet panic=-1 layerstore.mode=run layerstore.drives={len(drives)}"
-        return VmSpec(kernel=str(kit.kernel), initrd=str(kit.initrd), cmdline=cmdline, memory_mib=plan["memory_mib"],
+        cmdline = f"console=ttyS0 quiet panic=-1 layerstore.mode={mode} layerstore.drives={len(drives)}"
+        return VmSpec(kernel=str(kit.kernel), initrd=str(kit.initrd), cmdline=cmdline, memory_mib=memory_mib,
                       machine=self.machine, drives=tuple(drives),
                       streams=tuple(Stream(n, str(socks / f"{n}.sock")) for n in STREAMS),
-                      console_log=str(wd / "console.log"))
+                      console_log=str(self.workdir(sandbox) / f"console-{mode}.log"))
 
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:
-        spec = self.spec(sandbox)
-        socks = self.sockets(sandbox)
-        socks.mkdir(mode=0o700, parents=True, exist_ok=True)
+        vm = self.boot(sandbox, self.spec(sandbox), stdout=stdout, stderr=stderr)
+        self.running[sandbox] = vm
+        return Execution(sandbox, vm.process)
+
+    def boot(self, sandbox: str, spec: VmSpec, *, stdout: Stdio | int, stderr: Stdio | int,
+             close_sinks: bool = False) -> QemuVm:
+        """Start QEMU for `spec`, its pid and start time recorded as soon as it runs."""
+        self.sockets(sandbox).mkdir(mode=0o700, parents=True, exist_ok=True)
         rec = self.record(sandbox)
         rec.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
         def started(pid: int) -> None:
             write_atomic(rec, json.dumps({"pid": pid, "start": start_time(pid)}).encode(), mode=0o600)
 
-        with open(self.workdir(sandbox) / "qemu.log", "ab") as log:
-            vm = start_vm(spec, stdout=stdout, stderr=stderr, on_started=started, log=log)
-        self.running[sandbox] = vm
-        return Execution(sandbox, vm.process)
+        wd = self.workdir(sandbox)
+        wd.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            with open(wd / "qemu.log", "ab") as log:
+                return start_vm(spec, stdout=stdout, stderr=stderr, on_started=started, log=log,
+                                close_sinks=close_sinks)
+        except BaseException:
+            rec.unlink(missing_ok=True)
+            raise
+
+    # -- commit: the upper drive read by a helper VM ------------------------------------------
+    def upper_source(self, sb: Sandbox) -> Any:
+        """The sandbox's upper as a layer source (see the module docstring). `ShimError` if its VM
+        runs or it has no upper drive."""
+        from erofs_builder.workflow import LayerSource
+
+        if getattr(sb, "backend", "") != self.name:
+            raise ShimError(f"sandbox {sb.id} is not a {self.name} sandbox")
+        if self.live_pid(sb.id) is not None:
+            raise ShimError(f"sandbox {sb.id}: its VM is running; commit it once the VM has stopped")
+        if not self.kept(sb):
+            raise ShimError(f"sandbox {sb.id} has no upper drive to commit (run it with --keep)")
+        return LayerSource(f"sandbox {sb.id} upper", lambda _progress: self.exported(sb), None,
+                           counts_input=False, refusable=True)
+
+    def exported(self, sb: Sandbox) -> Iterator[tuple[Any, Any]]:
+        """The entries of the sandbox's upper, from a helper VM that has the upper drive only,
+        read-only, and writes it as a tar: parsed as untrusted input, only layer material kept."""
+        from erofs_builder.source_tar import tar_entries
+
+        wd = self.workdir(sb.id)
+        wd.mkdir(mode=0o700, parents=True, exist_ok=True)
+        spec = self.vm_spec(sb.id, "export", [Drive(sb.upper, role="upper", serial="upper")], EXPORT_MEMORY_MIB)
+        r, w = os.pipe()
+        err = os.open(wd / "export.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            vm = self.boot(sb.id, spec, stdout=w, stderr=err, close_sinks=True)
+        except BaseException:
+            for fd in (r, w, err):
+                os.close(fd)
+            raise
+        try:
+            with os.fdopen(r, "rb") as stream:
+                for entry, data in tar_entries(stream, name=f"sandbox {sb.id}'s upper (from its guest)"):
+                    kind = entry.kind
+                    if kind in (Kind.BLK, Kind.FIFO, Kind.SOCK) or (kind is Kind.CHR and tuple(entry.rdev) != (0, 0)):
+                        continue  # as the container commit's untrusted walk: no device but a whiteout
+                    yield entry, data
+            vm.wait()
+            code, why = vm.result()
+            if code != 0:
+                raise ShimError(f"sandbox {sb.id}: the upper could not be read from its drive: {why or code}")
+        finally:
+            vm.kill()
+            with contextlib.suppress(Exception):
+                vm.wait(timeout=30)
+            self.record(sb.id).unlink(missing_ok=True)
 
     def wait(self, execution: Execution) -> int:
         vm = self.running.get(execution.sandbox)

@@ -180,16 +180,22 @@ def test_kill9_of_the_vmm_then_recover(vm_shim: Shim, blobs: tuple[Path, list[st
     assert not (vm_shim.paths.sandbox_dir("k1")).exists()
 
 
-def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(tmp_path: Path) -> None:
-    """Through the node daemon: the root image is made from the layers' metadata, and the guest's
-    reads of the layer drives (the daemon's lazily fetched files) are the only other fetches.
-    After kill -9 of the daemon and recovery, a new VM reads through the new daemon."""
+def test_cold_node_laziness_commit_kill9_of_the_daemon_and_resume(tmp_path: Path) -> None:
+    """Through the node daemon and a store: a kept VM sandbox on a cold node fetches only what
+    its root image's making and its guest read; its writes and deletions are committed (read by a
+    helper VM from the upper drive); after kill -9 of the daemon and recovery, a VM of the
+    committed environment sees them, reading through the new daemon."""
     from testkit.cli_helpers import layerctl
     from testkit.shim_support import store_shim
+
+    from layerstore.store import Store
+    from runtime_shim.commit import commit
 
     url = str(tmp_path / "store")
     assert layerctl("store", "init", "--store", url).code == 0
     base = busybox_rootfs(tmp_path / "base")
+    (base / "data").mkdir()
+    (base / "data" / "drop").write_text("drop\n")
     tk = tmp_path / "tk"
     (tk / "opt").mkdir(parents=True)
     (tk / "opt" / "big").write_bytes(os.urandom(8 << 20))
@@ -199,11 +205,12 @@ def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(t
         assert r.code == 0, r.err
         blobs.append(r.json()["blob"])
     assert layerctl("env", "create", "--store", url, "--base", blobs[0], "--toolkit", blobs[1], "-t", "big:1").code == 0
+    out = tmp_path / "out"
     with store_shim(tmp_path, url) as shim:
         shim.backends["vm"] = VmBackend(shim.paths)
-        out = tmp_path / "out"
+        script = "cat /etc/motd; ls -l /opt/big; rm /data/drop; echo mine > /data/mine; mkdir -p /w/x"
         with open(out, "wb") as f:
-            res = runner.run(shim, "big:1", ["/bin/sh", "-c", "cat /etc/motd; ls -l /opt/big"], runtime="vm",
+            res = runner.run(shim, "big:1", ["/bin/sh", "-c", script], runtime="vm", keep=True, sandbox="c1",
                              stdout=f, stderr=f)
         text = out.read_text()
         assert res.exit_code == 0, text
@@ -214,6 +221,10 @@ def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(t
         big = st[blobs[1]]
         assert big["fetched_bytes"] < big["size"] // 4  # the 8 MiB file was listed, never read
         assert sum(s["fetched_bytes"] for s in st.values()) < sum(s["size"] for s in st.values()) // 2
+        with Store.open(url) as store:
+            done = commit(store, shim.find("c1"), "big:c1", backends=shim.backends.values())
+        assert done.files >= 4  # data/, data/drop (a whiteout), data/mine, w/, w/x
+        shim.unmount("c1")
         # kill -9 of the node daemon, then recovery: the next VM reads through the new daemon
         with NodeState(shim.paths.state) as state, state.read() as t:
             rec = t.daemon()
@@ -222,10 +233,11 @@ def test_a_cold_node_fetches_only_what_the_guest_reads_and_survives_the_daemon(t
         with contextlib.suppress(ChildProcessError):
             os.waitpid(rec.pid, 0)
         shim.recover()
+        check = "ls /data; cat /data/mine; ls -d /w/x; head -c 100000 /opt/big | wc -c"
         with open(out, "wb") as f:
-            res = runner.run(shim, "big:1", ["/bin/sh", "-c", "head -c 100000 /opt/big | wc -c"], runtime="vm",
-                             stdout=f, stderr=f)
-        assert (res.exit_code, out.read_text().strip()) == (0, "100000")
+            res = runner.run(shim, "big:c1", ["/bin/sh", "-c", check], runtime="vm", stdout=f, stderr=f)
+        assert (res.exit_code, out.read_text().split()) == (0, ["mine", "mine", "/w/x", "100000"])
+        assert shim.backends["vm"].leftovers() == []
 
 
 def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
