@@ -27,7 +27,7 @@ Progress = Callable[[int], None]
 
 
 # -- progress ---------------------------------------------------------------------------------
-class _Bar:
+class ProgressBar:
     """A rich progress bar on stderr, silent when stderr is not a terminal or with --json."""
 
     def __init__(self, enabled: bool) -> None:
@@ -39,7 +39,7 @@ class _Bar:
                                     rp.TransferSpeedColumn(), rp.TimeElapsedColumn(), console=console,
                                     transient=True, disable=not (enabled and console.is_terminal))
 
-    def __enter__(self) -> _Bar:
+    def __enter__(self) -> ProgressBar:
         self.progress.__enter__()
         return self
 
@@ -94,7 +94,7 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
         store = open_store(store_url)
     results: list[dict[str, Any]] = []
     try:
-        with _Bar(not as_json) as bar:
+        with ProgressBar(not as_json) as bar:
             built = build_and_push(source, store=store, push=push, output=output, parent=parent, mtime_clamp=mtime,
                                    all_root=all_root, progress=bar.task)
         for r in built:

@@ -89,10 +89,13 @@ def _create_from_image(store_url: str | None, image: str, tag: str, *, top_works
                        key: PrivateKey | None, as_json: bool) -> None:
     from erofs_builder.image_env import environment_from_image
 
+    from .cmd_build import ProgressBar
+
     try:
-        with open_store(store_url) as store:
+        with open_store(store_url) as store, ProgressBar(not as_json) as bar:
             made = environment_from_image(store, image, tag, top_workspace=top_workspace, workspace=workspace,
-                                          config=config, trace=trace, annotations=annotations, key=key)
+                                          config=config, trace=trace, annotations=annotations, key=key,
+                                          progress=bar.task)
     except OSError as e:
         raise LayerstoreError(f"env create --from {image}: {e.filename or ''}: {e.strerror}") from None
     manifest, created = made.manifest, made.created
