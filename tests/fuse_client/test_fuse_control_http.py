@@ -323,7 +323,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     assert not errors, errors
 
 
-KEYS = ("blob", "holder", "chunks", "ranges", "all", "wait", "to_bytes")
+KEYS = ("blob", "holder", "chunks", "ranges", "all", "wait", "to_bytes", "older_than", "dry_run")
 
 
 def json_values(blob: str) -> st.SearchStrategy[object]:
@@ -338,6 +338,7 @@ def json_values(blob: str) -> st.SearchStrategy[object]:
 def test_any_body_on_any_route_gets_an_answer_below_500(running: Running, data: st.DataObject) -> None:
     method, path = data.draw(st.sampled_from([("POST", "/prefetch"), ("POST", "/pin"), ("POST", "/unpin"),
                                               ("POST", "/cache/evict"), ("POST", "/cache/verify"),
+                                              ("POST", "/cache/gc"),
                                               ("GET", "/stats"), ("GET", "/cache")]))
     if data.draw(st.booleans()):
         body = json.dumps(data.draw(st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8),
