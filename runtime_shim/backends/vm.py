@@ -113,17 +113,24 @@ class VmBackend:
         sources = [self.layer_source(blob) for blob in sb.layers]
         root, _built = root_image(self.base / "roots", sb.layers, sources)
         memory = MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
+        upper, config = self.write_guest_config(sb, command, extra_env, conf, memory)
+        plan = {"root": str(root), "devices": [str(s) for s in sources], "upper": upper, "memory_mib": memory}
+        write_atomic(self.workdir(sb.id) / "vm.json", json.dumps(plan).encode(), mode=0o600)
+
+    def write_guest_config(self, sb: Sandbox, command: Sequence[str] | None, extra_env: Sequence[str],
+                           conf: Confinement, memory_mib: int) -> tuple[str, Path]:
+        """The config drive (the environment's command, env, workdir and user, the caller's extra
+        variables) in the sandbox's VM directory; (the upper drive's path or "" for an upper in
+        the guest's memory (half of it at most), the config drive's path)."""
         upper = sb.upper if self.kept(sb) else ""
         wd = self.workdir(sb.id)
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)
         cfg = sb.config
         guest = GuestConfig(argv=tuple(process_args(cfg, command)), env=tuple(process_env(cfg, extra_env)),
                             workdir=cfg.get("workdir") or "/", user=cfg.get("user") or "",
-                            upper="drive" if upper else "tmpfs", upper_size=(memory << 20) // 2,
+                            upper="drive" if upper else "tmpfs", upper_size=(memory_mib << 20) // 2,
                             nosuid=not conf.new_privileges, nodev=True, hostname=sb.id)
-        write_config(wd / "config.tar", guest)
-        plan = {"root": str(root), "devices": [str(s) for s in sources], "upper": upper, "memory_mib": memory}
-        write_atomic(wd / "vm.json", json.dumps(plan).encode(), mode=0o600)
+        return upper, write_config(wd / "config.tar", guest)
 
     @staticmethod
     def kept(sb: Sandbox) -> bool:

@@ -6,7 +6,6 @@ and laziness through the node daemon. Boots are shared: each test boots once."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, spec
+from testkit.vm_support import kill9_daemon, needs_vm, tcg
 
 from erofs_builder.build import build_layer
 from erofs_builder.tree import Entry, Kind
@@ -25,29 +25,17 @@ from layerstore import digest as digestmod
 from runtime_shim import runner
 from runtime_shim.backends.vm import VmBackend
 from runtime_shim.blobs import DirBlobs
-from runtime_shim.errors import RuntimeNotAvailable, ShimError
+from runtime_shim.errors import ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
-from runtime_shim.state import NodeState
-from runtime_shim.vm.kit import find_kit
 from runtime_shim.vm.qemu import qemu_argv
 
-
-def _vm_ready() -> str:
-    try:
-        find_kit()
-    except RuntimeNotAvailable as e:
-        return str(e)
-    return "" if shutil.which("qemu-system-x86_64") else "needs qemu-system-x86"
-
-
-pytestmark = [pytest.mark.root, needs_busybox, pytest.mark.skipif(bool(_vm_ready()), reason=_vm_ready() or "-")]
+pytestmark = [pytest.mark.root, needs_busybox, needs_vm]
 
 
 @pytest.fixture(autouse=True)
 def _tcg(monkeypatch: pytest.MonkeyPatch) -> None:
-    if not os.environ.get("LAYERSTORE_VM_ACCEL"):
-        monkeypatch.setenv("LAYERSTORE_VM_ACCEL", "tcg")  # this node kind's /dev/kvm boots no guest
+    tcg(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +214,7 @@ def test_cold_node_laziness_commit_kill9_of_the_daemon_and_resume(tmp_path: Path
         assert done.files >= 4  # data/, data/drop (a whiteout), data/mine, w/, w/x
         shim.unmount("c1")
         # kill -9 of the node daemon, then recovery: the next VM reads through the new daemon
-        with NodeState(shim.paths.state) as state, state.read() as t:
-            rec = t.daemon()
-        assert rec is not None
-        os.kill(rec.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(rec.pid, 0)
+        kill9_daemon(shim)
         shim.recover()
         check = "ls /data; cat /data/mine; ls -d /w/x; head -c 100000 /opt/big | wc -c"
         with open(out, "wb") as f:
