@@ -293,8 +293,12 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
+def _epoch(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e11
+
+
 def when(epoch: object) -> str:
-    if not isinstance(epoch, int | float) or isinstance(epoch, bool) or epoch <= 0:
+    if not _epoch(epoch):
         return "-"
     try:
         return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -316,6 +320,11 @@ _env.filters.update(bytes=human_bytes, when=when, short=short)
 _env.globals.update(percent=percent)
 
 
+def _count(value: object) -> int | None:
+    """A count from the gc report (written by whoever may write `gc/`): a non-negative integer, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
     """What the template shows to a caller who sees the names `visible` accepts."""
     envs = [e for e in snap.envs if visible(e.name)]
@@ -330,11 +339,11 @@ def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
     gc_view = None
     if gc is not None:
         started, finished = gc.get("started"), gc.get("finished")
-        duration = finished - started if isinstance(started, int | float) and isinstance(finished, int | float) \
-            and finished >= started else None
+        duration = finished - started if _epoch(started) and _epoch(finished) and finished >= started else None
         gc_view = {"started": started, "finished": finished, "duration": duration,
-                   "marked_objects": gc.get("marked_objects"), "deleted_objects": gc.get("deleted_objects"),
-                   "deleted_bytes": gc.get("deleted_bytes"), "dry_run": bool(gc.get("dry_run"))}
+                   "marked_objects": _count(gc.get("marked_objects")),
+                   "deleted_objects": _count(gc.get("deleted_objects")),
+                   "deleted_bytes": _count(gc.get("deleted_bytes")), "dry_run": gc.get("dry_run") is True}
     referenced = snap.stored_bytes  # the stored bytes of the layers' distinct chunks
     return {
         "envs": envs, "layers": layers, "snap": snap, "gc": gc_view, "referenced_bytes": referenced,
