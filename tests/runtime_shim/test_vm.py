@@ -216,11 +216,12 @@ def test_cold_node_laziness_commit_kill9_of_the_daemon_and_resume(tmp_path: Path
         # kill -9 of the node daemon, then recovery: the next VM reads through the new daemon
         kill9_daemon(shim)
         shim.recover()
-        check = "ls /data; cat /data/mine; ls -d /w/x; head -c 100000 /opt/big | wc -c"
-        with open(out, "wb") as f:
-            res = runner.run(shim, "big:c1", ["/bin/sh", "-c", check], runtime="vm", stdout=f, stderr=f)
-        assert (res.exit_code, out.read_text().split()) == (0, ["mine", "mine", "/w/x", "100000"])
-        assert shim.backends["vm"].leftovers() == []
+        # resume through the CLI, as a user would: `layerctl run --backend vm` on the same node
+        check = "ls /data; cat /data/mine; ls -d /w/x; head -c 100000 /opt/big | wc -c; exit 4"
+        r = layerctl("run", "--backend", "vm", "--store", url, "--node-dir", str(shim.paths.root), "big:c1", "--",
+                     "/bin/sh", "-c", check, timeout=600, env={"LAYERSTORE_VM_ACCEL": "tcg"})
+        assert (r.code, r.out.split()) == (4, ["mine", "mine", "/w/x", "100000"]), r.err
+        assert shim.backends["vm"].leftovers() == [] and not shim.sandboxes()
 
 
 def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
