@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -46,14 +47,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from erofs_builder.flatten import build_flattened, build_multidevice  # noqa: E402
+from runtime_shim.backends.base import Confinement  # noqa: E402
 from runtime_shim.vm.kit import find_kit  # noqa: E402
 from runtime_shim.vm.qemu import start_vm  # noqa: E402
 from runtime_shim.vm.roots import layer_tags  # noqa: E402
 from runtime_shim.vm.spec import Drive, Stream, VmSpec  # noqa: E402
 
 LAYERCTL = str(Path(sys.executable).parent / "layerctl")
+GUEST_MIB = 256  # guest RAM of both VM backends (and the containers' memory limit): the same for all
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "layerstore"
 DEBIAN_TAR = CACHE / "tests" / "debian-bookworm-minbase.tar"
+CONFINEMENT = Confinement(memory=GUEST_MIB << 20, cpus=1)
 KVM_NOTE = ("Under KVM the guest runs natively: VM and microVM boot and time to first output drop from "
             "seconds of TCG translation to well under a second (the ~1.1-1.7 s of guest boot measured under "
             "TCG here is mostly translated kernel code), and QEMU's memory drops by TCG's translation cache "
@@ -162,7 +166,7 @@ def boot(kit: Any, image: Path, devices: list[Path], work: Path) -> tuple[float,
     t0 = time.monotonic()
     try:
         vm = start_vm(spec, stdout=w, stderr=subprocess.DEVNULL)  # (pumped by threads of ours: w stays open)
-        first = os.read(r, 1)
+        first = first_byte(r, vm.process)
         t = time.monotonic() - t0
         cpu = cpu_tree(vm.pid)
         vm.wait(300)
@@ -216,6 +220,18 @@ def cpu_tree(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def first_byte(fd: int, proc: subprocess.Popen[bytes], limit: float = 1200) -> bytes:
+    """The first byte on `fd`, or b"" if `proc` ends first or `limit` seconds pass (the write end
+    stays open in this process, so a dead writer gives no EOF)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 1.0)[0]:
+            return os.read(fd, 1)
+        if proc.poll() is not None:
+            return b""
+    return b""
+
+
 def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier, rec: dict[str, Any]) -> None:
     backend = shim.backend(backend_name)
     t0 = time.monotonic()
@@ -225,9 +241,9 @@ def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier
         sb = shim.mount(tag, upper_size=256 << 20)
     r, w = os.pipe()
     try:
-        backend.prepare(sb, ["/bin/sh", "-c", "echo ready; sleep 600"])
+        backend.prepare(sb, ["/bin/sh", "-c", "echo ready; sleep 600"], confinement=CONFINEMENT)
         ex = backend.start(sb.id, stdout=w, stderr=subprocess.DEVNULL)  # w stays open: a VM's pumps use it
-        first = os.read(r, 1)
+        first = first_byte(r, ex.process)
         rec["first_output_s"] = time.monotonic() - t0 if first else None
         rec["cpu_s"] = cpu_tree(ex.process.pid)
         with contextlib.suppress(threading.BrokenBarrierError):

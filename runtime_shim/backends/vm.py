@@ -238,6 +238,7 @@ class VmBackend:
             with contextlib.suppress(Exception):
                 vm.wait(timeout=30)
             self.record(sb.id).unlink(missing_ok=True)
+            shutil.rmtree(self.sockets(sb.id), ignore_errors=True)
 
     def wait(self, execution: Execution) -> int:
         vm = self.running.get(execution.sandbox)
