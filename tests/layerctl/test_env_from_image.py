@@ -5,6 +5,7 @@ gives the image's entrypoint, env, workdir and output."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,3 +193,92 @@ def test_build_from_a_registry(images: dict, tmp_path: Path) -> None:
     r = layerctl("build", f"docker://{images['registry'].ref('t/bb', 'nope')}", "--json")
     assert_clean_failure(r, "not found")
     assert r.code == 3
+
+
+class _StallingProxy:
+    """A loopback HTTP proxy in front of the registry that holds the request for `stall_on` (a
+    path suffix) until the test is done with it: a fixed point at which to kill the client."""
+
+    def __init__(self, upstream: str, stall_on: str) -> None:
+        import http.server
+        import threading
+        import urllib.request
+
+        self.reached, self.release = threading.Event(), threading.Event()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.endswith(stall_on):
+                    proxy.reached.set()
+                    proxy.release.wait(60)
+                    return
+                req = urllib.request.Request(f"http://{upstream}{self.path}",
+                                             headers={k: v for k, v in self.headers.items() if k.lower() == "accept"})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        body, status, headers = r.read(), r.status, r.headers
+                except urllib.error.HTTPError as e:
+                    body, status, headers = e.read(), e.code, e.headers
+                self.send_response(status)
+                for k in ("Content-Type", "Docker-Content-Digest"):
+                    if headers.get(k):
+                        self.send_header(k, headers[k])
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> _StallingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+def test_kill_9_half_way_then_again(images: dict, tmp_path: Path) -> None:
+    """kill -9 while the last layer downloads (two layers built, nothing pushed yet): no tag, no
+    download left behind; the same command again creates the environment."""
+    import signal
+    import subprocess
+
+    from testkit.cli_helpers import LAYERCTL
+
+    reg: Registry = images["registry"]
+    layout = images["root"] / "layout"
+    mdigest = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
+    last = json.loads((layout / "blobs/sha256" / mdigest[7:]).read_bytes())["layers"][-1]["digest"]
+    url = _store(tmp_path)
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    with _StallingProxy(reg.host, last) as proxy:
+        env = {**os.environ, "TMPDIR": str(tmp)}
+        env.pop("LAYERSTORE_STORE", None)
+        proc = subprocess.Popen([LAYERCTL, "env", "create", "--store", url, "--from", f"docker://{proxy.host}/t/bb:1",
+                                 "-t", "crash:1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert proxy.reached.wait(120), "the client never asked for the last layer"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert layerctl("env", "ls", "--store", url, "--json").json() == []
+    # the downloads were anonymous temp files: gone. What is left is the build's staging directory
+    # (workflow.Staging: the layers built so far), which nothing sweeps after a kill -9 yet.
+    left = list(tmp.iterdir())
+    assert [p.name.startswith("layerctl-build-") and p.is_dir() for p in left] == [True], left
+    names = {p.name for p in left[0].iterdir()}
+    assert {"layer-0.erofs", "layer-1.erofs"} <= names and all(n.lstrip(".").startswith("layer-") for n in names)
+    m = _from(url, f"docker://{reg.ref('t/bb', '1')}", "crash:1")
+    assert [layer["role"] for layer in m["layers"]] == ["base", "toolkit", "toolkit"]
