@@ -174,3 +174,19 @@ def _pread(path: Path, offset: int, length: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
         return f.read(length)
+
+
+def test_at_most_23_devices_and_guest_drive_names(tmp_path: Path) -> None:
+    from runtime_shim.vm.roots import guest_device, layer_tags, root_key
+
+    layers = build_layers(tmp_path, [[reg(f"f{i}".encode(), b"x" * 5000)] for i in range(24)])
+    with pytest.raises(BadInput):
+        build_multidevice(layers, tmp_path / "many.erofs")
+    md = build_multidevice(layers[:23], tmp_path / "23.erofs")
+    with mounted_multidevice(md.path, layers[:23]) as m:
+        assert sorted(os.listdir(m)) == sorted(f"f{i}" for i in range(23))
+        assert (m / "f22").read_bytes() == b"x" * 5000
+    assert [guest_device(i) for i in (0, 1, 25, 26, 27)] == ["/dev/vda", "/dev/vdb", "/dev/vdz", "/dev/vdaa",
+                                                          "/dev/vdab"]
+    assert layer_tags(2) == [b"/dev/vdb", b"/dev/vdc"]
+    assert root_key(["b3:a", "b3:b"]) != root_key(["b3:b", "b3:a"])
