@@ -27,7 +27,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from layerstore.backends import http_wire as wire
-from layerstore.errors import BadInput, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
+from layerstore.errors import (
+    BadInput,
+    BadKey,
+    CorruptObject,
+    LayerstoreError,
+    NotFound,
+    PermissionDenied,
+    StoreUnavailable,
+)
 from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
@@ -45,6 +53,7 @@ MAX_DELETE_BODY = 1 << 20
 MAX_DELETE_KEYS = 10_000
 LIST_BATCH = 512
 TOKEN_COOKIE = "layerstore_token"
+RANGE_PATTERN = r"^bytes=[0-9]{0,19}-[0-9]{0,19}$"  # one range; anything else is a 400
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 OCTETS = "application/octet-stream"
 
@@ -127,6 +136,22 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     async def run(fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args)
 
+    def is_prefix(key: str) -> bool:
+        return next(iter(backend.list(key + "/")), None) is not None
+
+    async def on_object(key: str, fn: Any, *args: Any, writing: bool = False) -> Any:
+        """A backend call on one object. A key that names a prefix of other keys (a directory
+        on POSIX) is no object: NotFound to read or delete it, BadKey to write it, not the
+        backend's CorruptObject (502) or failure (503)."""
+        try:
+            return await run(fn, *args)
+        except (CorruptObject, StoreUnavailable, PermissionDenied) as e:
+            if not await run(is_prefix, key):
+                raise
+            if writing:
+                raise BadKey(f"{key}: a prefix of other keys, not an object") from None
+            raise NotFound(f"object {key}: not found (a prefix of other keys)") from e
+
     async def read_body(request: Request, limit: int) -> bytes:
         length = request.headers.get("content-length")
         if length is not None:
@@ -155,7 +180,8 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     # -- objects -----------------------------------------------------------------------------
     @app.get(wire.OBJECTS + "{key:path}", response_class=Response,
              responses={200: {"content": {OCTETS: {}}}, 206: {"content": {OCTETS: {}}}, 304: {}, 416: {}})
-    async def get_object(key: str, who: Who, byte_range: Annotated[str | None, Header(alias="range")] = None,
+    async def get_object(key: str, who: Who,
+                         byte_range: Annotated[str | None, Header(alias="range", pattern=RANGE_PATTERN)] = None,
                          if_none_match: Annotated[str | None, Header()] = None) -> Response:
         """An object's bytes, or one range of them."""
         check_key(key)
@@ -166,19 +192,21 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
                 and await run(backend.exists, key)):
             return Response(status_code=304, headers=object_headers(key, wire.etag_of(key, b"")))
         if byte_range is None:
-            data = await run(lambda: backend.load(key, max_size=limit))
+            data = await on_object(key, lambda: backend.load(key, max_size=limit))
             etag = wire.etag_of(key, data)
             if if_none_match and etag in wire.etags_in(if_none_match):
                 return Response(status_code=304, headers=object_headers(key, etag))
             return Response(data, media_type=OCTETS, headers=object_headers(key, etag))
-        size = await run(backend.size, key)
+        size = await on_object(key, backend.size, key)
         if size > limit:
             raise LayerstoreError(f"object {key}: {size} bytes, more than such an object can have ({limit})")
         span = parse_range(byte_range, size)
         if span is None:
-            return Response(status_code=416, headers={"Content-Range": f"bytes */{size}"})
+            resp = error_response(wire.RangeNotSatisfiable(f"object {key}: range starts at or past its end ({size})"))
+            resp.headers["Content-Range"] = f"bytes */{size}"
+            return resp
         offset, length = span
-        data = await run(lambda: backend.load(key, offset, length, max_size=limit))
+        data = await on_object(key, lambda: backend.load(key, offset, length, max_size=limit))
         headers = object_headers(key, wire.etag_of(key, b"") if content else None)
         headers["Content-Range"] = f"bytes {offset}-{offset + len(data) - 1}/{size}"
         return Response(data, status_code=206, media_type=OCTETS, headers=headers)
@@ -189,10 +217,10 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         check_key(key)
         readable(who, key)
         if wire.kind_of(key) in wire.CONTENT_KINDS:
-            size = await run(backend.size, key)
+            size = await on_object(key, backend.size, key)
             etag = wire.etag_of(key, b"")
         else:
-            data = await run(lambda: backend.load(key, max_size=limit_for(key)))
+            data = await on_object(key, lambda: backend.load(key, max_size=limit_for(key)))
             size, etag = len(data), wire.etag_of(key, data)
         headers = object_headers(key, etag)
         headers["Content-Length"] = str(size)
@@ -217,7 +245,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         await run(check_body, store, key, data)
         etag = {"ETag": wire.quote(wire.etag_of(key, data))}
         if wire.kind_of(key) in wire.CONTENT_KINDS or if_none_match is not None:
-            if await run(backend.store_once, key, data):
+            if await on_object(key, backend.store_once, key, data, writing=True):
                 return Response(status_code=201, headers=etag)
             if if_none_match is not None:
                 return precondition_failed(key)
@@ -225,15 +253,15 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if if_match is not None:
             wanted = wire.etags_in(if_match)
             try:
-                current = await run(lambda: backend.load(key, max_size=limit_for(key)))
+                current = await on_object(key, lambda: backend.load(key, max_size=limit_for(key)), writing=True)
             except NotFound:
                 return precondition_failed(key)
             if "*" not in wanted and wire.etag_of(key, current) not in wanted:
                 return precondition_failed(key)
-            if not await run(backend.replace_if, key, data, current):
+            if not await on_object(key, backend.replace_if, key, data, current, writing=True):
                 return precondition_failed(key)
             return Response(status_code=200, headers=etag)
-        await run(backend.replace, key, data)
+        await on_object(key, backend.replace, key, data, writing=True)
         return Response(status_code=200, headers=etag)
 
     def precondition_failed(key: str) -> JSONResponse:
@@ -246,7 +274,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if not who.may_delete(key):
             readable(who, key)
             raise PermissionDenied(f"token {who.id} may not delete {key}")
-        await run(backend.delete, key)
+        await on_object(key, backend.delete, key)
         return Response(status_code=204)
 
     # -- listings and batches ------------------------------------------------------------------

@@ -18,6 +18,9 @@ LIMITS = {**MAX_OBJECT_SIZE, "tags": MAX_TAG_SIZE, "leases": MAX_LEASE, "gc": MA
           "other": MAX_RAW}
 
 
+LAYOUT = {*keys.KINDS, *wire.MUTABLE_KINDS}  # the store's top-level prefixes
+
+
 def limit_for(key: str) -> int:
     """The largest body a PUT of `key` may carry (and the largest object a GET of it reads)."""
     return LIMITS[wire.kind_of(key)]
@@ -32,6 +35,10 @@ def check_key(key: str) -> str:
         keys.digest_of_key(key)
     elif kind == "tags" and wire.tag_name(key) is None:
         raise BadKey(f"not a tag key (tags/NAME:TAG): {key!r}")
+    elif kind == "leases" and key.count("/") != 2:
+        raise BadKey(f"not a lease key (leases/ID/NAME, docs/gc.md): {key!r}")
+    elif kind == "other" and key.split("/", 1)[0] in LAYOUT:
+        raise BadKey(f"{key!r} is a name of the store's layout, not an object")
     return key
 
 

@@ -244,3 +244,16 @@ def test_no_request_got_a_500(served: Served) -> None:
     five = [ln for ln in text.splitlines() if ln.startswith("layerstore_service_requests_total")
             and 'status="5' in ln and not ln.endswith(" 0.0")]
     assert five == []
+
+
+def test_keys_that_name_a_prefix_are_no_objects(client: httpx.Client, stored: dict[str, object]) -> None:
+    """On a POSIX store a prefix of keys is a directory: the backend's CorruptObject (502) or
+    failure (503) would blame the store for a request's mistake."""
+    for key in ("chunks", "chunks/" + str(stored["key"]).split("/")[1], "leases"):
+        for method in ("GET", "HEAD", "DELETE"):
+            assert client.request(method, "/v1/objects/" + key).status_code in (400, 404), (method, key)
+        assert client.put("/v1/objects/" + key, content=b"x").status_code == 400, key
+    client.put("/v1/objects/t/p/head", content=b"{}")
+    assert client.get("/v1/objects/t/p").status_code == 404
+    assert client.put("/v1/objects/t/p", content=b"{}").status_code == 400
+    assert client.put("/v1/objects/leases/p", content=b"{}").status_code == 400  # not a lease key
