@@ -1,4 +1,5 @@
-"""`layerctl mount|umount|run|sandbox|commit|recover`: the runtime shim's commands (container backend)."""
+"""`layerctl mount|umount|run|sandbox|commit|recover`: the runtime shim's commands (container,
+microVM and VM backends)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None
 def _sandbox_json(sb: Any) -> dict[str, Any]:
     return {"sandbox": sb.id, "env": sb.env, "manifest": sb.manifest, "target": sb.target, "upper": sb.upper,
             "status": sb.status, "layers": sb.layers, "owned_upper": sb.owned, "error": sb.error,
-            "created": sb.created}
+            "created": sb.created, "backend": sb.backend or "container"}
 
 
 @click.command("mount")
@@ -78,8 +79,12 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @eager_option
 @sandbox_option
 @click.option("--keep", is_flag=True, help="Leave the sandbox mounted after the command (for commit).")
+@click.option("--backend", type=click.Choice(["container", "microvm", "vm"]), default="container",
+              show_default=True,
+              help="What runs the sandbox: a container (runc/crun), a microVM whose guest stacks a read-only drive "
+                   "per layer, or a full VM on one flattened root device (QEMU; KVM where it works, else TCG).")
 @click.option("--runtime", type=click.Choice(["runc", "crun"]), default="runc", show_default=True,
-              help="The OCI runtime.")
+              help="The OCI runtime (container backend).")
 @click.option("-e", "--env", "extra_env", multiple=True, metavar="KEY[=VALUE]",
               help="Extra environment variable; KEY alone takes its value from this process's environment "
                    "(keeps a secret off the command line). Values never reach a command line or a log.")
@@ -107,9 +112,10 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @click.argument("env")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
-            keep: bool, runtime: str, extra_env: tuple[str, ...], pids_limit: int | None, memory: str | None,
-            cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool, allow_setuid: bool,
-            allow_devices: bool, unmask_system_paths: bool, userns: str, env: str, command: tuple[str, ...]) -> None:
+            keep: bool, backend: str, runtime: str, extra_env: tuple[str, ...], pids_limit: int | None,
+            memory: str | None, cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool,
+            allow_setuid: bool, allow_devices: bool, unmask_system_paths: bool, userns: str, env: str,
+            command: tuple[str, ...]) -> None:
     """Run COMMAND (default: the environment's) in a new sandbox of ENV; exit with its exit code.
 
     Least privilege unless relaxed by an option: a seccomp profile, Docker's default capabilities,
@@ -141,7 +147,8 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
                                   memory=None if memory_limit is None else int(memory_limit),
                                   cpus=limit(cpus, node.cpus))
         res = runner.run(shim, env, list(command) or None, sandbox=sandbox, eager=eager, keep=keep,
-                         runtime=runtime, extra_env=variables, confinement=confinement, nodev=not allow_devices,
+                         runtime=runtime if backend == "container" else backend,
+                         extra_env=variables, confinement=confinement, nodev=not allow_devices,
                          upper_size=parse_size(upper_size) if upper_size is not None else None,
                          userns={"auto": None, "on": True, "off": False}[userns])
     if keep:
@@ -186,7 +193,8 @@ def sandbox_ls_cmd(node_dir: str | None, as_json: bool) -> None:
         emit_json({"sandboxes": [_sandbox_json(sb) for sb in sbs], "layers": refs})
         return
     for sb in sbs:
-        click.echo(f"{sb.id}  {sb.status:9}  {sb.env or sb.manifest or '-'}  {sb.target}")
+        where = f"(composed in its {sb.backend} guest)" if sb.backend else sb.target
+        click.echo(f"{sb.id}  {sb.status:9}  {sb.env or sb.manifest or '-'}  {where}")
 
 
 @sandbox_group.command("rm")
@@ -207,7 +215,8 @@ def sandbox_rm_cmd(node_dir: str | None, sandbox: str) -> None:
 def commit_cmd(store_url: str | None, node_dir: str | None, tag: str, as_json: bool, sandbox: str) -> None:
     """Commit SANDBOX's writes as a new layer; tag the environment with it on top.
 
-    A container still running in SANDBOX is frozen (paused) while its files are read."""
+    A container still running in SANDBOX is frozen (paused) while its files are read. A microVM
+    sandbox is committed once its VM has stopped: a helper VM reads its upper drive."""
     from layerstore.store import Store
     from runtime_shim.commit import commit
 

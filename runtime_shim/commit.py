@@ -139,10 +139,21 @@ def upper_source(upper: Path, userns: int | None = None) -> LayerSource:
     return LayerSource(str(upper), entries, None, counts_input=False, refusable=False)
 
 
+def guest_upper_source(sb: Sandbox, backends: Iterable[SandboxBackend]) -> LayerSource:
+    """The upper of a sandbox whose guest composed its root, from the backend that owns it (its
+    `upper_source`: the host never mounts or walks what a guest wrote; see backends.microvm)."""
+    owner = next((b for b in backends if b.name == sb.backend), None)
+    export = getattr(owner, "upper_source", None)
+    if export is None:
+        raise ShimError(f"sandbox {sb.id}: its backend {sb.backend!r} cannot hand its upper to a commit on this node")
+    return export(sb)  # type: ignore[no-any-return]
+
+
 def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
            backends: Iterable[SandboxBackend] = ()) -> CommitResult:
-    """Build a layer from the sandbox's upper (its workloads in `backends` frozen meanwhile),
-    push it, and tag the new environment `tag`."""
+    """Build a layer from the sandbox's upper (its workloads in `backends` frozen meanwhile; for a
+    sandbox composed in a guest, the upper its backend reads from its drive), push it, and tag the
+    new environment `tag`."""
     from erofs_builder.workflow import Source, build_and_push
     from manifest import Layer, Manifest
     from manifest.environment import check_environment_tag, create_environment, load_manifest
@@ -151,9 +162,14 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
     if not sb.manifest:
         raise ShimError(f"sandbox {sb.id} was not started from a stored environment: nothing to commit onto")
     old = load_manifest(store, sb.manifest)
-    with frozen(sb.id, backends) as froze:
-        source = Source([upper_source(Path(sb.upper), sb.userns)], None, False)
-        (res,) = build_and_push(source, store=store, workdir=workdir)
+    with contextlib.ExitStack() as stack:
+        if sb.backend:  # composed in a guest: its backend reads the upper (after the VM stopped)
+            froze: list[str] = []
+            layer = guest_upper_source(sb, backends)
+        else:
+            froze = stack.enter_context(frozen(sb.id, backends))
+            layer = upper_source(Path(sb.upper), sb.userns)
+        (res,) = build_and_push(Source([layer], None, False), store=store, workdir=workdir)
     built = res.layer
     layers = committed_layers(old.layers, built.blob, built.size, Layer)
     prefetch = {b: idx for b, idx in old.prefetch.items() if any(layer.blob == b for layer in layers)}

@@ -183,6 +183,8 @@ def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
         m = mounts.get(sb.target)
         intact = (m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
                   and sb.status == MOUNTED)
+        if sb.backend:  # composed in a guest: its layer mounts (above) are all the host has of it
+            continue
         if not intact or stale.intersection(sb.layers):
             redo.append(sb)
 

@@ -27,6 +27,7 @@ from .environment import EnvSpec
 from .errors import ShimError
 from .paths import NodePaths
 from .shim import Shim
+from .state import Sandbox
 
 LIMITS_FILE = "limits.json"
 
@@ -94,17 +95,15 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
     confinement = confinement or defaults.confinement()
     size = defaults.upper_size if upper_size is None else upper_size
     image = kept_upper_image(shim.paths, upper_size) if keep else None
-    if userns is not False:
-        ok = idmap.supported(shim.paths.root, shim.paths.layers)
-        if userns and not ok:
-            raise ShimError("this node cannot give sandboxes a user namespace with idmapped layers "
-                            "(kernel 5.12+ with idmapped EROFS and overlayfs lowers); run with --userns off")
-        userns = ok
-    sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
-                    upper_image=image,
-                    nosuid=not confinement.new_privileges, nodev=nodev, userns=userns)
+    backend = shim.backend(runtime)
+    if getattr(backend, "guest_root", False):
+        # A VM backend whose guest composes the root: the layers are mounted on the node (their
+        # files are its drives), the upper is an image drive when kept, else the guest's memory.
+        sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_image=image, guest=backend.name)
+    else:
+        sb = _mount_on_host(shim, env, sandbox=sandbox, eager=eager, keep=keep, size=size, image=image,
+                            confinement=confinement, nodev=nodev, userns=userns)
     try:
-        backend = shim.backend(runtime)
         backend.prepare(sb, command, extra_env=extra_env, confinement=confinement)
         try:
             code = backend.wait(backend.start(sb.id, stdin=stdin, stdout=stdout, stderr=stderr))
@@ -118,3 +117,17 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
     if not keep:
         shim.unmount(sb.id)
     return RunResult(sb.id, code, keep)
+
+
+def _mount_on_host(shim: Shim, env: str | EnvSpec, *, sandbox: str | None, eager: bool, keep: bool, size: int | None,
+                   image: int | None, confinement: Confinement, nodev: bool, userns: bool | None) -> Sandbox:
+    """The root composed on the node for a container runtime: an overlay with its upper's quota,
+    in a user namespace of its own where the node supports one (unless `userns` says otherwise)."""
+    if userns is not False:
+        ok = idmap.supported(shim.paths.root, shim.paths.layers)
+        if userns and not ok:
+            raise ShimError("this node cannot give sandboxes a user namespace with idmapped layers "
+                            "(kernel 5.12+ with idmapped EROFS and overlayfs lowers); run with --userns off")
+        userns = ok
+    return shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
+                      upper_image=image, nosuid=not confinement.new_privileges, nodev=nodev, userns=userns)

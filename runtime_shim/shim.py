@@ -182,7 +182,9 @@ class Shim:
         health = SandboxHealth(sb.id)
         if sb.status != MOUNTED:
             health.problems.append(f"status {sb.status}{': ' + sb.error if sb.error else ''}")
-        if not linux.is_mount(sb.target) or linux.fs_type(sb.target) != linux.OVERLAYFS_MAGIC:
+        if sb.backend:
+            pass  # (its root is composed in its guest)
+        elif not linux.is_mount(sb.target) or linux.fs_type(sb.target) != linux.OVERLAYFS_MAGIC:
             health.problems.append(f"root {sb.target} is not mounted")
         gen = self.blobs.generation()
         if gen is None:
@@ -208,7 +210,7 @@ class Shim:
               sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
               eager: bool = False, utab_entry: bool = False, upper_size: int | None = None,
               upper_image: int | None = None, nosuid: bool = True, nodev: bool = True,
-              userns: bool = False) -> Sandbox:
+              userns: bool = False, guest: str | None = None) -> Sandbox:
         """Compose a sandbox's root at `target` (default NODE/roots/<id>).
 
         A new sandbox gets a fresh upper under the node directory; an id whose directory already
@@ -229,6 +231,13 @@ class Shim:
         its layers are stacked as idmapped clones and its upper is owned by the range's root, for
         a backend to run it in a user namespace of that mapping. Only for a shim-owned upper (a
         caller's upper, written under another mapping or none, keeps host ids: no userns).
+        `guest`: the name of a VM backend whose guest composes the root itself (`Sandbox.backend`):
+        the layers are mounted (shared and counted as for any sandbox: each layer mount's file, the
+        daemon's lazily fetched one or a pinned complete cache file, is what the VM reads as a
+        drive) but no overlay is made and `target` stays unmounted; `upper_image` then makes the
+        sandbox's upper drive (a sparse ext4 image at NODE/sandboxes/<id>/upper.img, never mounted
+        on the host), and without it the guest keeps its upper in its own memory. Not with
+        `upper`, `upper_size`, `utab_entry` or `userns`.
 
         The node lock is held twice, for state changes only: to record the sandbox and take its
         layer references (claiming the mounts of layers nobody has mounted), and to mark it
@@ -240,6 +249,8 @@ class Shim:
             raise ShimError(f"upper image size {upper_image}: want a positive number of bytes, without upper_size")
         if upper is not None:
             upper_image = None  # (an explicit upper is the caller's: it stays where it is)
+        if guest is not None and (upper is not None or upper_size is not None or utab_entry or userns):
+            raise ShimError("a sandbox composed in a guest takes no host upper, upper size, utab entry or userns")
         spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
         sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
         if eager:
@@ -253,7 +264,7 @@ class Shim:
             gen = self._ready_locked()
             sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry,
                                                                 upper_size is not None or upper_image is not None,
-                                                                userns)
+                                                                userns, guest)
         mounted = False
         try:
             self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image)
@@ -261,7 +272,9 @@ class Shim:
                 self._send_hints(spec)
             lowers = [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)]
             flags = mount_flags(nosuid=nosuid, nodev=nodev)
-            if sb.userns is None:
+            if sb.backend:
+                pass  # (the guest composes the root from the layer files)
+            elif sb.userns is None:
                 mount_overlay(sb.target, lowers, sb.upper, sb.work, flags)
             else:
                 with idmapped_lowers(lowers, sb.userns) as mapped:
@@ -333,8 +346,8 @@ class Shim:
 
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
                      upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool,
-                     scratch: bool = False,
-                     userns: bool = False) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
+                     scratch: bool = False, userns: bool = False,
+                     guest: str | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
         """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
         every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
@@ -346,6 +359,8 @@ class Shim:
         owned = upper is None
         home = self.paths.scratch(sid) if owned and scratch else sdir  # the upper's own tmpfs, or beside the record
         up = str(home / "upper") if owned else os.path.abspath(upper)  # type: ignore[arg-type]
+        if guest:  # the upper drive (when it has one: kept), else a name that is only its own
+            up = str(self.paths.upper_image(sid) if scratch else sdir / "upper")
         if not owned:
             check_overlay_safe(up, "upper directory")
         with self.state.read() as t:
@@ -374,7 +389,7 @@ class Shim:
             work = str(self._work_for(Path(up), sdir))
         sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
                      target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
-                     created=time.time(), utab=utab_entry)
+                     created=time.time(), utab=utab_entry, backend=guest or "")
         # From here on, a crash leaves a `pending` mount that recovery rolls back.
         waits: set[str] = set()
         claims: list[str] = []
@@ -401,7 +416,7 @@ class Shim:
         try:
             for blob in claims:
                 claimed[blob] = BlobLock(self.paths.layer_lock(blob)).hold()
-            if self.lifecycle.under_roots(tgt):
+            if self.lifecycle.under_roots(tgt) and not guest:
                 self.lifecycle.ensure_roots()
         except BaseException:
             self._abandon(dict.fromkeys(claims, None) | claimed)
@@ -425,7 +440,10 @@ class Shim:
             raise error
 
     def _make_dirs(self, sb: Sandbox, upper_size: int | None = None, upper_image: int | None = None) -> None:
-        if sb.owned and upper_size is not None:
+        if sb.backend:  # composed in a guest: its upper drive if it is kept, nothing else on the host
+            if upper_image is not None:
+                make_upper_image(sb.upper, upper_image)
+        elif sb.owned and upper_size is not None:
             scratch = self.paths.scratch(sb.id)
             os.mkdir(scratch, 0o700)
             mount_scratch(scratch, upper_size)  # (detached by every teardown and undo: `lifecycle`)
@@ -437,14 +455,17 @@ class Shim:
             os.mkdir(scratch, 0o700)
             make_upper_image(self.paths.upper_image(sb.id), upper_image)
             mount_upper_image(self.paths.upper_image(sb.id), scratch)
-        if sb.owned:
+        if sb.backend:
+            pass
+        elif sb.owned:
             os.mkdir(sb.upper, 0o755)
             os.mkdir(sb.work, 0o700)
             if sb.userns is not None:  # root in the sandbox owns its root directory
                 chown_to_range(sb.userns, sb.upper, sb.work)
         else:
             Path(sb.work).mkdir(mode=0o700, exist_ok=True)
-        Path(sb.target).mkdir(mode=0o755, parents=True, exist_ok=True)
+        if not sb.backend:
+            Path(sb.target).mkdir(mode=0o755, parents=True, exist_ok=True)
         # The record file says what should be (mounted): it is what recovery rebuilds from
         # after a reboot, when the database is not trusted.
         records.save(self.paths, Sandbox(**{**sb.to_json(), "status": MOUNTED}))

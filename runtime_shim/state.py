@@ -118,13 +118,18 @@ class Sandbox:
     created: float = 0.0
     utab: bool = False  # an entry in /run/mount/utab sends `umount TARGET` to umount.layerstore
     userns: int | None = None  # the base host id of its user namespace's id range (`idmap`); None: no userns
+    # "" = its root is composed on the host (an overlay at `target`, for a container runtime); else
+    # the VM backend whose guest composes it from the layer mounts' files (no overlay, `target`
+    # never mounted; `upper` is its upper drive, an ext4 image, when it is kept)
+    backend: str = ""
 
     def to_json(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies every value, a measurable share of a mount
         return {"id": self.id, "env": self.env, "manifest": self.manifest, "layers": list(self.layers),
                 "config": self.config, "target": self.target, "upper": self.upper, "work": self.work,
                 "owned": self.owned, "store": self.store, "status": self.status, "error": self.error,
-                "created": self.created, "utab": self.utab, "userns": self.userns}
+                "created": self.created, "utab": self.utab, "userns": self.userns,
+                **({"backend": self.backend} if self.backend else {})}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Sandbox:

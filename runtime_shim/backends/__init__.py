@@ -1,8 +1,9 @@
 """Sandbox backends: what runs a workload on a mounted sandbox root (see `base`).
 
-`REGISTRY` maps the names `layerctl run --runtime` takes to backends: "runc" and "crun" (the
-container backend, `container`). MicroVM and VM backends are registered here too when they come,
-as modules beside `container`.
+`REGISTRY` maps names to backends: "runc" and "crun" (the container backend, `container`; what
+`layerctl run --runtime` picks), "microvm" (`microvm`: a QEMU microvm whose guest composes the root
+from a drive per layer) and "vm" (`vm`: a full q35 VM on one flattened root device), which
+`layerctl run --backend` picks.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 from ..paths import NodePaths
 from .base import BackendRegistry, Execution, SandboxBackend
 from .container import CrunBackend, RuncBackend
+from .microvm import MicrovmBackend
+from .vm import VmBackend
 
 REGISTRY = BackendRegistry()
 REGISTRY.register("runc", RuncBackend)
 REGISTRY.register("crun", CrunBackend)
+REGISTRY.register("microvm", MicrovmBackend)
+REGISTRY.register("vm", VmBackend)
 
 
 def open_backend(name: str, paths: NodePaths) -> SandboxBackend:

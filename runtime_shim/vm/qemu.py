@@ -226,19 +226,23 @@ class QemuVm:
         return parse_status(bytes(self.status))
 
 
-def _pump_to_fd(conn: socket.socket, fd: int) -> None:
-    with contextlib.suppress(OSError):
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                return
-            view = memoryview(data)
-            while view:
-                try:
-                    n = os.write(fd, view)
-                except BrokenPipeError:
-                    return _drain(conn)
-                view = view[n:]
+def _pump_to_fd(conn: socket.socket, fd: int, close: bool = False) -> None:
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                view = memoryview(data)
+                while view:
+                    try:
+                        n = os.write(fd, view)
+                    except BrokenPipeError:
+                        return _drain(conn)
+                    view = view[n:]
+    finally:
+        if close:
+            os.close(fd)
 
 
 def _drain(conn: socket.socket) -> None:
@@ -259,11 +263,14 @@ def _pump_bounded(conn: socket.socket, into: bytearray, limit: int) -> None:
 
 
 def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: str | None = None,
-             on_started: Callable[[int], None] | None = None, log: IO[bytes] | int | None = None) -> QemuVm:
+             on_started: Callable[[int], None] | None = None, log: IO[bytes] | int | None = None,
+             close_sinks: bool = False) -> QemuVm:
     """Start QEMU for `spec` (whose streams must include "stdout", "stderr" and "status"): listen
     on the streams' sockets, start QEMU, accept its connections, start the pumps. `on_started`
     gets QEMU's pid as soon as it runs (to record it before anything can fail). QEMU's own
-    messages go to `log` (default: discarded). On any failure QEMU is killed and reaped."""
+    messages go to `log` (default: discarded). `close_sinks`: the stdout and stderr descriptors
+    are the VM's (closed when their stream ends, e.g. a pipe's write end whose reader wants EOF).
+    On any failure QEMU is killed and reaped."""
     spec.check()
     accel = accel or choose_accel(spec.kernel, spec.initrd)
     argv = qemu_argv(spec, accel=accel, binary=qemu_binary(), tsc_khz=host_tsc_khz())
@@ -291,11 +298,14 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
             if name == "status":
                 th = threading.Thread(target=_pump_bounded, args=(conn, vm.status, STATUS_MAX), daemon=True)
             elif name in targets:
-                th = threading.Thread(target=_pump_to_fd, args=(conn, targets[name]), daemon=True)
+                th = threading.Thread(target=_pump_to_fd, args=(conn, targets.pop(name), close_sinks), daemon=True)
             else:
                 th = threading.Thread(target=_drain, args=(conn,), daemon=True)
             th.start()
             vm.pumps.append(th)
+        if close_sinks:  # (a stream QEMU never connected: nothing will write to its sink)
+            for fd in targets.values():
+                os.close(fd)
         return vm
     except BaseException:
         if proc is not None:

@@ -92,12 +92,17 @@ def sandbox(paths: NodePaths, sid: str = "sb-1", config: dict[str, Any] | None =
 
 
 # -- the registry ----------------------------------------------------------------------------------
-def test_the_default_registry_has_the_container_backends(tmp_path: Path) -> None:
+def test_the_default_registry_has_the_container_and_vm_backends(tmp_path: Path) -> None:
+    from runtime_shim.backends.microvm import MicrovmBackend
+    from runtime_shim.backends.vm import VmBackend
+
     paths = NodePaths(tmp_path / "node")
-    assert REGISTRY.names() == ["runc", "crun"]
+    assert REGISTRY.names() == ["runc", "crun", "microvm", "vm"]
     every = node_backends(paths)
-    assert list(every) == ["runc", "crun"]
+    assert list(every) == ["runc", "crun", "microvm", "vm"]
     assert isinstance(every["runc"], RuncBackend) and isinstance(every["crun"], CrunBackend)
+    assert isinstance(every["microvm"], MicrovmBackend) and type(every["vm"]) is VmBackend
+    assert every["microvm"].record("x") != every["vm"].record("x")  # type: ignore[attr-defined]
     assert every["runc"].state_root == paths.root / "oci" / "runc"  # type: ignore[attr-defined]
     assert not (tmp_path / "node").exists()  # constructing a backend touches nothing
 

@@ -1,0 +1,272 @@
+"""The microVM backend ("microvm"): QEMU microvm booted for real (TCG on this node kind), the
+guest kit's kernel and init composing the root from one read-only drive per layer.
+
+Pure parts first (the config drive, the status grammar, the command line).
+Then one environment on a real store and node daemon, and three boots shared by the cases, in
+order (module-scoped state; each case needs the one before):
+
+1. a cold node, `run --keep`: output on stdout and stderr apart, the exit code, the environment's
+   env/workdir/user and the caller's variables, a layer's whiteout and the workload's own delete,
+   isolation seen from inside (only its drives, each read-only but its upper; no network), and
+   laziness (the node daemon fetched well under the layers' size);
+2. commit of the kept sandbox: a helper VM reads its upper drive; the new environment's layer has
+   the workload's file and its delete;
+3. kill -9 of the node daemon, recovery, then a resumed run of the committed environment (its
+   drives read through the new daemon) killed with kill -9 of the VMM, then recovery and removal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import signal
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox
+from testkit.vm_support import kill9_daemon, needs_vm, tcg
+
+from runtime_shim import runner
+from runtime_shim.backends.base import Confinement
+from runtime_shim.backends.microvm import MicrovmBackend
+from runtime_shim.errors import ShimError
+from runtime_shim.vm.config import GuestConfig, config_tar
+from runtime_shim.vm.qemu import parse_status, qemu_argv
+from runtime_shim.vm.spec import Drive, Stream, VmSpec, VmSpecError
+
+CONF = Confinement(memory=256 << 20, cpus=1)
+
+
+# -- pure parts -------------------------------------------------------------------------------------
+def test_the_config_drive_carries_every_field_and_no_command_line() -> None:
+    cfg = GuestConfig(("/bin/sh", "-c", "echo 'a b'\n"), ("PATH=/bin", "SECRET=s3cr3t"), workdir="/w", user="app:grp",
+                      upper="drive", upper_size=123, nosuid=False, hostname="sb-1")
+    raw = config_tar(cfg)
+    assert len(raw) % 512 == 0
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    assert got["argv"] == b"/bin/sh\0-c\0echo 'a b'\n" and got["env"] == b"PATH=/bin\0SECRET=s3cr3t"
+    assert (got["workdir"], got["user"], got["upper"], got["upper_size"], got["flags"]) == \
+        (b"/w", b"app:grp", b"drive", b"123", b"nodev")
+    with pytest.raises(ValueError):
+        config_tar(GuestConfig(("a\0b",), ()))
+
+
+def test_the_status_line_is_all_the_host_takes_from_the_guest() -> None:
+    assert parse_status(b"exit 0\n") == (0, "")
+    assert parse_status(b"exit 137\nexit 0\n") == (137, "")
+    assert parse_status(b"error cannot mount layer 1\n") == (None, "cannot mount layer 1")
+    for hostile in (b"", b"exit 256\n", b"exit -1\n", b"exit 1", b"exit 0000\n", b"\x1b[2Jexit 0\n",
+                    b"error \x1b]0;pwned\x07\n", b"error " + b"x" * 5000 + b"\n", b"exit 1\x00\n"):
+        code, why = parse_status(hostile)
+        assert code is None and why.isprintable() and len(why) <= 300, hostile
+
+
+def test_every_drive_but_the_upper_is_read_only(tmp_path: Path) -> None:
+    spec = VmSpec("/k", "/i", "console=ttyS0", drives=(
+        Drive("/n/fuse/blobs/b3:aa", serial="layer0"), Drive("/n/sb/upper.img", read_only=False, role="upper",
+                                                               serial="upper"),
+        Drive("/n/cfg.tar", role="config", serial="config")), streams=(Stream("stdout", "/run/x/o.sock"),))
+    argv = qemu_argv(spec, tsc_khz=2_000_000)
+    drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
+    assert [("readonly=on" in d) for d in drives] == [True, False, True]
+    assert "-net" in argv and argv[argv.index("-net") + 1] == "none"
+    assert "tsc_early_khz=2000000" in argv[argv.index("-append") + 1]
+    assert argv[argv.index("-machine") + 1] == "microvm,acpi=on"
+    with pytest.raises(VmSpecError):
+        VmSpec("/k", None, "", drives=(Drive("/a", read_only=False, serial="layer0"),)).check()
+    with pytest.raises(VmSpecError):
+        VmSpec("/k", None, "", drives=(Drive("/a,b", serial="layer0"),)).check()
+    with pytest.raises(VmSpecError):
+        VmSpec("/k", None, "", drives=(Drive("/a", serial="x" * 21),)).check()
+
+
+# -- booted for real --------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _tcg(monkeypatch: pytest.MonkeyPatch) -> None:
+    tcg(monkeypatch)  # this node kind's /dev/kvm boots no guest
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A store with "mv:1": a busybox base (a user "app", /data/{keep,drop} owned by it, a 16 MiB
+    file nobody reads) under a workspace that deletes /data/drop; a node (real daemon) on it."""
+    from testkit.cli_helpers import layerctl
+
+    from runtime_shim.shim import Shim
+
+    root = tmp_path_factory.mktemp("microvm")
+    url = str(root / "store")
+    assert layerctl("store", "init", "--store", url).code == 0
+    base = busybox_rootfs(root / "base")
+    (base / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000::/home/app:/bin/sh\n")
+    (base / "etc" / "group").write_text("root:x:0:\napp:x:1000:\n")
+    (base / "data").mkdir()
+    for name in ("keep", "drop"):
+        (base / "data" / name).write_text(f"{name}\n")
+    (base / "opt").mkdir()
+    (base / "opt" / "big").write_bytes(os.urandom(16 << 20))
+    for p in (base / "data", base / "data" / "keep", base / "data" / "drop"):
+        os.chown(p, 1000, 1000)
+    ws = root / "ws"
+    (ws / "data").mkdir(parents=True)
+    os.mknod(ws / "data" / "drop", 0o600 | 0o020000, os.makedev(0, 0))  # a whiteout
+    (ws / "data" / "new").write_text("new\n")
+    os.chown(ws / "data", 1000, 1000)
+    blobs = []
+    for src, role in ((base, "base"), (ws, "workspace")):
+        r = layerctl("build", str(src), "--push", "--store", url, "--role", role, "--json")
+        assert r.code == 0, r.err
+        blobs.append(r.json()["blob"])
+    config = root / "config.json"
+    config.write_text(json.dumps({"entrypoint": [], "cmd": ["/bin/sh"], "env": ["PATH=/bin", "FOO=from-env"],
+                                  "workdir": "/work/dir", "user": "app"}))
+    assert layerctl("env", "create", "--store", url, "--base", blobs[0], "--workspace", blobs[1],
+                    "--config", str(config), "-t", "mv:1").code == 0
+    node = root / "node"
+    try:
+        with Shim.for_node(node, url) as shim:
+            yield {"root": root, "url": url, "blobs": blobs, "shim": shim, "boots": []}
+    finally:
+        cleanup_node(node, root)
+        for rec in (node / "microvm" / "run").glob("*.json") if (node / "microvm" / "run").exists() else []:
+            with contextlib.suppress(OSError, ValueError, ProcessLookupError):
+                os.kill(json.loads(rec.read_text())["pid"], signal.SIGKILL)
+
+
+def _run(world: dict[str, Any], env: str, script: str, **kw: Any) -> tuple[int, str, str]:
+    out, err = world["root"] / "out", world["root"] / "err"
+    t = time.monotonic()
+    with open(out, "wb") as o, open(err, "wb") as e:
+        res = runner.run(world["shim"], env, ["/bin/sh", "-c", script], runtime="microvm", confinement=CONF,
+                         stdout=o, stderr=e, **kw)
+    world["boots"].append(round(time.monotonic() - t, 1))  # (reported, never asserted on)
+    world["last"] = res.sandbox
+    return res.exit_code, out.read_text(), err.read_text()
+
+
+def _blob_sha(world: dict[str, Any]) -> dict[str, str]:
+    shim = world["shim"]
+    out = {}
+    for blob in world["blobs"]:
+        with open(shim.paths.fuse / "blobs" / blob, "rb") as f:
+            out[blob] = hashlib.sha256(f.read(1 << 20)).hexdigest()
+    return out
+
+
+@pytest.mark.root
+@needs_busybox
+@needs_vm
+def test_1_run_on_a_cold_node(world: dict[str, Any]) -> None:
+    from testkit.cli_helpers import layerctl
+
+    script = r"""
+        echo "out: $FOO $EXTRA $(pwd) $(id -u):$(id -g)"; echo "to-stderr" >&2
+        cat /data/keep; test -e /data/drop || echo "drop: gone"; cat /data/new
+        rm /data/keep && echo "deleted keep"; echo "written" > /data/out
+        echo "devices: $(ls /sys/block | tr '\n' ' ')"
+        for b in /sys/block/vd*; do echo "ro $(cat $b/serial) $(cat $b/ro)"; done
+        echo "nets: $(ls /sys/class/net | tr '\n' ' ')"
+        exit 7"""
+    code, out, err = _run(world, "mv:1", script, keep=True, extra_env=["EXTRA=from-caller"])
+    assert code == 7, (out, err)
+    assert "out: from-env from-caller /work/dir 1000:1000\n" in out
+    assert err == "to-stderr\n"
+    assert "keep\n" in out and "drop: gone\n" in out and "new\n" in out and "deleted keep\n" in out
+    ro = dict(line.split()[1:] for line in out.splitlines() if line.startswith("ro "))
+    assert ro == {"layer0": "1", "layer1": "1", "upper": "0", "config": "1"}, out  # nothing else, all ro but upper
+    assert "nets: lo \n" in out  # no network at all
+    # laziness: the guest read busybox and a few files; the 16 MiB nobody read was never fetched
+    shim = world["shim"]
+    r = layerctl("stats", "--cache", str(shim.paths.cache), "--json")
+    assert r.code == 0, r.err
+    st = r.json()["blobs"]
+    assert st[world["blobs"][0]]["fetched_bytes"] < st[world["blobs"][0]]["size"] // 4
+    assert sum(s["fetched_bytes"] for s in st.values()) < sum(s["size"] for s in st.values()) // 4
+    sbs = shim.sandboxes()
+    assert [(s.id, s.backend) for s in sbs] == [(world["last"], "microvm")]
+    assert MicrovmBackend.kept(sbs[0]) and not os.path.ismount(sbs[0].target)
+    world["kept"] = sbs[0]
+
+
+@pytest.mark.root
+@needs_busybox
+@needs_vm
+def test_2_commit_reads_the_upper_drive_in_a_helper_vm(world: dict[str, Any]) -> None:
+    from layerstore.store import Store
+    from runtime_shim.commit import commit
+
+    sb = world.get("kept")
+    if sb is None:
+        pytest.skip("needs test_1's kept sandbox")
+    shim = world["shim"]
+    before = _blob_sha(world)
+    t = time.monotonic()
+    with Store.open(world["url"]) as store:
+        res = commit(store, sb, "mv:2", backends=shim.backends.values())
+    world["boots"].append(round(time.monotonic() - t, 1))
+    assert res.layer not in world["blobs"] and res.frozen == ()
+    assert _blob_sha(world) == before  # the layers' blobs are as they were
+    # the new environment on the host (a container-style mount is enough to look)
+    look = shim.mount("mv:2")
+    try:
+        data = Path(look.target) / "data"
+        assert sorted(os.listdir(data)) == ["new", "out"]
+        assert (data / "out").read_text() == "written\n"
+    finally:
+        shim.unmount(look.id)
+    with pytest.raises(ShimError):  # nothing of a sandbox that was not kept to commit
+        MicrovmBackend(shim.paths).upper_source(type(sb)(**{**sb.to_json(), "upper": "/nonexistent.img"}))
+
+
+@pytest.mark.root
+@needs_busybox
+@needs_vm
+def test_3_daemon_and_vmm_killed_then_recovered(world: dict[str, Any]) -> None:
+    shim = world["shim"]
+    if "kept" not in world:
+        pytest.skip("needs test_1's kept sandbox")
+    rec = kill9_daemon(shim)
+    rep = shim.recover()
+    assert rep.daemon_generation and rep.daemon_generation != f"daemon:{rec.pid}:{rec.start_time}"
+    # resume: the committed environment boots (its drives read through the new daemon); the VMM is
+    # killed once the workload runs
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            result["res"] = _run(world, "mv:2", "cat /data/out; test -e /data/keep || echo keep-gone; sleep 600",
+                                 keep=True)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    th = threading.Thread(target=go)
+    th.start()
+    out = world["root"] / "out"
+    runs = shim.paths.root / "microvm" / "run"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and "keep-gone" not in (out.read_text() if out.exists() else ""):
+        time.sleep(0.2)
+    assert "written\nkeep-gone\n" in out.read_text()
+    (rec_file,) = runs.glob("*.json")
+    os.kill(json.loads(rec_file.read_text())["pid"], signal.SIGKILL)
+    th.join(60)
+    assert not th.is_alive()
+    assert isinstance(result.get("error"), ShimError)  # no exit status: the VM died
+    resumed = [s for s in shim.sandboxes() if s.id != world["kept"].id]
+    assert len(resumed) == 1 and resumed[0].backend == "microvm"
+    rep = shim.recover()
+    assert f"microvm:{resumed[0].id}" in rep.deleted_containers or not list(runs.glob("*.json"))
+    assert not list(runs.glob("*.json"))
+    for sb in shim.sandboxes():
+        shim.unmount(sb.id)
+    assert shim.sandboxes() == [] and shim.layer_refs() == {}
+    print("boot wall times (s):", world["boots"])
