@@ -119,8 +119,7 @@ def test_every_scope(served: Served, world: dict[str, str], case_name: str) -> N
             r = client.request(case.method, case.path, content=case.body, headers=headers)
             outcomes[who] = r.status_code
             if who in case.allowed:
-                ok = r.status_code < 400 or (case.name == "status page" and _no_status_page(r))
-                assert ok, (case.name, who, r.status_code, r.text[:300])
+                assert r.status_code < 400, (case.name, who, r.status_code, r.text[:300])
                 continue
             want = 401 if who in (None, "bogus") else 404 if who in case.hidden_from else 403
             assert r.status_code == want, (case.name, who, r.status_code, r.text[:300])
@@ -131,11 +130,6 @@ def test_every_scope(served: Served, world: dict[str, str], case_name: str) -> N
             if want == 401:
                 assert r.headers["www-authenticate"].startswith("Bearer")
     assert outcomes
-
-
-def _no_status_page(r: httpx.Response) -> bool:
-    """The status page is another module (`service/status.py`); until it exists the route says so."""
-    return r.status_code == 404 and "no status page" in r.text
 
 
 def test_listing_hides_private_names(served: Served, world: dict[str, str]) -> None:

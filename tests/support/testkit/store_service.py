@@ -76,8 +76,10 @@ class Service:
 
 def start_service(store_url: str, workdir: Path, *, tokens: Path | None = None, workers: int = 1,
                   unix: bool = False, port: int | None = None, body_timeout: float | None = None,
-                  env: dict[str, str] | None = None, ready_timeout: float = 60.0) -> Service:
-    """`layerctl serve` on `store_url`, ready (answering HTTP) when this returns."""
+                  env: dict[str, str] | None = None, ready_timeout: float = 60.0,
+                  tls: tuple[Path, Path] | None = None) -> Service:
+    """`layerctl serve` on `store_url`, ready (answering HTTP) when this returns; `tls`: a
+    certificate and key (PEM) to serve HTTPS with."""
     workdir.mkdir(parents=True, exist_ok=True)
     for attempt in range(5):
         if unix:
@@ -92,6 +94,9 @@ def start_service(store_url: str, workdir: Path, *, tokens: Path | None = None, 
             args += ["--tokens", str(tokens)]
         if body_timeout is not None:
             args += ["--body-timeout", str(body_timeout)]
+        if tls is not None:
+            args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+            url = url.replace("http://", "https://")
         log = workdir / f"service-{listen.replace('/', '_').replace(':', '_')[-60:]}.log"
         full_env = {**os.environ, **(env or {})}
         full_env.pop("LAYERSTORE_TOKEN", None)
@@ -115,7 +120,7 @@ def client_for(url: str, **kw: object) -> httpx.Client:
     if url.startswith("http+unix://"):
         sock = unquote(url[len("http+unix://"):].split("/", 1)[0])
         return httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost", **kw)  # type: ignore[arg-type]
-    return httpx.Client(base_url=url, **kw)  # type: ignore[arg-type]
+    return httpx.Client(base_url=url, verify=False, **kw)  # type: ignore[arg-type]  # (readiness only)
 
 
 def _wait_ready(svc: Service, timeout: float) -> bool:
