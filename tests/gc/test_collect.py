@@ -44,8 +44,13 @@ def _age(store: Store, seconds: float) -> None:
 
 
 def _push(store: Store, tmp: Path, ref: str, seed: int, pool: list[bytes] | None = None) -> str:
-    with Store(store.backend) as s:  # its own lease, released at the end like a CLI push
-        return push_env(s, tmp, pool or blocks(24, seed), random.Random(seed), ref)
+    """Push an environment with its own lease (released at the end, like a CLI push), then age
+    the store's content: file times tick coarsely, and an object of the collector's own tick
+    counts as young even with grace 0."""
+    with Store(store.backend) as s:
+        manifest = push_env(s, tmp, pool or blocks(24, seed), random.Random(seed), ref)
+    _age(store, 3600)
+    return manifest
 
 
 def test_tagged_kept_untagged_removed(store: Store, tmp_path: Path) -> None:
@@ -268,6 +273,7 @@ def test_environment_of_a_collected_layer_is_refused(store: Store, tmp_path: Pat
         path = tmp_path / "l"
         path.write_bytes(os.urandom(10000))
         blob = s.put_blob(path, chunk_size=4096).blob
+    _age(store, 3600)
     layergc.collect(store, grace=0)
     with pytest.raises(NotFound):
         envmod.build_manifest(store, base=blob)
