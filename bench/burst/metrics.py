@@ -124,6 +124,32 @@ def add_ratios(results: dict[str, Any]) -> None:
             "fetched_over_read": _goal(r.get("fetched_over_read"), GOALS["fetched_over_read_max"], "<="),
         }
     results["goals"] = goals
+    containerd = _containerd_goal(contenders)
+    if containerd:
+        results["goals_containerd"] = containerd
+
+
+def _containerd_goal(contenders: dict[str, Any]) -> dict[str, Any]:
+    """The layerstore snapshotter against containerd's own pull (overlayfs), at least as far ahead as
+    the layerstore shim (lazy) is ahead of the conventional path, on time to all-started and
+    all-finished."""
+    ls, ov = contenders.get("containerd-layerstore"), contenders.get("containerd-overlayfs")
+    lazy, conv = contenders.get("lazy"), contenders.get(BASELINE)
+    if not all(c and not c.get("skipped") for c in (ls, ov)):
+        return {}
+    assert ls is not None and ov is not None
+    out: dict[str, Any] = {}
+    for key in ("all_started_s", "all_finished_s"):
+        ours = _ratio(ov.get(key), ls.get(key))
+        ref = _ratio(conv.get(key), lazy.get(key)) if lazy and conv and not lazy.get("skipped") else None
+        ls.setdefault("ratios", {})[f"{key[:-2]}_speedup_vs_containerd"] = ours
+        out[f"{key[:-2]}_speedup_vs_containerd"] = {"value": ours, "target": f">= {ref} (lazy vs conventional)",
+                                                     "met": None if ours is None or ref is None else ours >= ref}
+    out["disk_write_ratio_vs_containerd"] = {
+        "value": _ratio(ls.get("disk_write_bytes"), ov.get("disk_write_bytes")), "target": "", "met": None}
+    out["bytes_fetched_ratio_vs_containerd"] = {
+        "value": _ratio(ls.get("bytes_fetched"), ov.get("bytes_fetched")), "target": "", "met": None}
+    return out
 
 
 def _goal(value: float | None, target: float, op: str) -> dict[str, Any]:

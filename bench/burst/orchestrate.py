@@ -105,6 +105,8 @@ class Bench:
         self.layers: dict[str, inputs.Layer] = {}
         self.results: dict[str, Any] = {}
         self.lazy: Any = None  # bench.burst.lazy.LayerstoreSetup when available
+        self.registry: Any = None  # bench.burst.ctrnode.RegistryProcess for the containerd contenders
+        self.image_refs: dict[str, dict[str, str]] = {}  # containerd contender -> env -> image reference
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -210,7 +212,7 @@ class Bench:
         upload_layers(client, BUCKET, {k: v.tar_gz for k, v in self.layers.items()})
         self.results["timings"]["upload_tar_gz_s"] = round(time.monotonic() - t, 1)
         self.results["upload_link_tx_bytes"] = self.link.counters().minus(c0).tx_bytes
-        if any(c in self.opts.contenders for c in spec.LAYERSTORE_CONTENDERS):
+        if any(c in self.opts.contenders for c in (*spec.LAYERSTORE_CONTENDERS, "containerd-layerstore")):
             from . import lazy
 
             missing = lazy.missing_commands()
@@ -234,6 +236,32 @@ class Bench:
                     self.disk.unmount()
                 self.results["timings"]["profile_s"] = round(time.monotonic() - t, 1)
             self.results["layerstore"] = self.lazy.facts()
+        self._setup_containerd()
+
+    def _setup_containerd(self) -> None:
+        """A registry behind the link, holding each environment as an ordinary OCI image (the
+        conventional path's tar.gz layers) and as an image of layerstore layer pointers."""
+        wanted = [c for c in self.opts.contenders if c in spec.CONTAINERD_CONTENDERS]
+        if not wanted:
+            return
+        from . import ctrnode
+
+        if ctrnode.missing():
+            self.opts.notes.append(f"containerd contenders: missing {', '.join(ctrnode.missing())}")
+            return
+        assert self.link is not None
+        t = time.monotonic()
+        self.registry = ctrnode.RegistryProcess(self.link, self.run_dir / "registry")
+        self.registry.start()
+        self.cleanup.push("registry", self.registry.stop)
+        if "containerd-overlayfs" in wanted:
+            self.image_refs["containerd-overlayfs"] = ctrnode.push_images(self.registry.host, self.layers,
+                                                                          self.opts.environments)
+        if "containerd-layerstore" in wanted and self.lazy is not None:
+            self.image_refs["containerd-layerstore"] = ctrnode.push_environments(
+                self.registry.host, str(Path(sys.executable).parent / "layerctl"), self.store_url(),
+                self.lazy.env_refs)
+        self.results["timings"]["registry_push_s"] = round(time.monotonic() - t, 1)
 
     def store_url(self) -> str:
         assert self.store is not None
@@ -242,6 +270,8 @@ class Bench:
     def _skip_reason(self, name: str) -> str:
         if name == "conventional":
             return ""
+        if name in spec.CONTAINERD_CONTENDERS:
+            return "" if name in self.image_refs else "containerd set-up failed or missing (see notes)"
         if name in spec.LAYERSTORE_CONTENDERS:
             from . import lazy
 
@@ -297,6 +327,10 @@ class Bench:
         }
         if self.lazy is not None:
             plan["env_refs"] = self.lazy.hinted_refs if name == "lazy-prefetch" else self.lazy.env_refs
+        if name in spec.CONTAINERD_CONTENDERS:
+            assert self.registry is not None
+            plan.update(image_refs=self.image_refs[name], registry=self.registry.host,
+                        snapshotter=name.split("-", 1)[1])
         plan_file.write_text(json.dumps(plan))
         proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -421,6 +455,10 @@ def _sandbox_cgroups(contender: str, runner_pid: int) -> str:
         from .conventional import ConventionalNode
 
         return ConventionalNode.sandbox_cgroups(str(runner_pid))
+    if contender in spec.CONTAINERD_CONTENDERS:
+        from .ctrnode import ContainerdNode
+
+        return ContainerdNode.sandbox_cgroups(str(runner_pid))
     from .lazy import LayerstoreNode
 
     return LayerstoreNode.sandbox_cgroups(str(runner_pid))

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from . import cgroups, spec
 from .sandbox import SandboxResult
-from .spec import LAYERSTORE_CONTENDERS
+from .spec import CONTAINERD_CONTENDERS, LAYERSTORE_CONTENDERS
 
 
 class Contender(Protocol):
@@ -50,6 +50,11 @@ def make_contender(plan: dict[str, Any]) -> Contender:
                               eager=kind == "eager", layerctl=plan["layerctl"],
                               launcher="cli" if kind == "lazy-cli" else "api",
                               daemon_args=list(spec.DAEMON_ARGS.get(kind, ())))
+    if kind in CONTAINERD_CONTENDERS:
+        from .ctrnode import ContainerdNode
+
+        return ContainerdNode(node_dir, image_refs=plan["image_refs"], snapshotter=plan["snapshotter"],
+                              registry=plan["registry"], layerctl=plan["layerctl"], store_url=plan["store_url"])
     raise ValueError(f"unknown contender {kind!r}")
 
 

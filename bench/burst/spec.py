@@ -97,6 +97,9 @@ ENVIRONMENTS: dict[str, Environment] = {
 
 
 LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "eager", "lazy-cli")
+# containerd itself pulling from a registry behind the same link: its own overlayfs snapshotter, and the
+# layerstore snapshotter (bench/burst/ctrnode.py)
+CONTAINERD_CONTENDERS = ("containerd-overlayfs", "containerd-layerstore")
 # Extra `layerctl daemon` arguments per contender (what-if variants of the lazy path).
 DAEMON_ARGS = {"lazy-noreadahead": ("--readahead", "0")}
 
@@ -108,14 +111,15 @@ class Size:
     environments: tuple[str, ...]
     rounds: int = 2
     rate_mbit: int = 1000
-    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "eager")
+    contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "eager",
+                                   *CONTAINERD_CONTENDERS)
 
 
 SIZES: dict[str, Size] = {
     # quick: one round, without the readahead what-if, so that `make bench SIZE=quick` (every
     # benchmark) stays near ~10 minutes on a shared machine; the report's quick figures use --rounds 2
     "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools"), rounds=1,
-                  contenders=("conventional", "lazy", "lazy-prefetch", "eager")),
+                  contenders=("conventional", "lazy", "lazy-prefetch", "eager", *CONTAINERD_CONTENDERS)),
     "full": Size("full", 64, tuple(ENVIRONMENTS)),
 }
 
