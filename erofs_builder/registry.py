@@ -16,7 +16,8 @@ containerd snapshotter's `ctr push` use it):
 `RegistryClient(registry, *, insecure=None, auth=AUTO, timeout=60.0, chunk_size=...)`:
 - `insecure`: speak plain HTTP. None decides: yes for a loopback host (localhost, 127.0.0.0/8,
   ::1, as Docker does) or one listed in $LAYERSTORE_INSECURE_REGISTRIES (comma-separated
-  HOST[:PORT]); otherwise HTTPS with certificates verified.
+  HOST[:PORT]); otherwise HTTPS with certificates verified (against $LAYERSTORE_REGISTRY_CA, else
+  $SSL_CERT_FILE, else the system's CAs; proxies from the environment are not used).
 - `auth`: `Credentials(username, password)`, None (anonymous only) or AUTO: from
   $LAYERSTORE_REGISTRY_USER/$LAYERSTORE_REGISTRY_PASSWORD, else the docker-style config file
   ($REGISTRY_AUTH_FILE, $DOCKER_CONFIG/config.json, ~/.docker/config.json: `auths[HOST].auth`,
@@ -55,7 +56,15 @@ import httpx
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
 from layerstore.retry import RetryPolicy, is_temporary
 
-from .registry_auth import Credentials, auth_file, credentials_for, is_insecure, is_loopback, parse_challenge
+from .registry_auth import (
+    Credentials,
+    auth_file,
+    credentials_for,
+    is_insecure,
+    is_loopback,
+    parse_challenge,
+    tls_verify,
+)
 from .registry_names import (
     DOCKER_LIST,
     DOCKER_MANIFEST,
@@ -121,7 +130,7 @@ class RegistryClient:
         self.credentials = credentials_for(registry) if auth is AUTO else auth
         self.chunk_size = chunk_size
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                 follow_redirects=False, transport=transport, trust_env=False,
+                                 follow_redirects=False, transport=transport, trust_env=False, verify=tls_verify(),
                                  # bytes as stored: what the digest covers (no decompression bombs)
                                  headers={"Accept-Encoding": "identity"})
         self.tokens: dict[str, str] = {}  # scope -> bearer token

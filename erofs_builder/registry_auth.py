@@ -1,8 +1,9 @@
 """Registry settings and credentials from the environment, and auth challenges (no network):
 which registries speak plain HTTP (`is_insecure`: loopback hosts, as Docker does, and
-$LAYERSTORE_INSECURE_REGISTRIES), the credentials for a registry (`credentials_for`:
-$LAYERSTORE_REGISTRY_USER/_PASSWORD, else the docker-style config file), and the parameters of a
-`WWW-Authenticate` challenge (`parse_challenge`). Used by `erofs_builder.registry` (the client)."""
+$LAYERSTORE_INSECURE_REGISTRIES), the CAs HTTPS is checked against (`tls_verify`), the
+credentials for a registry (`credentials_for`: $LAYERSTORE_REGISTRY_USER/_PASSWORD, else the
+docker-style config file), and the parameters of a `WWW-Authenticate` challenge
+(`parse_challenge`). Used by `erofs_builder.registry` (the client)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ipaddress
 import json
 import os
 import re
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 from layerstore.errors import ConfigError
 
 INSECURE_ENV = "LAYERSTORE_INSECURE_REGISTRIES"
+CA_ENV = "LAYERSTORE_REGISTRY_CA"  # a PEM bundle of the CAs registries' certificates are checked against
 USER_ENV, PASSWORD_ENV = "LAYERSTORE_REGISTRY_USER", "LAYERSTORE_REGISTRY_PASSWORD"
 MAX_AUTH_FILE = 1 << 20
 _CHALLENGE_PARAM = re.compile(r'([A-Za-z_]+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]*))')
@@ -56,6 +59,20 @@ def is_insecure(registry: str, env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     listed = {r.strip() for r in env.get(INSECURE_ENV, "").split(",") if r.strip()}
     return is_loopback(registry) or registry in listed or _host_only(registry) in listed
+
+
+def tls_verify(env: Mapping[str, str] | None = None) -> ssl.SSLContext | bool:
+    """How HTTPS certificates are checked: against $LAYERSTORE_REGISTRY_CA (else $SSL_CERT_FILE)
+    when set, else the system's CAs. Never off: a registry without a certificate is listed as
+    insecure (plain HTTP) instead."""
+    env = os.environ if env is None else env
+    cafile = env.get(CA_ENV) or env.get("SSL_CERT_FILE")
+    if not cafile:
+        return True
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"{cafile}: not a readable PEM bundle of CA certificates: {e}") from None
 
 
 def auth_file(env: Mapping[str, str] | None = None) -> Path:
@@ -120,5 +137,5 @@ def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 
-__all__ = ["INSECURE_ENV", "PASSWORD_ENV", "USER_ENV", "Credentials", "auth_file", "credentials_for", "is_insecure",
-           "is_loopback", "parse_challenge"]
+__all__ = ["CA_ENV", "INSECURE_ENV", "PASSWORD_ENV", "USER_ENV", "Credentials", "auth_file", "credentials_for",
+           "is_insecure", "is_loopback", "parse_challenge", "tls_verify"]

@@ -242,3 +242,21 @@ def test_an_index_in_the_registry_resolves_to_this_platform(anon: Registry, imag
     assert registry_image(f"docker://{anon.ref('t/multi', '1')}").source.endswith("@" + digest)
     pinned = registry_image(f"docker://{anon.host}/t/multi@{index_digest}")
     assert pinned.source.endswith("@" + digest)
+
+
+@needs_registry
+def test_https_registry_checked_against_the_given_ca(tmp_path: Path, image: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    with oci_registry(tmp_path / "reg", tls=True) as reg:
+        assert reg.ca is not None
+        with RegistryClient(reg.host, insecure=False, auth=None) as c, \
+                pytest.raises(StoreUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            c.get_manifest("t/tls", "1")  # a certificate no CA we trust signed
+        monkeypatch.setenv("LAYERSTORE_REGISTRY_CA", str(reg.ca))
+        digest = push_layout(image, reg.host, "t/tls", "1", insecure=False, auth=None)
+        with RegistryClient(reg.host, insecure=False, auth=None) as c:
+            assert c.base.startswith("https://")
+            assert c.get_manifest("t/tls", "1")[2] == digest
+        monkeypatch.setenv("LAYERSTORE_REGISTRY_CA", str(tmp_path / "missing.pem"))
+        with pytest.raises(ConfigError, match="not a readable PEM bundle"):
+            RegistryClient(reg.host, insecure=False, auth=None)

@@ -8,6 +8,8 @@ test fails.
     with oci_registry(tmp_path, auth="token") as reg:      # Bearer token flow (a token server here)
         reg.user, reg.password, reg.token_requests
     with oci_registry(tmp_path, auth="htpasswd") as reg:   # Basic auth (bcrypt htpasswd)
+    with oci_registry(tmp_path, tls=True) as reg:          # HTTPS with a self-signed certificate
+        reg.url, reg.ca                                    # "https://127.0.0.1:PORT", its PEM file
 
 `auth="token"`: the registry refuses anonymous requests with `WWW-Authenticate: Bearer
 realm=...,service=...,scope=...`; a tiny token server in this process (a thread) answers
@@ -29,6 +31,7 @@ import ctypes.util
 import datetime
 import hashlib
 import http.server
+import ipaddress
 import json
 import os
 import secrets
@@ -213,6 +216,7 @@ class Registry:
     password: str = "s3cret-pw"
     token_server: TokenServer | None = None
     log: Path = field(default_factory=Path)
+    ca: Path | None = None  # with tls: the certificate (self-signed: it is its own CA)
 
     @property
     def host(self) -> str:
@@ -220,7 +224,7 @@ class Registry:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}"
+        return f"{'https' if self.ca else 'http'}://{self.host}"
 
     def ref(self, name: str, tag: str = "latest") -> str:
         return f"{self.host}/{name}:{tag}"
@@ -243,12 +247,37 @@ class Registry:
             return ""
 
 
+def self_signed(root: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (and localhost) and its key, as PEM files under `root`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = root / "tls-cert.pem", root / "tls-key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
 def _config(root: Path, port: int, auth: str | None, token: TokenServer | None,
-            user: str, password: str) -> str:
+            user: str, password: str, tls: tuple[Path, Path] | None = None) -> str:
     lines = ["version: 0.1", "log:", "  level: warn", "  accesslog:", "    disabled: true", "storage:",
              "  filesystem:", f"    rootdirectory: {root / 'storage'}", "  delete:", "    enabled: true",
              "  maintenance:", "    uploadpurging:", "      enabled: false", "http:",
              f"  addr: 127.0.0.1:{port}", f"  secret: {secrets.token_hex(16)}",
+             *(["  tls:", f"    certificate: {tls[0]}", f"    key: {tls[1]}"] if tls else []),
              "health:", "  storagedriver:", "    enabled: false"]
     if auth == "token":
         assert token is not None
@@ -265,9 +294,13 @@ def _config(root: Path, port: int, auth: str | None, token: TokenServer | None,
     return "\n".join(lines) + "\n"
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, ca: Path | None = None) -> bool:
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1):
+        with urllib.request.urlopen(f"{'https' if ca else 'http'}://127.0.0.1:{port}/v2/", timeout=1,
+                                    context=context):
             return True
     except urllib.error.HTTPError as e:
         return e.code == 401
@@ -290,9 +323,10 @@ def _stop(pid: int, proc: subprocess.Popen[bytes] | None) -> None:
 
 @contextlib.contextmanager
 def oci_registry(root: Path, *, auth: str | None = None, user: str = "tester", password: str = "s3cret-pw",
-                 anonymous_pull: bool = False) -> Iterator[Registry]:
+                 anonymous_pull: bool = False, tls: bool = False) -> Iterator[Registry]:
     """A running registry under `root` (config, storage, log); stopped and removed afterwards."""
     root.mkdir(parents=True, exist_ok=True)
+    cert = self_signed(root) if tls else None
     with contextlib.ExitStack() as stack:
         token = None
         if auth == "token":
@@ -300,18 +334,18 @@ def oci_registry(root: Path, *, auth: str | None = None, user: str = "tester", p
         log = root / "registry.log"
         for _attempt in range(5):
             port = free_port()
-            (root / "config.yml").write_text(_config(root, port, auth, token, user, password))
+            (root / "config.yml").write_text(_config(root, port, auth, token, user, password, cert))
             with open(log, "ab") as out:
                 proc = subprocess.Popen([REGISTRY_BIN, "serve", str(root / "config.yml")], stdout=out,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            reg = Registry(root, port, proc.pid, auth, user, password, token, log)
+            reg = Registry(root, port, proc.pid, auth, user, password, token, log, cert[0] if cert else None)
             try:
                 deadline = time.monotonic() + START_TIMEOUT
-                while proc.poll() is None and not _answers(port) and time.monotonic() < deadline:
+                while proc.poll() is None and not _answers(port, reg.ca) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if proc.poll() is not None:
                     continue  # lost the port, most likely: try another one
-                if not _answers(port):
+                if not _answers(port, reg.ca):
                     raise RuntimeError(f"docker-registry did not answer within {START_TIMEOUT}s:\n{reg.log_text()}")
                 try:
                     yield reg
