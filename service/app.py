@@ -236,6 +236,9 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         `If-Match: "<etag>"`: only if the object still has that ETag (compare-and-swap)."""
         check_key(key)
         if not who.may_write(key):
+            if (if_none_match is not None and if_none_match.strip() == "*" and who.may_read(key)
+                    and await run(backend.exists, key)):
+                return precondition_failed(key)  # create-once of what exists: no write needed (store init)
             raise PermissionDenied(f"token {who.id} may not write {key}")
         if if_match is not None and if_none_match is not None:
             raise BadInput("If-Match and If-None-Match exclude each other")
@@ -339,9 +342,16 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
 
     @app.post(wire.STORE)
     async def create_store(who: Who) -> dict[str, str]:
-        """Create the store's location (directory, bucket) if needed."""
+        """Create the store's location (directory, bucket) if needed (a store that exists is
+        fine for any reader: `layerctl store init` is idempotent)."""
         if not who.admin:
-            raise PermissionDenied(f"token {who.id} may not create the store")
+            if not who.can_read:
+                raise PermissionDenied(f"token {who.id} may not create the store")
+            try:
+                await run(backend.check)
+            except NotFound:
+                raise PermissionDenied(f"token {who.id} may not create the store") from None
+            return {"status": "ok"}
         await run(backend.create)
         return {"status": "ok"}
 
