@@ -13,7 +13,7 @@ store_option = click.option(
     "store_url",
     metavar="URL",
     default=None,
-    help="Store URL: a path, file:///path or s3://bucket/prefix[?endpoint=URL]. "
+    help="Store URL: a path, file:///path, s3://bucket/prefix[?endpoint=URL] or http(s)://host:port (layerctl serve). "
     "Default: $LAYERSTORE_STORE, else $XDG_DATA_HOME/layerstore/store.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
