@@ -199,7 +199,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             return Response(data, media_type=OCTETS, headers=object_headers(key, etag))
         size = await on_object(key, backend.size, key)
         if size > limit:
-            raise LayerstoreError(f"object {key}: {size} bytes, more than such an object can have ({limit})")
+            raise CorruptObject(f"object {key}: {size} bytes, more than such an object can have ({limit})")
         span = parse_range(byte_range, size)
         if span is None:
             resp = error_response(wire.RangeNotSatisfiable(f"object {key}: range starts at or past its end ({size})"))
