@@ -83,6 +83,7 @@ class NodeLease:
         self.rotations = 0  # lease rewrites (a rotation that changes nothing writes nothing)
         self.protected = 0  # guards that held and checked a blob
         self._flights: dict[str, trio.Event] = {}
+        self._settling: set[str] = set()  # held, being checked: in use whatever `linger` says
         self._mu = trio.Lock()
         self._last_error = ""
 
@@ -93,7 +94,9 @@ class NodeLease:
         `NotFound` if the store lost it; `StoreUnavailable` if the lease cannot be written
         and the node does not know the blob (one it knows is served from the cache meanwhile, as
         without a lease)."""
-        self.seen[blob] = self.clock()
+        if self.disabled or blob in self.vouched:
+            self.seen[blob] = self.clock()
+            return
         while not (self.disabled or blob in self.vouched):
             fl = self._flights.get(blob)
             if fl is not None:  # someone protects it now: share the outcome, or try again ourselves
@@ -110,9 +113,17 @@ class NodeLease:
     async def _protect(self, blob: str) -> None:
         known = self.cache.get(blob) is not None
         try:
+            if not known and not await trio.to_thread.run_sync(self.backend_exists, blob):
+                # (a filter, not the check: a digest the store never had costs no lease write)
+                raise NotFound(f"blob {blob} is not in the store")
+            self.seen[blob] = self.clock()
             async with self._mu:
                 await trio.to_thread.run_sync(self._hold_sync, [blob])
-            await trio.to_thread.run_sync(self._settle_sync, blob, known)
+                self._settling.add(blob)
+            try:
+                await trio.to_thread.run_sync(self._settle_sync, blob, known)
+            finally:
+                self._settling.discard(blob)
         except PermissionDenied as e:
             self._disable(e)
             return
@@ -127,6 +138,10 @@ class NodeLease:
             return
         self.vouched.add(blob)
         self.protected += 1
+
+    def backend_exists(self, blob: str) -> bool:
+        assert self.backend is not None
+        return self.backend.exists(blob_key(blob))
 
     def _hold_sync(self, blobs: Collection[str]) -> None:
         """Worker thread, under `_mu`: the keys added to the lease (opened on first use)."""
@@ -158,7 +173,7 @@ class NodeLease:
         """Trio thread: the blobs in use now (pinned, open, being protected, or seen lately)."""
         now = self.clock()
         cache = self.cache
-        blobs = set(cache.pins) | {b for b, e in cache.entries.items() if e.open_count} | set(self._flights)
+        blobs = set(cache.pins) | {b for b, e in cache.entries.items() if e.open_count} | self._settling
         for b in blobs:
             self.seen[b] = now
         cutoff = now - self.linger

@@ -308,3 +308,17 @@ def test_after_kill_9_the_lease_stays_until_it_expires(tmp_path: Path) -> None:
         assert {info.id for info in node_leases(store.backend)} > {old.id}
         assert held_blobs(store.backend) == {a, b}
     assert [info.id for info in node_leases(store.backend)] == [old.id]  # (the new one was released)
+
+
+@pytest.mark.trio
+async def test_digests_the_store_never_had_cost_no_lease_write(store: Store, backend: JournalBackend,
+                                                               tmp_path: Path) -> None:
+    rng = random.Random(8)
+    async with lease_rig(store, tmp_path / "cache") as r:
+        backend.take()
+        for _ in range(20):
+            with pytest.raises(pyfuse3.FUSEError) as ei:
+                await r.lookup("b3:" + rng.randbytes(32).hex())
+            assert ei.value.errno == errno.ENOENT
+        writes = [c for c in backend.take() if c[0] in ("store_once", "replace", "delete")]
+        assert writes == [] and list(backend.list(leases.LEASES)) == []
