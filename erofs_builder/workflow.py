@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,37 @@ def resolve_source(src: str, *, all_root: bool, stdin: BinaryIO | None = None) -
     raise NotFound(f"{src}: no such file or directory")
 
 
+STALE_STAGING = 3600.0  # seconds: a staging directory of a dead build older than this is removed
+
+
+def _staging_dir(prefix: str, parent: Path) -> Path:
+    """A fresh private directory `<prefix><pid>-<random>` in `parent`, after removing those of
+    builds that died (kill -9 leaves them: their process is gone and they are old)."""
+    own = f"{prefix}{os.getpid()}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid = entry.name[len(prefix):].partition("-")[0]
+            try:
+                old = time.time() - entry.stat(follow_symlinks=False).st_mtime > STALE_STAGING
+            except OSError:
+                continue
+            if pid.isdigit() and old and not _alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=own, dir=parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Staging:
     """Where images are built, and how they are published to the output once all are built.
 
@@ -156,9 +188,9 @@ class Staging:
             if not self.output.exists():
                 self.output.mkdir(parents=True)
                 self.created_dir = True
-            self.tmp = Path(tempfile.mkdtemp(prefix=".layerctl-build-", dir=self.output))
+            self.tmp = _staging_dir(".layerctl-build-", self.output)
         else:
-            self.tmp = Path(tempfile.mkdtemp(prefix="layerctl-build-", dir=self.workdir))
+            self.tmp = _staging_dir("layerctl-build-", Path(self.workdir or tempfile.gettempdir()))
         return self
 
     def path_for(self, i: int) -> Path:

@@ -139,3 +139,28 @@ def test_progress_tasks(tmp_path: Path, store: Store) -> None:
     (res,) = build_and_push(resolve_source(str(root), all_root=False), store=store, progress=task)
     assert set(tasks) == {"building: reading", f"pushing {res.layer.blob[:15]}"}
     assert sum(tasks["building: reading"]) == sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_staging_of_dead_builds_is_swept(tmp_path: Path) -> None:
+    """kill -9 of a build leaves its staging directory; the next build removes those of dead
+    processes once they are old, and nothing else."""
+    import subprocess
+    import sys
+
+    from erofs_builder.workflow import Staging
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"layerctl-build-{dead_pid}-abc"
+    young = tmp_path / f"layerctl-build-{dead_pid}-def"
+    alive = tmp_path / f"layerctl-build-{os.getpid()}-ghi"
+    other = tmp_path / "unrelated"
+    for d in (stale, young, alive, other):
+        d.mkdir()
+        (d / "layer-0.erofs").write_bytes(b"x")
+    for d in (stale, alive, other):
+        os.utime(d, (1, 1))
+    with Staging(None, multi=True, workdir=tmp_path) as staging:
+        assert staging.tmp is not None and staging.tmp.name.startswith(f"layerctl-build-{os.getpid()}-")
+        assert not stale.exists()
+        assert young.exists() and alive.exists() and other.exists()
