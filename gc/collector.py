@@ -5,18 +5,20 @@ The phases, and what the store holds after each (what a kill -9 there leaves):
 1. `gc/runs/<run>` written, state "marking" (never binds anyone; expires on its own).
 2. Retention: tags the policy removes are deleted (a tag moved meanwhile is left alone).
 3. List every chunk, chunk map and manifest with its size and store-clock time.
-4. Mark from the roots: live leases (pushes, commits, nodes' mounted layers, operators), then
-   every tag (signature tags included).
+4. Mark from the roots: every tag (signature tags included), live leases (pushes, commits,
+   nodes' mounted layers, operators), and chunk maps and manifests younger than the grace.
 5. Candidates: listed, unmarked, and older than the grace period by the store's clock.
 6. `gc/candidates/<run>` written (create-once), then the run's state set to "sweeping": from here
    on a writer that relies on a candidate waits until the run is over (`layerstore.leases`).
-7. Re-read the roots (leases first, then tags) and mark from every root not marked yet: what a
-   writer held or tagged while 3-6 ran is rescued.
+7. Re-read, in this order: leases, chunk maps and manifests written since 3, tags; mark from
+   what is new: what a writer held, wrote or tagged while 3-6 ran is rescued.
 8. Delete what is left, manifests first, then chunk maps, then chunks (so a present chunk map
    never names a missing chunk), in batches, each only while the run's record is fresh.
-9. Housekeeping: expired leases, old runs, signature tags of deleted manifests, stale temporaries.
-10. State "done"; the report at `gc/last-report`.
+9. Housekeeping: expired leases, dead runs, old history, signature tags of deleted manifests,
+   stale temporaries.
+10. The record moves to `gc/history/<run>`; the report goes to `gc/last-report`.
 
+Report phases: retention (2), list (3), mark (4-5), recheck (6-7), sweep (8), housekeeping (9).
 A dry run does 2-5 (and the re-read) without writing anything and reports what would go.
 """
 
@@ -63,7 +65,6 @@ class _Run:
         self.store, self.id, self.ttl = store, run_id, ttl
         self.started = time.time()
         self.state = "marking"
-        self.extra: dict[str, object] = {}
         self._renewed = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -75,7 +76,7 @@ class _Run:
                 self.state = state
             started = time.monotonic()
             body = {"state": self.state, "started": self.started, "expires": time.time() + self.ttl,
-                    "holder": f"{socket.gethostname()}:{threading.get_native_id()}", **self.extra}
+                    "holder": f"{socket.gethostname()}:{threading.get_native_id()}"}
             self.store.backend.replace(leases.run_key(self.id), json.dumps(body, sort_keys=True).encode())
             self._renewed = started
 
@@ -106,7 +107,7 @@ class _Run:
         self._thread.join(timeout=5)
         with self._lock:
             self.state = state
-            body = {"state": state, "started": self.started, "finished": time.time(), **self.extra}
+            body = {"state": state, "started": self.started, "finished": time.time()}
         try:
             self.store.backend.replace(history_key(self.id), json.dumps(body, sort_keys=True).encode())
             self.store.backend.delete_many([leases.run_key(self.id), leases.candidates_key(self.id)])
@@ -142,14 +143,14 @@ def collect(store: Store, *, grace: float = 3600.0, dry_run: bool = False, polic
         cutoff = now - grace
         with report.phase("mark"):
             lease_roots, tag_roots = _roots(store, now)
-            from_tags = marker.mark(tag_roots)
+            marker.mark(tag_roots)
             from_leases = marker.mark(lease_roots)
             # A young chunk map or manifest keeps what it names: its writer may reference it
             # next (a layer pushed now, its environment created later).
             from_young = marker.mark(_young(listing.values(), cutoff))
         unmarked = [info for key, info in listing.items() if key not in marker.marked]
         candidates = {i.key: i for i in unmarked if i.mtime < cutoff}
-        with report.phase("sweep"):
+        with report.phase("recheck"):
             if run is not None and candidates:
                 store.backend.store_once(leases.candidates_key(run.id), leases.encode_candidates(candidates))
                 run.write("sweeping")
@@ -163,12 +164,13 @@ def collect(store: Store, *, grace: float = 3600.0, dry_run: bool = False, polic
             doomed = {k: i for k, i in candidates.items() if k not in marker.marked}
             report.rescued = Count.of(candidates[k] for k in rescued if k in candidates)
             report.marked = Count.of(listing[k] for k in marker.marked if k in listing)
-            report.kept_lease = Count.of(listing[k] for k in from_leases - from_tags if k in listing)
+            report.kept_lease = Count.of(listing[k] for k in from_leases if k in listing)
             report.kept_grace = Count.of([*(listing[k] for k in from_young if k in listing),
                                           *(i for i in unmarked if i.mtime >= cutoff)])
             report.missing = sorted(marker.missing)[:100]
             report.missing_count = len(marker.missing)
             report.unreadable = sorted(marker.unreadable)[:100]
+        with report.phase("sweep"):
             if dry_run:
                 report.deleted = Count.of(doomed.values())
             else:
