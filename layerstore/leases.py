@@ -130,6 +130,7 @@ class Lease:
         self._inline: frozenset[str] = frozenset()
         self._held: set[str] = set()  # every key held so far, inline or in a shard
         self._shards: list[str] = []
+        self._seq = 0  # shard numbers only go up: a rotation never reuses one
         self._lock = threading.Lock()
         self._renewed = 0.0  # time.monotonic() of the last head write that landed
         self._released = threading.Event()
@@ -184,7 +185,8 @@ class Lease:
             new = sorted({validate(k) for k in keys} - self._held)
             if not new:
                 return []
-            key = _shard_key(self.id, len(self._shards))
+            key = _shard_key(self.id, self._seq)
+            self._seq += 1
             self._shards.append(key)
         if not self.backend.store_once(key, _dump(new)):
             raise StoreUnavailable(f"lease {self.id}: shard {key} exists already (two holders of one lease?)")
@@ -196,13 +198,13 @@ class Lease:
 
     def replace_keys(self, keys: Iterable[str]) -> None:
         """Hold exactly `keys` from now on (a node's in-use set): the new set is written first,
-        then the old shards go."""
+        then the old shards go (all under the lock, so no hold lands in a shard being deleted)."""
         with self._lock:
             self._inline = frozenset(validate(k) for k in keys)
             self._write_head()
             old, self._shards = self._shards, []
             self._held = set(self._inline)
-        self.backend.delete_many(old)
+            self.backend.delete_many(old)
 
     def release(self) -> None:
         """Delete the lease (head first: shards without a head bind nothing)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layerstore.errors import LayerstoreError
+from layerstore.errors import LayerstoreError, NotFound
 from layerstore.store import Store
 
 from .backends.base import SandboxBackend
@@ -161,7 +161,12 @@ def commit(store: Store, sb: Sandbox, tag: str, *, workdir: Path | None = None,
     check_environment_tag(tag)
     if not sb.manifest:
         raise ShimError(f"sandbox {sb.id} was not started from a stored environment: nothing to commit onto")
-    old = load_manifest(store, sb.manifest)
+    try:
+        old = load_manifest(store, sb.manifest)
+    except NotFound:
+        raise NotFound(f"sandbox {sb.id}: its environment's manifest {sb.manifest} is no longer in the store (its "
+                       "tag was removed and the garbage collector took it); commit needs it: keep a tag or a "
+                       "lease (`layerctl lease create`) on environments whose sandboxes may be committed") from None
     with contextlib.ExitStack() as stack:
         if sb.backend:  # composed in a guest: its backend reads the upper (after the VM stopped)
             froze: list[str] = []
