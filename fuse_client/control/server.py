@@ -129,4 +129,9 @@ class ControlServer:
             await stream.aclose()
             return
         # hypercorn closes the stream when the exchange ends (or the peer goes away).
-        await TCPServer(self._asgi, self._config, self._context, ConnectionState({}), stream).run()
+        try:
+            await TCPServer(self._asgi, self._config, self._context, ConnectionState({}), stream).run()
+        except Exception:  # one connection's failure must not take the daemon down
+            log.exception("control: a connection failed")
+            with contextlib.suppress(Exception):
+                await stream.aclose()

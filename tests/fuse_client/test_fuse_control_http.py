@@ -212,6 +212,25 @@ async def test_a_refused_peer_gets_no_answer_and_the_client_says_permission_deni
         assert server.refused == 2
 
 
+@pytest.mark.trio
+async def test_a_connection_that_fails_inside_the_http_server_does_not_stop_the_daemon(
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real = servermod.TCPServer
+    failures = [RuntimeError("a bug in the HTTP server")]
+
+    def flaky(*args: object) -> object:
+        if failures:
+            raise failures.pop()
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(servermod, "TCPServer", flaky)
+    cache_dir = tmp_path / "cache"
+    async with serving(store, cache_dir):
+        assert await raw(socket_path(cache_dir), b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n") == b""
+        assert "blobs" in await trio.to_thread.run_sync(request_json, cache_dir, "GET", "/stats")
+    assert "a connection failed" in caplog.text and not failures
+
+
 CLIENT = """
 import sys
 from fuse_client.control import request_json
