@@ -1,5 +1,8 @@
 """Store throughput per backend: put and get MiB/s of ~1 MiB chunks through `Store`, for 1 and N
-parallel clients, on a local directory (the baseline), CephFS via ceph-fuse and S3 on radosgw.
+parallel clients, on a local directory (the baseline), CephFS via ceph-fuse, S3 on radosgw, and the
+HTTP store service (`layerctl serve`, 2 uvicorn workers, with tokens) in front of a local
+directory (`http`) and in front of radosgw (`http-s3`), each compared with the same store
+accessed directly in the same run (`ratio_http_to_direct`).
 
 A client is a separate process with its own `Store` (and so its own thread pool and, for S3, its
 own boto3 client), like separate sandbox nodes sharing one store. Each client stores distinct,
@@ -11,7 +14,7 @@ The Ceph cluster is started here through testkit.ceph_cluster (and stopped at th
 `--ceph-dir DIR` names one left running by `python testkit.ceph_cluster start DIR`.
 
     python bench/store_throughput.py [--size quick|full] [--size-mib N] [--repeat N] [--clients 1,8]
-                                     [--backends local,cephfs,s3]
+                                     [--backends local,cephfs,s3,http,http-s3]
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 128 MiB a run, 2 rounds
 (under a minute); full: 256 MiB a run, 3 rounds (about two minutes). `--size-mib`/`--repeat` win.
@@ -39,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from testkit.ceph_cluster import CephCluster  # noqa: E402
+from testkit.store_service import Service, make_tokens, start_service  # noqa: E402
 
 from layerstore.store import DEFAULT_WORKERS, Store  # noqa: E402
 
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, help="payload per run, split among the clients")
     ap.add_argument("--chunk-kib", type=int, default=1024)
     ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
-    ap.add_argument("--backends", default="local,cephfs,s3")
+    ap.add_argument("--backends", default="local,cephfs,s3,http,http-s3")
     ap.add_argument("--repeat", type=int, help="rounds over every point; medians are reported")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeat = SIZES[args.size]["repeat"]
     clients = [int(c) for c in args.clients.split(",")]
     backends = args.backends.split(",")
-    unknown = set(backends) - {"local", "cephfs", "s3"}
+    unknown = set(backends) - {"local", "cephfs", "s3", "http", "http-s3"}
     if unknown:
         ap.error(f"unknown backend(s) {sorted(unknown)}")
     chunk_size = args.chunk_kib * 1024
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(None)
     results: dict[str, dict[str, Any]] = {}
     try:
-        if {"cephfs", "s3"} & set(backends):
+        if {"cephfs", "s3", "http-s3"} & set(backends):
             if args.ceph_dir:
                 ceph = CephCluster.adopt(args.ceph_dir)
             else:
@@ -230,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
                     "get": round(r["get_mib_s"] / results["local"][n]["get_mib_s"], 3)}
                 for n, r in per.items() if n in results["local"]
             }
+    via_http: dict[str, Any] = {}
+    for http, direct in (("http", "local"), ("http-s3", "s3")):
+        if http in results and direct in results:
+            via_http[f"{http}/{direct}"] = {
+                n: {"put": round(r["put_mib_s"] / results[direct][n]["put_mib_s"], 3),
+                    "get": round(r["get_mib_s"] / results[direct][n]["get_mib_s"], 3)}
+                for n, r in results[http].items() if n in results[direct]}
     doc = {
         "benchmark": "store_throughput",
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -241,10 +252,14 @@ def main(argv: list[str] | None = None) -> int:
                    "data": "7/8 random bytes + 1/8 repeated text per chunk, distinct chunks per client"},
         "results_mib_s": results,
         "ratio_to_local": ratios,
+        "ratio_http_to_direct": via_http,
         "notes": [
             "local: PosixBackend on the machine's disk with fsync; gets are served from the page cache",
             "cephfs: PosixBackend on one ceph-fuse mount shared by all clients (one node)",
             "s3: S3Backend (boto3) against radosgw, path-style, If-None-Match create-once",
+            "http, http-s3: HttpBackend (httpx) -> layerctl serve (2 uvicorn workers, a push:* token) -> "
+            "PosixBackend on the local disk / S3Backend on radosgw; the service checks every chunk "
+            "(decompress + blake3) before storing it; it runs on the same cores as the clients",
             "Ceph daemons, clients, zstd and blake3 all share the same cores",
         ],
     }
@@ -254,20 +269,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+SERVICES: dict[str, tuple[Service, str, str]] = {}  # service URL -> (service, the store behind, its token)
+
+
 def location(backend: str, n: int, work: Path, ceph: CephCluster | None) -> tuple[str, dict[str, str]]:
     tag = f"run-{n}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     if backend == "local":
         return str(work / "local" / tag), {}
+    if backend == "http":
+        return serve(str(work / "local" / tag), work, {})
     assert ceph is not None
     if backend == "cephfs":
         return str(ceph.mount_path / "bench" / tag), {}
     env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
     os.environ.update(env)  # for the init done in this process
-    return f"s3://bench-{tag}/store?endpoint={ceph.endpoint}", env
+    url = f"s3://bench-{tag}/store?endpoint={ceph.endpoint}"
+    if backend == "http-s3":
+        return serve(url, work, env)
+    return url, env
+
+
+def serve(inner: str, work: Path, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The store service in front of `inner`; the clients get its URL and a push token."""
+    with Store.open(inner) as s:
+        s.init()
+    tokens = make_tokens(work / "tokens.json", {"bench": ["push:*"]})
+    svc = start_service(inner, work / "service", tokens=work / "tokens.json", workers=2, env=env)
+    SERVICES[svc.url] = (svc, inner, tokens["bench"])
+    os.environ["LAYERSTORE_TOKEN"] = tokens["bench"]
+    return svc.url, {**env, "LAYERSTORE_TOKEN": tokens["bench"]}
 
 
 def cleanup(backend: str, url: str, work: Path) -> None:
     """Free the space a run used (the memstore OSD keeps everything in RAM)."""
+    if url in SERVICES:
+        svc, url, _token = SERVICES.pop(url)
+        svc.stop()
+        backend = "local" if backend == "http" else "s3"
     if backend in ("local", "cephfs"):
         shutil.rmtree(url, ignore_errors=True)
         return
