@@ -38,6 +38,7 @@ extends; its VMM records live apart, in NODE/microvm/run/<id>.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -63,6 +64,12 @@ class MicrovmBackend(VmBackend):
     def __init__(self, paths: NodePaths) -> None:
         super().__init__(paths)
         self.base = paths.root / "microvm"  # NODE/microvm/run/<id>.json: its VMMs, apart from the full VMs'
+
+    def delete(self, sandbox: str) -> None:
+        """Also the config drive: it holds the caller's variables (secrets), no use once the VM is gone."""
+        super().delete(sandbox)
+        with contextlib.suppress(FileNotFoundError):
+            (self.workdir(sandbox) / "config.tar").unlink()
 
     def prepare(self, sb: Sandbox, command: Sequence[str] | None, *, extra_env: Sequence[str] = (),
                 confinement: Confinement | None = None) -> None:

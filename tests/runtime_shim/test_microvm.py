@@ -9,10 +9,11 @@ order (module-scoped state; each case needs the one before):
    env/workdir/user and the caller's variables, a layer's whiteout and the workload's own delete,
    isolation seen from inside (only its drives, each read-only but its upper; no network), and
    laziness (the node daemon fetched well under the layers' size);
-2. commit of the kept sandbox: a helper VM reads its upper drive; the new environment's layer has
-   the workload's file and its delete;
-3. kill -9 of the node daemon, recovery, then a resumed run of the committed environment (its
-   drives read through the new daemon) killed with kill -9 of the VMM, then recovery and removal.
+2. `layerctl commit` of the kept sandbox: a helper VM reads its upper drive; the new environment's
+   layer has the workload's file and its delete; the layer blobs are untouched;
+3. kill -9 of the node daemon, recovery, then `layerctl run --backend microvm` of the committed
+   environment (resume: its drives read through the new daemon) killed with kill -9 of the VMM,
+   then `layerctl sandbox ls`, `recover` and `sandbox rm`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import io
 import json
 import os
 import signal
+import subprocess
 import tarfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,7 @@ def test_1_run_on_a_cold_node(world: dict[str, Any]) -> None:
         echo "devices: $(ls /sys/block | tr '\n' ' ')"
         for b in /sys/block/vd*; do echo "ro $(cat $b/serial) $(cat $b/ro)"; done
         echo "nets: $(ls /sys/class/net | tr '\n' ' ')"
+        grep -q from-caller /proc/cmdline && echo "SECRET ON THE KERNEL COMMAND LINE"
         exit 7"""
     code, out, err = _run(world, "mv:1", script, keep=True, extra_env=["EXTRA=from-caller"])
     assert code == 7, (out, err)
@@ -184,6 +186,7 @@ def test_1_run_on_a_cold_node(world: dict[str, Any]) -> None:
     ro = dict(line.split()[1:] for line in out.splitlines() if line.startswith("ro "))
     assert ro == {"layer0": "1", "layer1": "1", "upper": "0", "config": "1"}, out  # nothing else, all ro but upper
     assert "nets: lo \n" in out  # no network at all
+    assert "SECRET" not in out  # the caller's variables travel on the config drive
     # laziness: the guest read busybox and a few files; the 16 MiB nobody read was never fetched
     shim = world["shim"]
     r = layerctl("stats", "--cache", str(shim.paths.cache), "--json")
@@ -201,8 +204,7 @@ def test_1_run_on_a_cold_node(world: dict[str, Any]) -> None:
 @needs_busybox
 @needs_vm
 def test_2_commit_reads_the_upper_drive_in_a_helper_vm(world: dict[str, Any]) -> None:
-    from layerstore.store import Store
-    from runtime_shim.commit import commit
+    from testkit.cli_helpers import layerctl
 
     sb = world.get("kept")
     if sb is None:
@@ -210,10 +212,11 @@ def test_2_commit_reads_the_upper_drive_in_a_helper_vm(world: dict[str, Any]) ->
     shim = world["shim"]
     before = _blob_sha(world)
     t = time.monotonic()
-    with Store.open(world["url"]) as store:
-        res = commit(store, sb, "mv:2", backends=shim.backends.values())
+    r = layerctl("commit", sb.id, "-t", "mv:2", "--store", world["url"], "--node-dir", str(shim.paths.root), "--json")
     world["boots"].append(round(time.monotonic() - t, 1))
-    assert res.layer not in world["blobs"] and res.frozen == ()
+    assert r.code == 0, r.err
+    res = r.json()
+    assert res["layer"] not in world["blobs"] and res["frozen"] == []
     assert _blob_sha(world) == before  # the layers' blobs are as they were
     # the new environment on the host (a container-style mount is enough to look)
     look = shim.mount("mv:2")
@@ -237,36 +240,41 @@ def test_3_daemon_and_vmm_killed_then_recovered(world: dict[str, Any]) -> None:
     rec = kill9_daemon(shim)
     rep = shim.recover()
     assert rep.daemon_generation and rep.daemon_generation != f"daemon:{rec.pid}:{rec.start_time}"
-    # resume: the committed environment boots (its drives read through the new daemon); the VMM is
-    # killed once the workload runs
-    result: dict[str, Any] = {}
+    # resume through the CLI: the committed environment boots (its drives read through the new
+    # daemon); the VMM is killed once the workload runs
+    from testkit.cli_helpers import LAYERCTL, layerctl
 
-    def go() -> None:
-        try:
-            result["res"] = _run(world, "mv:2", "cat /data/out; test -e /data/keep || echo keep-gone; sleep 600",
-                                 keep=True)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            result["error"] = e
-
-    th = threading.Thread(target=go)
-    th.start()
-    out = world["root"] / "out"
-    runs = shim.paths.root / "microvm" / "run"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and "keep-gone" not in (out.read_text() if out.exists() else ""):
-        time.sleep(0.2)
-    assert "written\nkeep-gone\n" in out.read_text()
-    (rec_file,) = runs.glob("*.json")
-    os.kill(json.loads(rec_file.read_text())["pid"], signal.SIGKILL)
-    th.join(60)
-    assert not th.is_alive()
-    assert isinstance(result.get("error"), ShimError)  # no exit status: the VM died
-    resumed = [s for s in shim.sandboxes() if s.id != world["kept"].id]
-    assert len(resumed) == 1 and resumed[0].backend == "microvm"
-    rep = shim.recover()
-    assert f"microvm:{resumed[0].id}" in rep.deleted_containers or not list(runs.glob("*.json"))
-    assert not list(runs.glob("*.json"))
-    for sb in shim.sandboxes():
-        shim.unmount(sb.id)
+    node = str(shim.paths.root)
+    out, err = world["root"] / "out3", world["root"] / "err3"
+    script = "cat /data/out; test -e /data/keep || echo keep-gone; sleep 600"
+    t = time.monotonic()
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen([LAYERCTL, "run", "--backend", "microvm", "--keep", "--memory", "256M", "--cpus", "1",
+                                 "--store", world["url"], "--node-dir", node, "mv:2", "--", "/bin/sh", "-c", script],
+                                stdin=subprocess.DEVNULL, stdout=o, stderr=e)
+    try:
+        runs = shim.paths.root / "microvm" / "run"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and "keep-gone" not in out.read_text() and proc.poll() is None:
+            time.sleep(0.2)
+        world["boots"].append(round(time.monotonic() - t, 1))
+        assert out.read_text() == "written\nkeep-gone\n", err.read_text()
+        (rec_file,) = runs.glob("*.json")
+        os.kill(json.loads(rec_file.read_text())["pid"], signal.SIGKILL)
+        assert proc.wait(60) == 1  # no exit status: the VM died (ShimError)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "layerctl: error:" in err.read_text() and "no exit status" in err.read_text()
+    r = layerctl("sandbox", "ls", "--node-dir", node, "--json")
+    assert r.code == 0, r.err
+    listed = {s["sandbox"]: s["backend"] for s in r.json()["sandboxes"]}
+    assert listed.get(world["kept"].id) == "microvm" and len(listed) == 2 and set(listed.values()) == {"microvm"}
+    r = layerctl("recover", "--node-dir", node, "--json")
+    assert r.code == 0, r.err
+    assert not list(runs.glob("*.json"))  # no VMM left on record
+    for sid in listed:
+        assert layerctl("sandbox", "rm", "--node-dir", node, sid).code == 0
     assert shim.sandboxes() == [] and shim.layer_refs() == {}
     print("boot wall times (s):", world["boots"])
