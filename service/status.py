@@ -27,9 +27,9 @@ from layergc.report import last_report
 from layerstore import digest as digestmod
 from layerstore import keys
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import LayerstoreError
+from layerstore.errors import LayerstoreError, NotFound
 from layerstore.store import Store
-from manifest.environment import list_environments, load_manifest
+from manifest.environment import SIG_TAG_NAME, load_manifest
 from manifest.schema import Manifest
 
 SNAPSHOT_TTL = 5.0  # seconds a snapshot serves every render
@@ -203,7 +203,7 @@ class StatusSource:
         _, listed, stored_objects, unref_bytes, unref_objects = self.listing  # type: ignore[misc]
 
         layers = {b: self._layer_row(b) for b in sorted(blobs)}
-        envs = [self._env_row(store, ref, digest, layers) for ref, digest in sorted(list_environments(store).items())]
+        envs = [self._env_row(store, ref, digest, error, layers) for ref, digest, error in environment_tags(store)]
         gc_error = ""
         try:
             gc = last_report(store)
@@ -250,8 +250,10 @@ class StatusSource:
             return LayerRow(blob, error=self.map_errors.get(blob, "not read"))
         return LayerRow(blob, s.size, s.chunks, self.index.shared_bytes(blob))
 
-    def _env_row(self, store: Store, ref: str, digest: str, layers: dict[str, LayerRow]) -> EnvRow:
-        row = EnvRow(ref, keys.parse_tag(ref)[0], digest)
+    def _env_row(self, store: Store, ref: str, digest: str, error: str, layers: dict[str, LayerRow]) -> EnvRow:
+        row = EnvRow(ref, ref.rpartition(":")[0], digest, error=error)
+        if error:
+            return row
         try:
             m = self.manifests.get(digest)
             if m is None:
@@ -270,6 +272,24 @@ class StatusSource:
                 lr = layers[layer.blob] = LayerRow(layer.blob, layer.size, error="missing from the store")
             lr.used_by.append((row.name, ref, layer.role))
         return row
+
+
+def environment_tags(store: Store) -> list[tuple[str, str, str]]:
+    """(ref, manifest digest, "") of every environment tag, sorted; a tag that cannot be read
+    (a malformed name or value at a key under `tags/`) is (ref, "", why): one bad tag does not
+    hide the others. Signature tags are left out."""
+    out = []
+    for key in store.backend.list("tags/"):
+        ref = keys.tag_of_key(key)
+        if ref.startswith(SIG_TAG_NAME + "/"):
+            continue
+        try:
+            out.append((ref, store.get_tag(ref), ""))
+        except NotFound:
+            continue  # deleted between the listing and the read
+        except LayerstoreError as e:
+            out.append((ref, "", str(e)))
+    return sorted(out)
 
 
 _sources: weakref.WeakKeyDictionary[Store, StatusSource] = weakref.WeakKeyDictionary()

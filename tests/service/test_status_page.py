@@ -247,6 +247,8 @@ def test_damaged_objects_and_a_hostile_gc_report_do_not_break_the_page(filled: F
         mpath = root / keys.object_key("manifests", manifest)
         mpath.write_bytes(mpath.read_bytes()[:-1] + b"\x00")
         (root / keys.object_key("chunks", digestmod.of(filled.segments["tail"]))).unlink()  # the workspace's
+        s.backend.replace("tags/team/bad:v1", b"not a digest\n")  # a tag that holds garbage
+        (root / "tags" / "Not A Tag").write_bytes(manifest.encode())  # a stray name under tags/
         s.backend.replace("gc/last-report", json.dumps({
             "started": "<script>alert(1)</script>", "finished": 1e300, "dry_run": "<b>yes</b>",
             "marked": {"objects": "<img src=x onerror=alert(1)>"}, "deleted": {"objects": [1, 2], "bytes": "lots"},
@@ -259,7 +261,9 @@ def test_damaged_objects_and_a_hostile_gc_report_do_not_break_the_page(filled: F
     assert page.scripts == 0 and "<img" not in html and "<b>" not in html
     assert page.figures["marked"]["text"] == "objects marked (kept) -"
     assert page.figures["deleted"]["text"] == "objects deleted - (-)"
-    assert set(page.envs) == set(filled.envs)
+    assert set(page.envs) == set(filled.envs) | {"team/bad:v1", "Not A Tag"}
+    assert "does not hold a manifest digest" in page.envs["team/bad:v1"]
+    assert "not a tag reference" in page.envs["Not A Tag"]
     assert manifest_error in page.envs["team/app:v2"] and "toolkit" not in page.envs["team/app:v2"]
     assert map_error in page.layers[filled.blobs["toolkit"]]
     assert "toolkit" in page.layers[filled.blobs["toolkit"]]  # its role, from the manifests that still read
