@@ -190,3 +190,14 @@ def test_at_most_23_devices_and_guest_drive_names(tmp_path: Path) -> None:
                                                           "/dev/vdab"]
     assert layer_tags(2) == [b"/dev/vdb", b"/dev/vdc"]
     assert root_key(["b3:a", "b3:b"]) != root_key(["b3:b", "b3:a"])
+
+
+def test_chunk_indexes_after_xattr_bodies_of_every_alignment(tmp_path: Path) -> None:
+    """Chunk indexes start 8-aligned after the inode and its xattrs: xattr bodies of both
+    alignments (a value one byte longer each time) read back right, by the kernel and by fsck."""
+    for n in range(8):
+        tmp = tmp_path / str(n)
+        tmp.mkdir()
+        data = random.Random(n).randbytes(9000)
+        layers = build_layers(tmp, [[reg(b"xa", data, xattrs={b"user.k": b"v" * n})], [reg(b"b", b"b")]])
+        check_both(tmp, layers)
