@@ -140,7 +140,7 @@ class Daemon:
             await trio.to_thread.run_sync(clear_dead_mount, mountpoint)
             async with trio.open_nursery() as service:
                 await service.start(cache.run)
-                # What the node uses, reported to the store's collector (docs/gc-node.md).
+                # What the node uses, reported to the store's collector (docs/gc.md, the node side).
                 backend = getattr(self.store, "backend", None)
                 inuse = self.node_lease = NodeLease(
                     cache, backend if isinstance(backend, Backend) else None,

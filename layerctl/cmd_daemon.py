@@ -255,7 +255,7 @@ def cache_evict_cmd(cache_dir: Path, blob: str | None, evict_all: bool, to_bytes
 def cache_gc_cmd(cache_dir: Path, older_than: str, dry_run: bool, as_json: bool) -> None:
     """Forget cached blobs that nothing on the node uses (no mount, no pin, no open file) and
     that were not used for longer than --older-than: their chunks, map and data file. Through
-    the daemon when it runs, else directly (docs/gc-node.md). Watermark eviction is separate."""
+    the daemon when it runs, else directly (docs/gc.md, the node side). Watermark eviction is separate."""
     from layergc.retention import parse_duration
 
     from fuse_client.control import DaemonNotRunning, request_json

@@ -7,7 +7,7 @@ it on the daemon's Unix socket, inside the daemon's trio loop, through hypercorn
     GET  /cache          the JSON of `layerctl cache ls`
     POST /cache/verify   re-hash committed chunks, drop bad ones
     POST /cache/evict    {"blob": D} | {"all": true} | {"to_bytes": N} | {} (down to the low watermark)
-    POST /cache/gc       {"older_than": SECONDS, "dry_run": bool}: forget blobs nothing uses (docs/gc-node.md)
+    POST /cache/gc       {"older_than": SECONDS, "dry_run": bool}: forget unused blobs (docs/gc.md, the node side)
     POST /prefetch       {"blob": D, "chunks": [i...] | "ranges": [[off, len]...] | "all": true, "wait": bool}
     POST /pin            {"blob": D, "holder": H} -> {"blob", "complete": true, "path"} | 409 BlobIncomplete
     POST /unpin          {"blob": D, "holder": H} -> {"blob", "holder", "removed": bool} (idempotent)

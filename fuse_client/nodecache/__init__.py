@@ -15,7 +15,7 @@ It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the
   `gauges`; `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
 - errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`.
 - in use (`inuse`): `NodeLease`, the lease that reports the node's blobs to the store's
-  collector (`LazyCache(guard=NodeLease.guard)`, `rotate`, `release`; docs/gc-node.md).
+  collector (`LazyCache(guard=NodeLease.guard)`, `rotate`, `release`; docs/gc.md, the node side).
 
 The names below load their module on first use, so that importing `errors` (what the blocking
 control client needs) does not import trio.

@@ -1,5 +1,5 @@
 """The node's in-use report to the store's garbage collector: one lease of kind "node" that
-holds the chunk-map keys of every blob the node uses (docs/gc-node.md; the protocol is
+holds the chunk-map keys of every blob the node uses (docs/gc.md, the node side; the protocol is
 `layerstore.leases`, the collector `layergc`).
 
 State (all on the daemon's trio thread, except the lease's own, behind its lock):
@@ -132,7 +132,7 @@ class NodeLease:
                 raise  # (its chunk map could not be loaded either)
             # Known to the node: what it caches is served while the store is away, as without a
             # lease. Counted as relied on (not asked again at every request); the next rotation
-            # that reaches the store holds it, without waiting out sweeps (docs/gc-node.md).
+            # that reaches the store holds it, without waiting out sweeps (docs/gc.md, the node side).
             self._warn(f"cannot protect blob {blob} in the store ({e}); serving what the node cache holds")
             self.vouched.add(blob)
             return
@@ -235,7 +235,7 @@ class NodeLease:
     def _disable(self, e: PermissionDenied) -> None:
         if not self.disabled:
             log.warning("node lease: the store refuses this node's lease (%s): this node does not report the "
-                        "blobs it uses and relies on the collector's grace period (docs/gc-node.md)", e)
+                        "blobs it uses and relies on the collector's grace period (docs/gc.md, the node side)", e)
         self.disabled = True
         self.vouched.clear()
 

@@ -40,7 +40,7 @@ class LazyCache:
         """`nursery`: where fetches run (a reader giving up must not cancel a fetch that others
         wait for); `readahead`: the largest window of a sequential stream, in chunks (0: none);
         `guard(blob)`: awaited before the cache relies on a blob for a lookup, a prefetch or a pin
-        (the node lease's `NodeLease.guard`: docs/gc-node.md); reads of open files skip it."""
+        (the node lease's `NodeLease.guard`: docs/gc.md, the node side); reads of open files skip it."""
         self.cache = cache
         self.guard = guard
         self.stats = stats if stats is not None else Stats(gauges=cache.gauges)
