@@ -236,7 +236,12 @@ def first_byte(fd: int, proc: subprocess.Popen[bytes], limit: float = 1200) -> b
 
 
 def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier, rec: dict[str, Any]) -> None:
-    backend = shim.backend(backend_name)
+    try:
+        backend = shim.backend(backend_name)
+    except BaseException as e:  # noqa: BLE001 - recorded, the run goes on
+        rec["error"] = f"{type(e).__name__}: {e}"
+        ready.abort()
+        return
     t0 = time.monotonic()
     if getattr(backend, "guest_root", False):  # a VM whose guest composes the root (as runner.run mounts it)
         sb = shim.mount(tag, guest=backend_name)
@@ -349,6 +354,10 @@ def main() -> None:
             skipped = [n for n in a.backends.split(",") if n not in REGISTRY.names()]
             result["backends_skipped"] = [n for n in skipped if n not in result.get("backends", {})]
             ran = backends_run(env, work, names, [int(c) for c in a.counts.split(",")])
+            failed = [n for n, points in ran.items() if any(p["errors"] or p["first_output_median_s"] is None
+                                                            for p in points.values())]
+            if failed:  # figures of a run that failed do not replace an earlier run's
+                raise SystemExit(f"{', '.join(failed)}: a point failed; results not written: {json.dumps(ran)}")
             result["backends"] = {**result.get("backends", {}), **ran}  # a run of some backends keeps the others'
             result.setdefault("backends_when", {}).update({n: result["when"] for n in ran})
     outp.parent.mkdir(parents=True, exist_ok=True)
