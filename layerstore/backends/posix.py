@@ -151,9 +151,20 @@ class PosixBackend(Backend):
         path = self._path(key)
         if path.exists():
             return False
-        tmp = self._write_temp(path, data)
+        return self._publish(self._write_temp(path, data), path, key, exclusive=True)
+
+    def replace(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        self._publish(self._write_temp(path, data), path, key, exclusive=False)
+
+    def _publish(self, tmp: Path, path: Path, key: str, *, exclusive: bool) -> bool:
+        """Put the temporary file `tmp` in place at `path`: `link` (exclusive: False if `path`
+        exists) or `rename` (replacing it). The temporary is gone afterwards either way."""
         try:
-            os.link(tmp, path)
+            if exclusive:
+                os.link(tmp, path)
+            else:
+                os.rename(tmp, path)
         except FileExistsError:
             return False
         except OSError as e:
@@ -162,16 +173,6 @@ class PosixBackend(Backend):
             _unlink_quietly(tmp)
         self._sync_dir(path.parent)
         return True
-
-    def replace(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = self._write_temp(path, data)
-        try:
-            os.rename(tmp, path)
-        except OSError as e:
-            _unlink_quietly(tmp)
-            raise _translate(e, f"cannot publish {key}") from None
-        self._sync_dir(path.parent)
 
     def replace_if(self, key: str, data: bytes, expected: bytes | None) -> bool:
         """Compare-and-swap under a lock file beside the object, taken with an exclusive `link`
@@ -191,19 +192,9 @@ class PosixBackend(Backend):
                     return False  # larger than expected, or not a plain object: not `expected`
                 if current != expected:
                     return False
-                try:
-                    if expected is None:
-                        os.link(tmp, path)
-                    else:
-                        os.rename(tmp, path)
-                except FileExistsError:
-                    return False
-                except OSError as e:
-                    raise _translate(e, f"cannot publish {key}") from None
+                return self._publish(tmp, path, key, exclusive=expected is None)
         finally:
             _unlink_quietly(tmp)
-        self._sync_dir(path.parent)
-        return True
 
     @contextlib.contextmanager
     def _cas_lock(self, path: Path, key: str) -> Iterator[None]:

@@ -288,37 +288,13 @@ def test_metrics_count_routes_and_bytes(served: Served) -> None:
     assert "t/metered" not in text  # labels are routes, never keys
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
-
-
 def test_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TLS with --tls-cert/--tls-key; the client verifies the service (here against
     $LAYERSTORE_CA_BUNDLE) and refuses a certificate it cannot verify."""
+    from testkit.oci_registry import self_signed
     from testkit.store_service import free_port, start_service
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     port = free_port()
     svc = start_service(str(tmp_path / "store"), tmp_path / "svc", port=port, tls=(cert, key))
     try:
