@@ -39,7 +39,13 @@ trap 'rm -rf "$tmp"' EXIT
 cd "$tmp"
 
 echo "guest-kit: building $key ($package $version)"
-apt-get -q -o APT::Sandbox::User=root download "$package=$version" >/dev/null
+if ! apt-cache show "$package=$version" >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq  # (package lists missing or stale: the pin names a version they lack)
+fi
+if ! apt-get -q -o APT::Sandbox::User=root download "$package=$version" >/dev/null; then
+    echo "guest-kit: $package=$version is not in this machine's apt sources; pin another in $lock" >&2
+    exit 1
+fi
 deb=$(ls ./*.deb)
 echo "$sha256  $deb" | sha256sum -c --quiet -
 
