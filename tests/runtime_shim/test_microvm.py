@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox
+from testkit.shim_support import busybox_image, busybox_rootfs, cleanup_node, dir_shim, loops_under, needs_busybox, spec
 from testkit.vm_support import kill9_daemon, needs_vm, tcg
 
 from runtime_shim import runner
@@ -89,6 +89,31 @@ def test_every_drive_but_the_upper_is_read_only(tmp_path: Path) -> None:
         VmSpec("/k", None, "", drives=(Drive("/a,b", serial="layer0"),)).check()
     with pytest.raises(VmSpecError):
         VmSpec("/k", None, "", drives=(Drive("/a", serial="x" * 21),)).check()
+
+
+@pytest.mark.root
+@needs_busybox
+def test_a_guest_composed_sandbox_has_its_layers_mounted_and_no_root_on_the_host(tmp_path: Path) -> None:
+    from fuse_client.linux import detach
+
+    blobs, blob = busybox_image(tmp_path)
+    with dir_shim(tmp_path, blobs) as shim:
+        sb = shim.mount(spec((blob, "base")), guest="microvm", upper_image=64 << 20)
+        assert sb.backend == "microvm" and not os.path.exists(sb.target)
+        assert os.path.ismount(shim.paths.layer_mount(blob)) and shim.layer_refs() == {blob: 1}
+        assert Path(sb.upper) == shim.paths.upper_image(sb.id) and Path(sb.upper).stat().st_size == 64 << 20
+        assert not loops_under(shim.paths.root)  # the host never mounts the upper drive
+        assert shim.check(sb.id).ok
+        # a lost layer mount (a daemon restart) is mounted again; the sandbox gets no overlay
+        detach(shim.paths.layer_mount(blob))
+        rep = shim.recover()
+        assert blob in rep.remounted_layers and not rep.remounted_sandboxes and not rep.broken
+        assert os.path.ismount(shim.paths.layer_mount(blob)) and not os.path.exists(sb.target)
+        with pytest.raises(ShimError):
+            shim.mount(spec((blob, "base")), guest="microvm", upper_size=1 << 20)
+        shim.unmount(sb.id)
+        assert shim.sandboxes() == [] and shim.layer_refs() == {}
+        assert not shim.paths.sandbox_dir(sb.id).exists() and not os.path.ismount(shim.paths.layer_mount(blob))
 
 
 # -- booted for real --------------------------------------------------------------------------------
