@@ -11,12 +11,14 @@ root as its first virtio-blk drive (vda) and the layers next, in order (vdb, vdc
 are those paths. (A 6.12+ kernel without `device=` reads the image as one flat device instead and
 fails on the first data read, never returning wrong bytes: see `flatten`.)
 
-Crash safety: the image is written to a temporary name and renamed into place (flatten._atomic);
-two sandboxes building the same image at once write identical bytes, and the last rename wins.
+Crash safety: the image is written to a temporary name and renamed into place (flatten._atomic),
+by one builder at a time per image (an flock on NODE/vm/roots/<key>.lock, released if it dies):
+the sandboxes of a stack started together wait for the first one's image.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +62,17 @@ def root_image(roots: Path, blobs: Sequence[str],
     if len(blobs) > MAX_DEVICES:
         raise BadInput(f"{len(blobs)} layers: a VM root takes at most {MAX_DEVICES}")
     roots.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = roots / f"{root_key(blobs)}.erofs"
+    key = root_key(blobs)
+    path = roots / f"{key}.erofs"
     if path.is_file():
         return path, None
-    return path, build_multidevice(sources, path, tags=layer_tags(len(blobs)))
+    # one builder per image: sandboxes of the same stack started at once wait for it instead of
+    # each building the same bytes (flock: released if the builder dies)
+    fd = os.open(roots / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if path.is_file():
+            return path, None
+        return path, build_multidevice(sources, path, tags=layer_tags(len(blobs)))
+    finally:
+        os.close(fd)

@@ -201,3 +201,24 @@ def test_chunk_indexes_after_xattr_bodies_of_every_alignment(tmp_path: Path) -> 
         data = random.Random(n).randbytes(9000)
         layers = build_layers(tmp, [[reg(b"xa", data, xattrs={b"user.k": b"v" * n})], [reg(b"b", b"b")]])
         check_both(tmp, layers)
+
+
+def test_a_node_builds_each_vm_root_once(tmp_path: Path) -> None:
+    """Sandboxes of one layer stack started at once: one of them builds the root image, the
+    others wait for it and use it (runtime_shim.vm.roots)."""
+    import threading
+
+    from runtime_shim.vm.roots import root_image
+
+    layers = build_layers(tmp_path, [[reg(b"a", b"1" * 5000)], [reg(b"b", b"2" * 5000)]])
+    got: list[tuple[Path, Any]] = []
+    threads = [threading.Thread(target=lambda: got.append(root_image(tmp_path / "roots", ["b3:x", "b3:y"], layers)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len({p for p, _built in got}) == 1
+    assert sum(built is not None for _p, built in got) == 1
+    with mounted_multidevice(got[0][0], layers) as m:
+        assert (m / "a").read_bytes() == b"1" * 5000 and (m / "b").read_bytes() == b"2" * 5000
