@@ -38,8 +38,10 @@ from .spec import VmSpec
 
 QEMU = "qemu-system-x86_64"
 STATUS_MAX = 4096  # bytes of the status stream kept
+CONSOLE_MAX = 1 << 20  # bytes of the guest's console kept in its log
 CONNECT_TIMEOUT = 30.0  # seconds QEMU gets to connect its streams
 ACCEL_ENV = "LAYERSTORE_VM_ACCEL"
+CONSOLE = " console"  # (the console's stream name: a space keeps it apart from every Stream name)
 _STATUS = re.compile(rb"exit ([0-9]{1,3})\n")
 _ERROR = re.compile(rb"error ([ -~]{0,300})\n")
 PROBE_CACHE = Path("/run/layerstore")
@@ -149,7 +151,11 @@ def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: 
         argv += ["-m", f"{spec.memory_mib}M"]
     if spec.initrd:
         argv += ["-initrd", spec.initrd]
-    argv += ["-serial", f"file:{spec.console_log}" if spec.console_log else "null"]
+    console = console_socket(spec)
+    if console is not None:  # (bounded by the host: see start_vm)
+        argv += ["-chardev", f"socket,id=console,path={_opt(console)},server=off", "-serial", "chardev:console"]
+    else:
+        argv += ["-serial", "null"]
     blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
     for i, d in enumerate(spec.drives):
         opts = [f"id=d{i}", f"file={_opt(d.path)}", "format=raw", "if=none", "file.locking=off",
@@ -166,6 +172,15 @@ def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: 
                             f"mem-path={_opt(p.path)},size={p.size}",
                  "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
     return argv
+
+
+def console_socket(spec: VmSpec) -> str | None:
+    """Where the guest's serial console reaches the host when the spec asks for a console log: a
+    socket beside the streams' (the host keeps the first CONSOLE_MAX bytes in the log: a guest
+    that writes to its serial port forever cannot fill the node's disk). None: no console kept."""
+    if not spec.console_log or not spec.streams:
+        return None
+    return os.path.join(os.path.dirname(spec.streams[0].socket), "console.sock")
 
 
 def parse_status(raw: bytes) -> tuple[int | None, str]:
@@ -251,6 +266,23 @@ def _drain(conn: socket.socket) -> None:
             pass
 
 
+def _pump_to_log(conn: socket.socket, path: str | None, limit: int) -> None:
+    """The first `limit` bytes into the file at `path` (created 0600, truncated), the rest dropped."""
+    if path is None:
+        return _drain(conn)
+    kept = 0
+    with contextlib.suppress(OSError), open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600),
+                                            "wb", buffering=0) as f:
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return None
+            if kept < limit:
+                f.write(data[: limit - kept])
+                kept += min(len(data), limit - kept)
+    return _drain(conn)
+
+
 def _pump_bounded(conn: socket.socket, into: bytearray, limit: int) -> None:
     with contextlib.suppress(OSError):
         while True:
@@ -275,16 +307,19 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
     accel = accel or choose_accel(spec.kernel, spec.initrd)
     argv = qemu_argv(spec, accel=accel, binary=qemu_binary(), tsc_khz=host_tsc_khz())
     listeners: dict[str, socket.socket] = {}
+    sockets: dict[str, str] = {}
     proc: subprocess.Popen[bytes] | None = None
     try:
-        for s in spec.streams:
+        console = console_socket(spec)
+        sockets = {s.name: s.socket for s in spec.streams} | ({CONSOLE: console} if console else {})
+        for name, path in sockets.items():
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(s.socket)
+                os.unlink(path)
             ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            ls.bind(s.socket)
-            os.chmod(s.socket, 0o600)
+            ls.bind(path)
+            os.chmod(path, 0o600)
             ls.listen(1)
-            listeners[s.name] = ls
+            listeners[name] = ls
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log if log is not None else subprocess.DEVNULL,
                                 stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
                                 start_new_session=True)
@@ -297,6 +332,8 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
         for name, conn in conns.items():
             if name == "status":
                 th = threading.Thread(target=_pump_bounded, args=(conn, vm.status, STATUS_MAX), daemon=True)
+            elif name == CONSOLE:
+                th = threading.Thread(target=_pump_to_log, args=(conn, spec.console_log, CONSOLE_MAX), daemon=True)
             elif name in targets:
                 th = threading.Thread(target=_pump_to_fd, args=(conn, targets.pop(name), close_sinks), daemon=True)
             else:
@@ -316,9 +353,9 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
     finally:
         for ls in listeners.values():
             ls.close()
-        for s in spec.streams:
+        for path in sockets.values():
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(s.socket)
+                os.unlink(path)
 
 
 def _accept_all(listeners: dict[str, socket.socket], proc: subprocess.Popen[bytes]) -> dict[str, socket.socket]:
