@@ -312,7 +312,8 @@ class ContainerdNode:
                      "containerd_metadata": tree_bytes(root / "io.containerd.metadata.v1.bolt"),
                      "overlayfs_snapshots": tree_bytes(root / "io.containerd.snapshotter.v1.overlayfs")}
         if self.snapshotter == "layerstore":
-            breakdown["layerstore_snapshots"] = tree_bytes(self.ls_node / "snapshotter")
+            snap = self.ls_node / "snapshotter"  # (not layers/: those are the EROFS mounts' contents)
+            breakdown["layerstore_snapshots"] = tree_bytes(snap / "snapshots") + tree_bytes(snap / "metadata")
             breakdown["cache"] = tree_bytes(self.ls_node / "cache")
             with contextlib.suppress(Exception):
                 p = subprocess.run([self.layerctl, "stats", "--cache", str(self.ls_node / "cache"), "--json"],
