@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         for (backend, n), runs in samples.items():
             results.setdefault(backend, {})[str(n)] = median_run(runs)
     finally:
+        for svc, _inner, _token in SERVICES.values():  # a run that failed left its service up
+            svc.stop()
         if ceph is not None and owned:
             ceph.stop()
         shutil.rmtree(work, ignore_errors=True)
