@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # import name -> folder (gc/ is imported as layergc: CPython's gc always wins)
 PACKAGES = {"layerstore": "layerstore", "manifest": "manifest", "erofs_builder": "erofs_builder",
             "fuse_client": "fuse_client", "runtime_shim": "runtime_shim", "layerctl": "layerctl",
-            "layergc": "gc"}
+            "layergc": "gc", "service": "service", "snapshotter": "snapshotter"}
 # Also walked for private use (they import the packages, nothing imports them).
 EXTRA = {"bench": "bench"}
 
@@ -27,8 +27,8 @@ def _modules(names: dict[str, str]) -> dict[str, Path]:
     for name, folder in names.items():
         base = ROOT / folder
         for path in sorted(base.rglob("*.py")):
-            if ".cache" in path.parts or "results" in path.parts:
-                continue
+            if ".cache" in path.parts or "results" in path.parts or path.stem.endswith(("_pb2", "_pb2_grpc")):
+                continue  # caches, results and generated gRPC stubs are not the house
             rel = path.relative_to(base).with_suffix("")
             parts = [name, *rel.parts]
             if parts[-1] == "__init__":
