@@ -11,8 +11,9 @@ read and dropped). The guest is an adversary: `parse_status` takes one line of a
 and nothing else.
 
 Acceleration: KVM when /dev/kvm works (`LAYERSTORE_VM_ACCEL=kvm|tcg|auto` overrides; auto checks
-that a VM can be created), TCG otherwise. QEMU runs with `-sandbox on` (its seccomp filter: no
-spawning, no privilege changes, no obsolete syscalls), `-nodefaults`, no network and no monitor.
+that a VM can be created and boots), TCG otherwise. QEMU runs as "nobody" once it has opened its
+files and sockets (`-runas`), with `-sandbox on` (its seccomp filter: no spawning, no obsolete
+syscalls), `-nodefaults`, no network and no monitor.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .spec import VmSpec
 QEMU = "qemu-system-x86_64"
 STATUS_MAX = 4096  # bytes of the status stream kept
 CONSOLE_MAX = 1 << 20  # bytes of the guest's console kept in its log
+RUNAS = "nobody"  # who QEMU runs as once it has opened what it needs (see qemu_argv)
 CONNECT_TIMEOUT = 30.0  # seconds QEMU gets to connect its streams
 ACCEL_ENV = "LAYERSTORE_VM_ACCEL"
 CONSOLE = " console"  # (the console's stream name: a space keeps it apart from every Stream name)
@@ -113,6 +115,19 @@ def _opt(value: str) -> str:
     return value.replace(",", ",,")  # (spec paths carry no ',' anyway: VmSpec.check)
 
 
+def unprivileged_user() -> str | None:
+    """The user QEMU runs as once set up: RUNAS when this process is root and the node has it."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        pwd.getpwnam(RUNAS)
+    except KeyError:
+        return None
+    return RUNAS
+
+
 def host_tsc_khz() -> int | None:
     """The host CPU's clock in kHz (/proc/cpuinfo), which is the rate a TCG guest's TSC runs at."""
     try:
@@ -125,14 +140,20 @@ def host_tsc_khz() -> int | None:
     return None
 
 
-def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: int | None = None) -> list[str]:
+def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: int | None = None,
+              runas: str | None = None) -> list[str]:
     """The QEMU command line for `spec` (pure). microvm: virtio-mmio devices enumerated through
     ACPI (Debian's kernel ignores virtio_mmio= on its command line); q35: virtio-pci devices.
 
     `tsc_khz` (TCG on microvm): told to the guest kernel (tsc_early_khz=). microvm has no HPET or
     ACPI PM timer, so the kernel calibrates its TSC against the PIT alone, and under TCG on a
     busy host that calibration fails ("Unable to calibrate against PIT") and the boot hangs for
-    good; a TCG guest's TSC runs at the host's rate, which the host knows."""
+    good; a TCG guest's TSC runs at the host's rate, which the host knows.
+
+    `runas`: QEMU drops to this user once it has opened its drives, kernel and sockets (`-runas`),
+    so that a guest that escapes into QEMU is an unprivileged user on the node. QEMU's seccomp
+    filter then allows the set*id calls (the drop needs them; as that user they give nothing) and
+    still forbids spawning anything; without `runas` it forbids them too."""
     spec.check()
     mmio = spec.machine == "microvm"
     cmdline = spec.cmdline
@@ -142,8 +163,11 @@ def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: 
     argv = [binary, "-machine", machine, "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
             "-smp", str(spec.vcpus), "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-display", "none", "-monitor", "none", "-net", "none",
-            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            "-sandbox", f"on,obsolete=deny,elevateprivileges={'allow' if runas else 'deny'},spawn=deny,"
+                        "resourcecontrol=deny",
             "-kernel", spec.kernel, "-append", cmdline]
+    if runas:
+        argv += ["-runas", runas]
     if spec.pmem:
         total = sum(p.size for p in spec.pmem)
         argv += ["-m", f"{spec.memory_mib}M,slots={len(spec.pmem)},maxmem={spec.memory_mib + (total >> 20)}M"]
@@ -305,7 +329,7 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
     On any failure QEMU is killed and reaped."""
     spec.check()
     accel = accel or choose_accel(spec.kernel, spec.initrd)
-    argv = qemu_argv(spec, accel=accel, binary=qemu_binary(), tsc_khz=host_tsc_khz())
+    argv = qemu_argv(spec, accel=accel, binary=qemu_binary(), tsc_khz=host_tsc_khz(), runas=unprivileged_user())
     listeners: dict[str, socket.socket] = {}
     sockets: dict[str, str] = {}
     proc: subprocess.Popen[bytes] | None = None

@@ -83,7 +83,10 @@ def test_every_drive_but_the_upper_is_read_only(tmp_path: Path) -> None:
     assert "-net" in argv and argv[argv.index("-net") + 1] == "none"
     assert "tsc_early_khz=2000000" in argv[argv.index("-append") + 1]
     assert argv[argv.index("-machine") + 1] == "microvm,acpi=on"
-    assert argv[argv.index("-serial") + 1] == "null"
+    assert argv[argv.index("-serial") + 1] == "null" and "-runas" not in argv
+    assert "elevateprivileges=deny" in argv[argv.index("-sandbox") + 1]
+    dropped = qemu_argv(spec, runas="nobody")  # QEMU drops to nobody once its files are open
+    assert dropped[dropped.index("-runas") + 1] == "nobody" and "spawn=deny" in dropped[dropped.index("-sandbox") + 1]
     logged = qemu_argv(VmSpec(**{**spec.__dict__, "console_log": "/n/console.log"}))
     assert logged[logged.index("-serial") + 1] == "chardev:console"  # a socket: the host keeps a bounded log
     assert "socket,id=console,path=/run/x/console.sock,server=off" in logged
