@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import pwd
 import signal
 import subprocess
 import tarfile
@@ -293,7 +294,10 @@ def test_3_daemon_and_vmm_killed_then_recovered(world: dict[str, Any]) -> None:
         world["boots"].append(round(time.monotonic() - t, 1))
         assert out.read_text() == "written\nkeep-gone\ntmp\n", err.read_text()  # (its upper: a tmpfs)
         (rec_file,) = runs.glob("*.json")
-        os.kill(json.loads(rec_file.read_text())["pid"], signal.SIGKILL)
+        pid = json.loads(rec_file.read_text())["pid"]
+        uids = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+        assert set(uids.split()[1:]) == {str(pwd.getpwnam("nobody").pw_uid)}  # QEMU runs unprivileged
+        os.kill(pid, signal.SIGKILL)
         assert proc.wait(60) == 1  # no exit status: the VM died (ShimError)
     finally:
         if proc.poll() is None:
