@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared", type=int, default=20, help="live chunks each garbage chunk map names too")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--backends", default="local,s3")
-    ap.add_argument("--workers", type=int, help="fill threads (default 8 local, 32 S3)")
+    ap.add_argument("--workers", type=int, help="fill threads (default 8 local, 16 S3)")
     ap.add_argument("--profile", action="store_true", help="one more collection per backend under cProfile")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
