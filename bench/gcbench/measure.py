@@ -14,6 +14,7 @@ import layergc
 
 from layerstore import keys
 from layerstore.backends import Backend
+from layerstore.errors import LayerstoreError
 from layerstore.store import Store
 from manifest.schema import Manifest
 
@@ -95,19 +96,25 @@ def check(store: Store, plan: Plan, gc: dict[str, Any]) -> dict[str, Any]:
     if left != plan.live_keys:
         problems.append(f"{len(left - plan.live_keys)} objects left that are not live, "
                         f"{len(plan.live_keys - left)} live objects gone")
+    if problems:  # something is gone: reading it would only fail on the first such object
+        raise SystemExit("gc benchmark: the collection was wrong: " + "; ".join(problems))
     manifests = [k for k in plan.live_keys if k.startswith("manifests/")]
     maps = [k for k in plan.live_keys if k.startswith("blobs/")]
-    named: set[str] = set()
-    for key in manifests:
-        named.update(Manifest.from_bytes(store.get_manifest(keys.digest_of_key(key)[1])).blobs)
-    for key in maps:
-        store.get_chunk_map(keys.digest_of_key(key)[1])
-    if {keys.object_key("blobs", b) for b in named} != set(maps):
-        problems.append("the live manifests do not name exactly the live chunk maps")
     sample = random.Random(plan.seed).sample(list(plan.live_chunks), min(SAMPLE_CHUNKS, len(plan.live_chunks)))
-    for i, data in zip(sample, store.pool.map(store.get_chunk, [plan.digests[i] for i in sample]), strict=True):
-        if len(data) != plan.lengths[i]:
-            problems.append(f"chunk {i}: {len(data)} bytes, want {plan.lengths[i]}")
+    try:
+        named: set[str] = set()
+        for key in manifests:
+            named.update(Manifest.from_bytes(store.get_manifest(keys.digest_of_key(key)[1])).blobs)
+        for key in maps:
+            store.get_chunk_map(keys.digest_of_key(key)[1])
+        if {keys.object_key("blobs", b) for b in named} != set(maps):
+            problems.append("the live manifests do not name exactly the live chunk maps")
+        datas = store.pool.map(store.get_chunk, [plan.digests[i] for i in sample])
+        for i, data in zip(sample, datas, strict=True):
+            if len(data) != plan.lengths[i]:
+                problems.append(f"chunk {i}: {len(data)} bytes, want {plan.lengths[i]}")
+    except LayerstoreError as e:
+        problems.append(f"a live object does not read back: {e}")
     if problems:
         raise SystemExit("gc benchmark: the collection was wrong: " + "; ".join(problems))
     return {"left": len(left), "manifests_read": len(manifests), "chunk_maps_read": len(maps),
