@@ -40,7 +40,9 @@ from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
 from .auth import Principal, TokenTable
+from .cached_reads import CachedReader
 from .checks import check_body, check_key, limit_for
+from .fastpath import ObjectFastPath
 from .metrics import MetricsMiddleware, exposition
 
 log = logging.getLogger("layerstore.service")
@@ -81,7 +83,8 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
     return start, min(end, size - 1) - start + 1
 
 
-def principal(request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+async def principal(request: Request,
+                    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
     """Who is asking: the bearer token (or, for a browser, the token cookie) looked up in the
     app's token table."""
     header = request.headers.get("authorization")
@@ -101,9 +104,9 @@ def error_response(e: LayerstoreError) -> JSONResponse:
 def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     app = FastAPI(title="layerstore store service", version="1",
                   description="The content-addressed store over HTTP: see docs/service.md.")
-    app.add_middleware(MetricsMiddleware)
     app.state.tokens = tokens
     backend = store.backend
+    cached = CachedReader.for_backend(backend)
 
     # -- the error edge --------------------------------------------------------------------
     @app.exception_handler(LayerstoreError)
@@ -123,8 +126,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
 
     @app.exception_handler(Exception)
     async def on_bug(_request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected failure")
-        return error_response(LayerstoreError(f"internal error: {type(e).__name__}"))
+        return edge_error(e)
 
     def readable(who: Principal, key: str) -> None:
         if who.may_read(key):
@@ -178,12 +180,11 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         return headers
 
     # -- objects -----------------------------------------------------------------------------
-    @app.get(wire.OBJECTS + "{key:path}", response_class=Response,
-             responses={200: {"content": {OCTETS: {}}}, 206: {"content": {OCTETS: {}}}, 304: {}, 416: {}})
-    async def get_object(key: str, who: Who,
-                         byte_range: Annotated[str | None, Header(alias="range", pattern=RANGE_PATTERN)] = None,
-                         if_none_match: Annotated[str | None, Header()] = None) -> Response:
-        """An object's bytes, or one range of them."""
+    async def answer_get(who: Principal, key: str, byte_range: str | None, if_none_match: str | None) -> Response:
+        """GET of an object: its bytes, one range of them, or 304. One backend call (in a worker
+        thread) for a plain GET; content-addressed objects are not re-validated."""
+        if byte_range is not None:
+            parse_range(byte_range, 1)  # its syntax first (400), as the route's header validation
         check_key(key)
         readable(who, key)
         limit = limit_for(key)
@@ -191,29 +192,49 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if (content and if_none_match and wire.etag_of(key, b"") in wire.etags_in(if_none_match)
                 and await run(backend.exists, key)):
             return Response(status_code=304, headers=object_headers(key, wire.etag_of(key, b"")))
+        if content and cached is not None:  # the page cache first, in the loop (cached_reads.py)
+            span = None if byte_range is None else (lambda size: parse_range(byte_range, size))
+            hit = cached.read(key, limit, span)
+            if hit is not None:
+                return content_answer(key, byte_range, *hit)
         if byte_range is None:
             data = await on_object(key, lambda: backend.load(key, max_size=limit))
             etag = wire.etag_of(key, data)
             if if_none_match and etag in wire.etags_in(if_none_match):
                 return Response(status_code=304, headers=object_headers(key, etag))
             return Response(data, media_type=OCTETS, headers=object_headers(key, etag))
-        size = await on_object(key, backend.size, key)
+        size, offset, data = await on_object(key, load_range, key, byte_range, limit)  # one thread hop
+        return content_answer(key, byte_range, size, offset, data) if content else range_answer(
+            key, size, offset, data, None)
+
+    def content_answer(key: str, byte_range: str | None, size: int, offset: int,
+                       data: bytes | memoryview | None) -> Response:
+        if byte_range is None:
+            return Response(data, media_type=OCTETS, headers=object_headers(key, wire.etag_of(key, b"")))
+        return range_answer(key, size, offset, data, wire.etag_of(key, b""))
+
+    def range_answer(key: str, size: int, offset: int, data: bytes | memoryview | None, etag: str | None) -> Response:
+        if data is None:
+            resp = error_response(wire.RangeNotSatisfiable(f"object {key}: range starts at or past its end ({size})"))
+            resp.headers["Content-Range"] = f"bytes */{size}"
+            return resp
+        headers = object_headers(key, etag)
+        headers["Content-Range"] = f"bytes {offset}-{offset + len(data) - 1}/{size}"
+        return Response(data, status_code=206, media_type=OCTETS, headers=headers)
+
+    def load_range(key: str, byte_range: str, limit: int) -> tuple[int, int, bytes | None]:
+        """(the object's size, the range's offset, its bytes or None past the end)."""
+        size = backend.size(key)
         if size > limit:
             raise CorruptObject(f"object {key}: {size} bytes, more than such an object can have ({limit})")
         span = parse_range(byte_range, size)
         if span is None:
-            resp = error_response(wire.RangeNotSatisfiable(f"object {key}: range starts at or past its end ({size})"))
-            resp.headers["Content-Range"] = f"bytes */{size}"
-            return resp
+            return size, 0, None
         offset, length = span
-        data = await on_object(key, lambda: backend.load(key, offset, length, max_size=limit))
-        headers = object_headers(key, wire.etag_of(key, b"") if content else None)
-        headers["Content-Range"] = f"bytes {offset}-{offset + len(data) - 1}/{size}"
-        return Response(data, status_code=206, media_type=OCTETS, headers=headers)
+        return size, offset, backend.load(key, offset, length, max_size=limit)
 
-    @app.head(wire.OBJECTS + "{key:path}", response_class=Response)
-    async def head_object(key: str, who: Who) -> Response:
-        """An object's length (Content-Length) and ETag, without its bytes."""
+    async def answer_head(who: Principal, key: str) -> Response:
+        """HEAD of an object: its length (Content-Length) and ETag."""
         check_key(key)
         readable(who, key)
         if wire.kind_of(key) in wire.CONTENT_KINDS:
@@ -225,6 +246,20 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         headers = object_headers(key, etag)
         headers["Content-Length"] = str(size)
         return Response(status_code=200, headers=headers, media_type=OCTETS)
+
+    @app.get(wire.OBJECTS + "{key:path}", response_class=Response,
+             responses={200: {"content": {OCTETS: {}}}, 206: {"content": {OCTETS: {}}}, 304: {}, 416: {}})
+    async def get_object(key: str, who: Who,
+                         byte_range: Annotated[str | None, Header(alias="range", pattern=RANGE_PATTERN)] = None,
+                         if_none_match: Annotated[str | None, Header()] = None) -> Response:
+        """An object's bytes, or one range of them. (Served by `ObjectFastPath` before FastAPI's
+        routing; this route documents it and answers when the fast path steps aside.)"""
+        return await answer_get(who, key, byte_range, if_none_match)
+
+    @app.head(wire.OBJECTS + "{key:path}", response_class=Response)
+    async def head_object(key: str, who: Who) -> Response:
+        """An object's length (Content-Length) and ETag, without its bytes."""
+        return await answer_head(who, key)
 
     @app.put(wire.OBJECTS + "{key:path}", status_code=201, responses={200: {}, 201: {}, 412: {}},
              openapi_extra={"requestBody": {"required": True, "content": {OCTETS: {"schema": {
@@ -383,7 +418,21 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         html = await run(lambda: render(store, visible=who.sees))
         return Response(html, media_type="text/html; charset=utf-8")
 
+    routes = {m: r for r in app.routes if getattr(r, "path", None) == wire.OBJECTS + "{key:path}"
+              for m in getattr(r, "methods", ()) if m in ("GET", "HEAD")}
+    app.add_middleware(ObjectFastPath, prefix=wire.OBJECTS, who=lambda request: principal(request, None),
+                       get=answer_get, head=answer_head, on_error=edge_error, routes=routes)
+    app.add_middleware(MetricsMiddleware)  # outermost: it counts the fast path's answers too
     return app
+
+
+def edge_error(e: BaseException) -> JSONResponse:
+    """The answer to an exception that reached the edge: a `LayerstoreError` as its status, any
+    other as a 500 with a JSON body (and a log line)."""
+    if isinstance(e, LayerstoreError):
+        return error_response(e)
+    log.exception("unexpected failure", exc_info=e)
+    return error_response(LayerstoreError(f"internal error: {type(e).__name__}"))
 
 
 def status_renderer() -> Any:
