@@ -84,22 +84,28 @@ def one_backend(backend: str, url: str, args: Any) -> dict[str, Any]:
     with Store.open(url) as store:
         time.sleep(SETTLE)
         for rnd in range(args.rounds):
-            r: dict[str, Any] = {"bare_list": measure.bare_list(store.backend)}
-            r["gc"], _ = measure.collect(store)
-            if rnd == 0:
+            # Odd rounds delete bare first: the garbage then written back is what the collection
+            # deletes, so neither side always deletes the objects written last.
+            gc_first = rnd % 2 == 0
+            r: dict[str, Any] = {"order": "gc first" if gc_first else "bare delete first",
+                                 "bare_list": measure.bare_list(store.backend)}
+            if gc_first:
+                r["gc"], _ = measure.collect(store)
                 r["check"] = measure.check(store, plan, r["gc"])
-            fill.refill_garbage(store.backend, plan, workers)
-            os.sync()
-            r["bare_delete"] = measure.bare_delete(store.backend, garbage)
+                _write_back(store, plan, workers, settle=False)
+                r["bare_delete"] = measure.bare_delete(store.backend, garbage)
+            else:
+                r["bare_delete"] = measure.bare_delete(store.backend, garbage)
+                _write_back(store, plan, workers, settle=True)
+                r["gc"], _ = measure.collect(store)
+                r["check"] = measure.check(store, plan, r["gc"])
             r.update(ratios(r))
             rounds.append(r)
-            log(f"{backend} round {rnd + 1}: gc {r['gc']['seconds']:.2f} s {r['gc']['phases']} | bare list "
-                f"{r['bare_list']['seconds']:.2f} s + delete {r['bare_delete']['seconds']:.2f} s | ratio "
+            log(f"{backend} round {rnd + 1} ({r['order']}): gc {r['gc']['seconds']:.2f} s {r['gc']['phases']} | "
+                f"bare list {r['bare_list']['seconds']:.2f} s + delete {r['bare_delete']['seconds']:.2f} s | ratio "
                 f"{r['ratio']:.2f} (load {os.getloadavg()[0]:.1f})")
             if rnd + 1 < args.rounds or args.profile:
-                fill.refill_garbage(store.backend, plan, workers)
-                os.sync()
-                time.sleep(SETTLE)
+                _write_back(store, plan, workers, settle=True)
         if args.profile:
             gc, text = measure.collect(store, profile=True)
             out["profiled_gc"] = {"seconds": gc["seconds"], "phases": gc["phases"],
@@ -108,6 +114,14 @@ def one_backend(backend: str, url: str, args: Any) -> dict[str, Any]:
     out["rounds"] = rounds
     out["median"] = summary(rounds)
     return out
+
+
+def _write_back(store: Store, plan: fill.Plan, workers: int, *, settle: bool) -> None:
+    """The garbage written back (untimed), on disk like the rest; `settle` before a collection."""
+    fill.refill_garbage(store.backend, plan, workers)
+    os.sync()
+    if settle:
+        time.sleep(SETTLE)
 
 
 def ratios(r: dict[str, Any]) -> dict[str, float]:
