@@ -48,6 +48,8 @@ RUN_TTL = 120.0  # seconds a run record lives without renewal (renewed every thi
 DELETE_BATCH = 1000
 KEEP_RUNS = 20  # finished runs kept in the history
 HISTORY = "gc/history/"
+TEMPORARIES_SWEPT = "gc/temporaries-swept"
+TEMPORARIES_EVERY = 86400.0  # seconds between two sweeps of a POSIX store's stale temporaries
 CONTENT = ("manifests/", "blobs/", "chunks/")
 
 Progress = Callable[[str, int, int | None], None]
@@ -315,7 +317,12 @@ def _housekeeping(store: Store, run: _Run, deleted: set[str]) -> dict[str, int]:
                 stats["signature_tags"] += 1
             except NotFound:
                 continue
+    # Temporaries are left only by writers that died, and finding them walks the whole store:
+    # once a day is enough (the marker's store time says when the last sweep was).
     sweep_temporaries = getattr(backend, "sweep_temporaries", None)
     if sweep_temporaries is not None:
-        stats["temporaries"] = sweep_temporaries(older_than=3600.0)
+        last = [i.mtime for i in backend.list_info(TEMPORARIES_SWEPT) if i.key == TEMPORARIES_SWEPT]
+        if not last or now - last[0] > TEMPORARIES_EVERY:
+            stats["temporaries"] = sweep_temporaries(older_than=3600.0)
+            backend.replace(TEMPORARIES_SWEPT, str(now).encode())
     return stats

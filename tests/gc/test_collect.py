@@ -277,3 +277,17 @@ def test_environment_of_a_collected_layer_is_refused(store: Store, tmp_path: Pat
     layergc.collect(store, grace=0)
     with pytest.raises(NotFound):
         envmod.build_manifest(store, base=blob)
+
+
+def test_stale_temporaries_are_swept_once_a_day(store: Store) -> None:
+    root = Path(store.backend.root)  # type: ignore[attr-defined]
+    (root / "chunks").mkdir(exist_ok=True)
+    stale = root / "chunks" / ".tmp-dead-writer"
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))
+    first = layergc.collect(store, grace=0)
+    assert first.housekeeping["temporaries"] == 1 and not stale.exists()
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))
+    second = layergc.collect(store, grace=0)  # the whole-store walk is not repeated within a day
+    assert second.housekeeping["temporaries"] == 0 and stale.exists()
