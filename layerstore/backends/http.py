@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote as urlquote
 from urllib.parse import unquote, urlsplit
 
+import httpcore
 import httpx
 
 from ..errors import ConfigError, CorruptObject, LayerstoreError, NotFound, PermissionDenied, StoreUnavailable
@@ -77,6 +78,7 @@ class HttpBackend(Backend):
         self._pool = pool
         self._transport = transport  # tests: a fake service
         self._client: httpx.Client | None = None
+        self._core: httpcore.ConnectionPool | None = None
         self._lock = threading.Lock()
 
     # -- the client ----------------------------------------------------------------------
@@ -89,29 +91,53 @@ class HttpBackend(Backend):
         return self._client
 
     def _make_client(self) -> httpx.Client:
-        ca = os.environ.get("LAYERSTORE_CA_BUNDLE")
-        verify: Any = True
-        if ca:
-            import ssl
-
-            verify = ssl.create_default_context(cafile=ca)
+        verify: Any = self._ssl_context() if os.environ.get("LAYERSTORE_CA_BUNDLE") else True
         limits = httpx.Limits(max_connections=self._pool, max_keepalive_connections=self._pool)
         transport = self._transport or httpx.HTTPTransport(uds=self._uds, verify=verify, limits=limits, retries=0)
+        return httpx.Client(base_url=self.base, transport=transport, timeout=self._timeout, headers=self._headers(),
+                            trust_env=False)
+
+    @property
+    def core(self) -> httpcore.ConnectionPool | None:
+        """The pool GETs of objects go through: httpcore, the library under httpx, without httpx's
+        request and response models (half the client's CPU per chunk GET, docs/service.md); None
+        when a transport was given (tests), then GETs take the httpx client."""
+        if self._core is None and self._transport is None:
+            with self._lock:
+                if self._core is None:
+                    self._core = httpcore.ConnectionPool(
+                        ssl_context=self._ssl_context() if self.base.startswith("https:") else None,
+                        max_connections=self._pool, max_keepalive_connections=self._pool, retries=0, uds=self._uds)
+                    self._core_headers = [(k.encode(), v.encode()) for k, v in self._headers().items()]
+                    t = self._timeout
+                    self._core_ext = {"timeout": {"connect": t.connect, "read": t.read, "write": t.write,
+                                                  "pool": t.pool}}
+        return self._core
+
+    def _ssl_context(self) -> Any:
+        import ssl
+
+        ca = os.environ.get("LAYERSTORE_CA_BUNDLE")
+        return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+
+    def _headers(self) -> dict[str, str]:
         # identity: bodies are read raw (the objects are compressed already where it pays)
         headers = {"Accept-Encoding": "identity"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        return httpx.Client(base_url=self.base, transport=transport, timeout=self._timeout, headers=headers,
-                            trust_env=False)
+        return headers
 
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
+            core, self._core = self._core, None
         if client is not None:
             client.close()
+        if core is not None:
+            core.close()
 
     def is_temp_failure(self, e: BaseException) -> bool:
-        if isinstance(e, httpx.TransportError | httpx.StreamError):
+        if isinstance(e, (httpx.TransportError, httpx.StreamError, *CORE_TEMPORARY)):
             return True
         return is_temporary(e)
 
@@ -120,7 +146,7 @@ class HttpBackend(Backend):
         `StoreUnavailable`."""
         try:
             return self.policy.call(fn, self.is_temp_failure)
-        except (httpx.TransportError, httpx.StreamError) as e:
+        except (httpx.TransportError, httpx.StreamError, *CORE_TEMPORARY) as e:
             raise StoreUnavailable(f"{what}: store service {self.url} unreachable: {type(e).__name__}: {e}") from None
         except httpx.InvalidURL as e:
             raise ConfigError(f"{what}: {e}") from None
@@ -168,13 +194,21 @@ class HttpBackend(Backend):
             end = "" if size is None else str(offset + size - 1)
             headers["Range"] = f"bytes={offset}-{end}"
         what = f"object {key}"
+        core = self.core
 
         def once() -> bytes:
+            if core is not None:
+                with core.stream("GET", self.base + path, headers=self._core_headers + [
+                        (k.encode(), v.encode()) for k, v in headers.items()], extensions=self._core_ext) as raw:
+                    return answer(CoreAnswer(raw))
             with self.client.stream("GET", path, headers=headers) as resp:
-                if resp.status_code == 416:
-                    return b""  # the range starts at or after the end: a POSIX read at EOF
-                self._raise_for(resp, what)
-                return _read_body(resp, key, offset, size, max_size, ranged=bool(headers))
+                return answer(resp)
+
+        def answer(resp: Any) -> bytes:
+            if resp.status_code == 416:
+                return b""  # the range starts at or after the end: a POSIX read at EOF
+            self._raise_for(resp, what)
+            return _read_body(resp, key, offset, size, max_size, ranged=bool(headers))
 
         return self._call(what, once)
 
@@ -318,7 +352,27 @@ class HttpBackend(Backend):
                 time.sleep(delay)
 
 
-def _read_body(resp: httpx.Response, key: str, offset: int, size: int | None, max_size: int | None,
+class CoreAnswer:
+    """An httpcore response seen through the part of httpx.Response's interface `_read_body` and
+    `_raise_for` use."""
+
+    def __init__(self, raw: httpcore.Response) -> None:
+        self.raw = raw
+        self.status_code = raw.status
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw.headers}
+        self.is_stream_consumed = False
+
+    def iter_bytes(self) -> Iterator[bytes]:
+        self.is_stream_consumed = True
+        for part in self.raw.iter_stream():
+            if part:
+                yield part
+
+
+CORE_TEMPORARY = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.RemoteProtocolError)
+
+
+def _read_body(resp: Any, key: str, offset: int, size: int | None, max_size: int | None,
                *, ranged: bool) -> bytes:
     """The body of a GET, bounded by what its headers announce and by `max_size` (checked before
     a byte of the body is read)."""
