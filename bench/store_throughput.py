@@ -14,7 +14,13 @@ The Ceph cluster is started here through testkit.ceph_cluster (and stopped at th
 `--ceph-dir DIR` names one left running by `python testkit.ceph_cluster start DIR`.
 
     python bench/store_throughput.py [--size quick|full] [--size-mib N] [--repeat N] [--clients 1,8]
-                                     [--backends local,cephfs,s3,http,http-s3]
+                                     [--backends local,cephfs,s3,http,http-s3] [--daemon-mib N]
+
+With s3 and http-s3 among the backends (and root, for FUSE), `daemon_cold_read` also compares a
+node daemon (`layerctl daemon`) reading one layer cold, sequentially, straight from S3 against the
+same daemon whose store is the service in front of that same bucket: one layer of a file of
+`--daemon-mib` MiB pushed once, a fresh cache and mount for every read, the two kinds alternating
+within each round.
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 128 MiB a run, 2 rounds
 (under a minute); full: 256 MiB a run, 3 rounds (about two minutes). `--size-mib`/`--repeat` win.
@@ -42,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from testkit.ceph_cluster import CephCluster  # noqa: E402
+from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree  # noqa: E402
 from testkit.store_service import Service, make_tokens, start_service  # noqa: E402
 
 from layerstore.store import DEFAULT_WORKERS, Store  # noqa: E402
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, help="rounds over every point; medians are reported")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
+    ap.add_argument("--daemon-mib", type=int, default=64, help="layer size of the daemon cold read (0: skip it)")
     ap.add_argument("--ceph-dir", type=Path, help="use a cluster left running by `ceph_cluster.py start DIR`")
     args = ap.parse_args(argv)
     if args.size_mib is None:
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = False
     machine = machine_info(None)
     results: dict[str, dict[str, Any]] = {}
+    daemon: dict[str, Any] | None = None
     try:
         if {"cephfs", "s3", "http-s3"} & set(backends):
             if args.ceph_dir:
@@ -219,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"get {r['get_mib_s']:8.1f} MiB/s  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
         for (backend, n), runs in samples.items():
             results.setdefault(backend, {})[str(n)] = median_run(runs)
+        if args.daemon_mib and ceph is not None and {"s3", "http-s3"} <= set(backends) and os.geteuid() == 0:
+            daemon = daemon_cold_read(work, ceph, args.daemon_mib, max(args.repeat, 1))
     finally:
         for svc, _inner, _token in SERVICES.values():  # a run that failed left its service up
             svc.stop()
@@ -255,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "results_mib_s": results,
         "ratio_to_local": ratios,
         "ratio_http_to_direct": via_http,
+        "daemon_cold_read": daemon,
         "notes": [
             "local: PosixBackend on the machine's disk with fsync; gets are served from the page cache",
             "cephfs: PosixBackend on one ceph-fuse mount shared by all clients (one node)",
@@ -263,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             "PosixBackend on the local disk / S3Backend on radosgw; the service checks every chunk "
             "(decompress + blake3) before storing it; it runs on the same cores as the clients",
             "Ceph daemons, clients, zstd and blake3 all share the same cores",
+            "daemon_cold_read: layerctl daemon, a fresh cache and mount per read, reading one layer's blob file "
+            "sequentially in 1 MiB reads, straight on S3 and through the service (in front of the same bucket), "
+            "alternating within each round",
         ],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +304,44 @@ def location(backend: str, n: int, work: Path, ceph: CephCluster | None) -> tupl
     if backend == "http-s3":
         return serve(url, work, env)
     return url, env
+
+
+def daemon_cold_read(work: Path, ceph: CephCluster, mib: int, rounds: int) -> dict[str, Any]:
+    """MiB/s of a cold sequential read of one layer's blob file through a node daemon on S3 and on
+    the service in front of the same bucket (alternating, a fresh cache and mount each time)."""
+    url, env = location("s3", 1, work, ceph)
+    with Store.open(url) as s:
+        s.init()
+        src = make_tree(work / "daemon-src", small=4, big=(mib * MiB,))
+        layer = build_and_push(s, src, work / "daemon-image.erofs")
+    http_url, http_env = serve(url, work, env)
+    kinds = {"s3": (url, env), "http-s3": (http_url, http_env)}
+    runs: dict[str, list[float]] = {k: [] for k in kinds}
+    try:
+        for rnd in range(rounds):
+            for kind, (store_url, kind_env) in kinds.items():
+                place = work / f"daemon-{kind}-{rnd}"
+                d = DaemonProcess(store_url, place / "cache", place / "mnt", env=kind_env,
+                                  log=work / f"daemon-{kind}.log")
+                try:
+                    d.start()
+                    t0 = time.perf_counter()
+                    with open(d.blob(layer.blob), "rb", buffering=0) as f:
+                        n = 0
+                        while part := f.read(MiB):
+                            n += len(part)
+                    runs[kind].append(round(n / MiB / (time.perf_counter() - t0), 1))
+                    d.stop()
+                finally:
+                    d.cleanup()
+                    shutil.rmtree(place, ignore_errors=True)
+                print(f"round {rnd + 1} daemon {kind:7s}: cold read {runs[kind][-1]:8.1f} MiB/s of {n / MiB:.0f} MiB "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    finally:
+        cleanup("http-s3", http_url, work)
+    med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    return {"blob_mib": round(layer.size / MiB, 1), "mib_s": med, "mib_s_runs": runs,
+            "ratio_http_to_s3": round(med["http-s3"] / med["s3"], 3)}
 
 
 def serve(inner: str, work: Path, env: dict[str, str]) -> tuple[str, dict[str, str]]:
