@@ -11,7 +11,7 @@ demo: deps
 
 test: deps
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check .
