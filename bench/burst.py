@@ -4,6 +4,12 @@ conventional path (tar.gz layers pulled and extracted, overlay, runc), layerstor
 prefetch hints) and layerstore --eager. Needs root.
 
     python bench/burst.py [--size quick|full] [--sandboxes N] [--rate-mbit R] [--contenders a,b,...]
+    python bench/burst.py --nodes size|N|NxM[,NxM...] [--size quick|full|tiny] [--per-node M] [--rate-mbit R[,R]]
+
+With --nodes: the burst at cluster shape (N simulated nodes, each with its own network namespace, node
+disk, memory cgroup and node daemon/shim or puller, one store behind one shared shaped link;
+docs/burst-nodes.md). `--nodes size` runs the size's shapes (quick 4x4; full 16x4 and 8x16 at 1000
+and 250 Mbit/s; tiny 2x2). Results: bench/results/burst_nodes-<size>.json.
 
 Results: bench/results/burst-<size>.json, plots bench/results/burst-<size>-*.png, and the generated
 section of docs/benchmarks.md. Downloads are cached under bench/.cache/ (git-ignore it).
@@ -21,15 +27,20 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
-from bench.burst import report, spec  # noqa: E402
+from bench.burst import nodereport, report, spec  # noqa: E402
+from bench.burst.nodes import ClusterBench, NodeOptions  # noqa: E402
 from bench.burst.orchestrate import Bench, Options, remeasure_readset  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> Options:
+def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(spec.SIZES), default=os.environ.get("BENCH_SIZE", "quick"))
+    ap.add_argument("--size", choices=sorted(set(spec.SIZES) | set(spec.NODE_SIZES)),
+                    default=os.environ.get("BENCH_SIZE", "quick"))
     ap.add_argument("--sandboxes", type=int, default=None, help="burst size (default: the size's)")
-    ap.add_argument("--rate-mbit", type=float, default=None, help="link bandwidth (default 1000)")
+    ap.add_argument("--rate-mbit", default=None, help="link bandwidth (default 1000; with --nodes: R[,R...])")
+    ap.add_argument("--nodes", default=None, metavar="SHAPES",
+                    help="cluster shape: `size` (the size's shapes), N, NxM or a comma-separated list")
+    ap.add_argument("--per-node", type=int, default=4, help="sandboxes per node when --nodes gives only N")
     ap.add_argument("--environments", default=None, help="comma-separated (default: the size's)")
     ap.add_argument("--contenders", default=None,
                     help="comma-separated subset of " + ",".join(spec.SIZES["full"].contenders))
@@ -41,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     a = ap.parse_args(argv)
+    if a.nodes is not None:
+        return parse_nodes(ap, a)
+    if a.size not in spec.SIZES:
+        ap.error(f"--size {a.size} is for --nodes only")
     size = spec.SIZES[a.size]
     envs = tuple(a.environments.split(",")) if a.environments else size.environments
     for e in envs:
@@ -49,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     contenders = tuple(a.contenders.split(",")) if a.contenders else size.contenders
     if a.readset_only is not None:
         a.output = a.readset_only
-    opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes, rate_mbit=a.rate_mbit or size.rate_mbit,
+    opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes,
+                   rate_mbit=float(a.rate_mbit) if a.rate_mbit else size.rate_mbit,
                    environments=envs, contenders=contenders,
                    output=a.output or REPO / "bench" / "results" / f"burst-{size.name}.json",
                    readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs,
@@ -57,11 +73,51 @@ def parse_args(argv: list[str] | None = None) -> Options:
     return opts
 
 
+def parse_nodes(ap: argparse.ArgumentParser, a: argparse.Namespace) -> NodeOptions:
+    try:
+        rates = tuple(float(r) for r in a.rate_mbit.split(",")) if a.rate_mbit else None
+        if a.nodes == "size":
+            shapes = [s if rates is None else spec.Shape(s.nodes, s.per_node, r)
+                      for s in spec.NODE_SIZES[a.size] for r in ((s.rate_mbit,) if rates is None else rates)]
+            shapes = list(dict.fromkeys(shapes))
+        else:
+            shapes = spec.Shape.parse(a.nodes, a.per_node, rates or (1000.0,))
+    except ValueError as e:
+        ap.error(str(e))
+    if any(r <= 0 for s in shapes for r in (s.rate_mbit,)):
+        ap.error("--rate-mbit must be > 0")
+    if not shapes:
+        ap.error("--nodes: no shape")
+    if a.environments:
+        envs = tuple(a.environments.split(","))
+    elif a.size == "tiny":
+        envs = (spec.TINY.name,)
+    else:
+        envs = spec.SIZES[a.size].environments
+    for e in envs:
+        if e != spec.TINY.name and e not in spec.ENVIRONMENTS:
+            ap.error(f"unknown environment {e!r} (known: {', '.join(spec.ENVIRONMENTS)}, tiny)")
+    contenders = tuple(a.contenders.split(",")) if a.contenders else spec.NODE_CONTENDERS
+    for c in contenders:
+        if c != "conventional" and c not in spec.LAYERSTORE_CONTENDERS:
+            ap.error(f"--nodes runs conventional and {', '.join(spec.LAYERSTORE_CONTENDERS)}, not {c!r}")
+    return NodeOptions(shapes=shapes, environments=envs, contenders=contenders, size=a.size,
+                       output=a.output or REPO / "bench" / "results" / f"burst_nodes-{a.size}.json",
+                       rounds=a.rounds or 1, docs=None if a.no_docs else a.docs)
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     if os.geteuid() != 0:
         print("burst: needs root (network namespaces, mounts, runc)", file=sys.stderr)
         return 2
+    if isinstance(opts, NodeOptions):
+        results = ClusterBench(opts).run()
+        section = nodereport.render(opts.output, opts.docs)
+        sys.stdout.write(section)
+        failed = sum(c.get("failed", 0) for sh in results.get("shapes", {}).values()
+                     for c in sh.get("contenders", {}).values() if isinstance(c, dict))
+        return 1 if failed else 0
     if opts.readset_only:
         results = remeasure_readset(opts.output)
         sys.stdout.write(report.render(opts.output, opts.docs, opts.output.parent))

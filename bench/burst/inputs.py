@@ -197,10 +197,54 @@ def build_workspace(root: Path, ws: spec.Workspace) -> Layer:
     return Layer(f"workspace-{ws.name}", "workspace", out, facts)
 
 
+BUSYBOX = "/bin/busybox"
+
+
+def build_tiny(root: Path) -> dict[str, Layer]:
+    """The tiny environment's three layers (smoke tests): a busybox base (the static busybox and its
+    applet links), and a toolkit and a workspace of a few small files each. Built in a second."""
+    out = {}
+    busybox = Path(BUSYBOX).resolve()
+    key = spec.input_key({"tiny": 1, "busybox": busybox.stat().st_size})
+    for name, role in (("base-tiny", "base"), ("toolkit-tiny", "toolkit"), ("workspace-tiny", "workspace")):
+        path = root / f"{name}-{key}.tar.gz"
+        facts = _cached(path)
+        if facts is None:
+            work = root / f".{name}.build"
+            shutil.rmtree(work, ignore_errors=True)
+            tree = work / "tree"
+            if role == "base":
+                for d in ("bin", "etc", "tmp", "proc", "dev", "sys", "root"):
+                    (tree / d).mkdir(parents=True)
+                shutil.copy2(busybox, tree / "bin" / "busybox")
+                applets = subprocess.run([str(busybox), "--list"], capture_output=True, text=True,
+                                         check=True).stdout.split()
+                for a in applets:
+                    if a != "busybox":
+                        (tree / "bin" / a).symlink_to("busybox")
+                (tree / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+            else:
+                data = tree / (spec.TOOLKIT_ROOT if role == "toolkit" else spec.WORKSPACE_ROOT).lstrip("/") / "data"
+                data.mkdir(parents=True)
+                for i in range(8):
+                    (data / f"f{i}.txt").write_text(f"{name} {i}\n" * (512 * (i + 1)))
+            tmp = root / f".{name}.tar.gz.tmp"
+            _tar_gz(tree, tmp)
+            facts = _publish(tmp, path)
+            shutil.rmtree(work, ignore_errors=True)
+        out[name] = Layer(name, role, path, facts)
+    return out
+
+
 def build_all(environments: list[str] | tuple[str, ...]) -> dict[str, Layer]:
     """Every layer the given environments need, by layer name."""
     root = cache_root() / "inputs"
     root.mkdir(parents=True, exist_ok=True)
+    if tuple(environments) == (spec.TINY.name,):
+        tiny = build_tiny(root)
+        base = tiny["base-tiny"]
+        return {"base": Layer("base", "base", base.tar_gz, base.facts), "toolkit-tiny": tiny["toolkit-tiny"],
+                "workspace-tiny": tiny["workspace-tiny"]}
     layers = {"base": build_base(root)}
     for e in environments:
         env = spec.ENVIRONMENTS[e]
@@ -214,7 +258,7 @@ def build_all(environments: list[str] | tuple[str, ...]) -> dict[str, Layer]:
 
 def env_layers(env_name: str) -> list[str]:
     """Layer names of an environment, bottom first."""
-    env = spec.ENVIRONMENTS[env_name]
+    env = spec.environment(env_name)
     return ["base", f"toolkit-{env.toolkit}", f"workspace-{env.workspace}"]
 
 

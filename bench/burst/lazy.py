@@ -113,7 +113,7 @@ class LayerstoreSetup:
         try:
             for i, env in enumerate(self.environments):
                 r = SandboxResult(i, env, launched=time.time())
-                node.run_sandbox(i, env, spec.task_command(spec.ENVIRONMENTS[env]), r)
+                node.run_sandbox(i, env, spec.task_command(spec.environment(env)), r)
                 if not r.ok:
                     raise RuntimeError(f"profiling run of {env} failed: {r.error or r.rc}")
         finally:

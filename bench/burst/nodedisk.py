@@ -47,10 +47,11 @@ def diskstats(dev_name: str, text: str | None = None) -> DiskCounters:
 
 
 class NodeDisk:
-    def __init__(self, image: Path, mountpoint: Path, *, size_gib: int = 24) -> None:
+    def __init__(self, image: Path, mountpoint: Path, *, size_gib: int = 24, inodes: int = 2_000_000) -> None:
         self.image = image
         self.mountpoint = mountpoint
         self.size_gib = size_gib
+        self.inodes = inodes
         self.device: str | None = None  # /dev/loopN
         self.state_file = image.with_suffix(".state.json")
 
@@ -79,7 +80,7 @@ class NodeDisk:
             self.attach()
         assert self.device is not None
         # Everything initialised now, nothing left for a background thread to write during a run.
-        mkfs = ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-N", "2000000"]
+        mkfs = ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-N", str(self.inodes)]
         if subprocess.run([*mkfs, self.device], capture_output=True).returncode != 0:
             self.detach()
             self.attach()

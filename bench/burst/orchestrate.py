@@ -335,8 +335,8 @@ class Bench:
         proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
-        self.cleanup.push(f"runner {name}", lambda: _stop_runner(proc))
-        cg.sandbox_glob = _sandbox_cgroups(name, proc.pid)
+        self.cleanup.push(f"runner {name}", lambda: stop_runner(proc))
+        cg.sandbox_glob = sandbox_cgroups(name, proc.pid)
         assert proc.stdin is not None and proc.stdout is not None
         try:
             if proc.stdout.readline().strip() != "READY":
@@ -366,8 +366,8 @@ class Bench:
         measured = {
             "link_rx_bytes": link1.minus(link0).rx_bytes,
             "link_tx_bytes": link1.minus(link0).tx_bytes,
-            "qdisc_bytes": _delta(qdisc1.get("bytes"), qdisc0.get("bytes")),
-            "qdisc_drops": _delta(qdisc1.get("drops"), qdisc0.get("drops")),
+            "qdisc_bytes": delta(qdisc1.get("bytes"), qdisc0.get("bytes")),
+            "qdisc_drops": delta(qdisc1.get("drops"), qdisc0.get("drops")),
             "disk_write_bytes": disk1.minus(disk0).write_bytes,
             "disk_read_bytes": disk1.minus(disk0).read_bytes,
             "disk_used_bytes": used,
@@ -450,7 +450,7 @@ def cpu_seconds() -> tuple[float, float]:
     return (sum(f[:8]) - idle - iowait) / hz, iowait / hz
 
 
-def _sandbox_cgroups(contender: str, runner_pid: int) -> str:
+def sandbox_cgroups(contender: str, runner_pid: int) -> str:
     if contender == "conventional":
         from .conventional import ConventionalNode
 
@@ -464,11 +464,11 @@ def _sandbox_cgroups(contender: str, runner_pid: int) -> str:
     return LayerstoreNode.sandbox_cgroups(str(runner_pid))
 
 
-def _delta(a: object, b: object) -> int | None:
+def delta(a: object, b: object) -> int | None:
     return a - b if isinstance(a, int) and isinstance(b, int) else None
 
 
-def _stop_runner(proc: subprocess.Popen[str]) -> None:
+def stop_runner(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is not None:
         return
     with contextlib.suppress(Exception):

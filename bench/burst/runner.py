@@ -64,7 +64,7 @@ def burst(contender: Contender, sandboxes: list[str], t0: float) -> list[Sandbox
     def one(r: SandboxResult) -> None:
         try:
             r.launched = time.time()
-            contender.run_sandbox(r.index, r.env, spec.task_command(spec.ENVIRONMENTS[r.env]), r)
+            contender.run_sandbox(r.index, r.env, spec.task_command(spec.environment(r.env)), r)
         except BaseException as e:  # noqa: BLE001 - recorded per sandbox
             r.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
             if r.finished is None:

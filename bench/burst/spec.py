@@ -124,6 +124,52 @@ SIZES: dict[str, Size] = {
 }
 
 
+# The tiny environment (smoke tests of the benchmark's plumbing): a busybox base, a few files as the
+# toolkit and the workspace, a shell task. Kept apart from ENVIRONMENTS (the measured workloads).
+TINY = Environment("tiny", "tiny", "tiny", ())
+
+
+def environment(name: str) -> Environment:
+    """A measured environment, or the tiny one."""
+    return TINY if name == TINY.name else ENVIRONMENTS[name]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One burst at cluster shape: `nodes` nodes with `per_node` sandboxes each, all reading one store
+    through one link of `rate_mbit`."""
+
+    nodes: int
+    per_node: int
+    rate_mbit: float = 1000
+
+    @property
+    def label(self) -> str:
+        return f"{self.nodes}x{self.per_node}@{self.rate_mbit:g}"
+
+    @classmethod
+    def parse(cls, text: str, per_node: int, rates: tuple[float, ...]) -> list[Shape]:
+        """`4`, `4x4`, `16x4,8x16` (per node, if not given, from `per_node`), each at every rate."""
+        out = []
+        for part in (t.strip() for t in text.split(",") if t.strip()):
+            n, _, m = part.partition("x")
+            nodes, each = int(n), int(m) if m else per_node
+            if nodes < 1 or each < 1:
+                raise ValueError(f"bad shape {part!r}: nodes and sandboxes per node must be >= 1")
+            out += [cls(nodes, each, r) for r in rates]
+        return out
+
+
+# Sizes at cluster shape (issue 19): quick 4 nodes x 4 sandboxes; full 16x4 and 8x16 at 1 Gbit/s and
+# at 250 Mbit/s for the shared link; tiny: the smoke test's.
+NODE_SIZES: dict[str, tuple[Shape, ...]] = {
+    "quick": (Shape(4, 4, 1000),),
+    "full": (Shape(16, 4, 1000), Shape(8, 16, 1000), Shape(16, 4, 250), Shape(8, 16, 250)),
+    "tiny": (Shape(2, 2, 1000),),
+}
+NODE_CONTENDERS = ("conventional", "lazy")
+
+
 @dataclass
 class Plan:
     """One burst: which environment each sandbox runs, in launch order (round robin)."""
@@ -134,10 +180,17 @@ class Plan:
     def round_robin(cls, environments: tuple[str, ...] | list[str], n: int) -> Plan:
         return cls([environments[i % len(environments)] for i in range(n)])
 
+    def spread(self, nodes: int) -> list[list[str]]:
+        """Sandbox j on node j % nodes: every node gets a mix of the environments."""
+        return [self.sandboxes[k::nodes] for k in range(nodes)]
+
 
 def task_command(env: Environment) -> list[str]:
     """The command each sandbox runs. The shell's `date` is the start mark: the first thing the
     sandbox executes, before Python is even loaded."""
+    if env.name == TINY.name:  # busybox: `date` has no %N; the smoke test checks plumbing, not times
+        return ["/bin/sh", "-c", f'echo "{START_MARK} $(date +%s)"; cat {TOOLKIT_ROOT}/data/* '
+                f"{WORKSPACE_ROOT}/data/* | md5sum && echo '{RESULT_MARK} {{\"rc\": 0}}'"]
     ws = WORKSPACES[env.workspace]
     tree = f"{WORKSPACE_ROOT}/{ws.tree}"
     pythonpath = tree if ws.pythonpath == "." else f"{tree}/{ws.pythonpath}"
