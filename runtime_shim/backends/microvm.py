@@ -44,6 +44,7 @@ import math
 import os
 from collections.abc import Sequence
 
+from layerstore.errors import ConfigError
 from layerstore.fileio import write_atomic
 
 from ..errors import ShimError
@@ -65,6 +66,13 @@ class MicrovmBackend(VmBackend):
         super().__init__(paths)
         self.base = paths.root / "microvm"  # NODE/microvm/run/<id>.json: its VMMs, apart from the full VMs'
 
+    def check_layer_device(self, device: str) -> None:
+        super().check_layer_device(device)
+        if device == "pmem":
+            raise ConfigError("--layer-device pmem: QEMU 7.2's microvm machine has no device-memory area, so its "
+                              "guest cannot map a virtio-pmem device; use --backend vm (q35) for pmem layers, "
+                              "or blk")
+
     def delete(self, sandbox: str) -> None:
         """Also the config drive: it holds the caller's variables (secrets), no use once the VM is gone."""
         super().delete(sandbox)
@@ -75,6 +83,7 @@ class MicrovmBackend(VmBackend):
                 confinement: Confinement | None = None) -> None:
         if sb.backend != self.name:
             raise ShimError(f"sandbox {sb.id} was not made for the microVM backend (layerctl run --backend microvm)")
+        self.check_layer_device(self.layer_device)
         conf = confinement or Confinement()
         memory = DEFAULT_MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
         vcpus = 1 if conf.cpus is None else max(1, min(math.ceil(conf.cpus), os.cpu_count() or 1))
@@ -84,10 +93,7 @@ class MicrovmBackend(VmBackend):
         write_atomic(self.workdir(sb.id) / "vm.json", json.dumps(plan).encode(), mode=0o600)
 
     def spec(self, sandbox: str) -> VmSpec:
-        try:
-            plan = json.loads((self.workdir(sandbox) / "vm.json").read_text())
-        except (OSError, ValueError):
-            raise ShimError(f"sandbox {sandbox}: no prepared VM") from None
+        plan = self.plan(sandbox)
         # A layer read through the node daemon is opened O_DIRECT: no host page cache, so no host
         # readahead on the lazily fetched file (it fetched a whole 16 MiB file the guest never
         # read); a pinned complete cache file is a local file whose page cache the node's VMs share.

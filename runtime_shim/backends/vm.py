@@ -13,7 +13,16 @@ The guest gets, as virtio-blk drives in this order (the guest's init finds them 
                            host; a sandbox that is not kept has its upper in the guest's memory
     last         "config"  the workload (argv, env, workdir, user; `runtime_shim.vm.config`), 0600
 
-and nothing else: no network, no shared directory, no other host file. The guest kit's init
+and nothing else: no network, no shared directory, no other host file.
+
+With `layer_device = "pmem"` (`layerctl run --layer-device pmem`) the layers are virtio-pmem
+devices instead (docs/vm-memory.md): each layer's pmem image (`runtime_shim.vm.pmem`: a complete,
+digest-checked copy of the blob padded to 2 MiB, NODE/vm/pmem/<hex>.img, one per node, fetched
+whole before the boot) mapped shared and read-only, layer i at PCI slot 0x10+i; the guest mounts
+each with DAX and stacks them with overlayfs as the microVM's guest does, so no root image is
+made (its files are chunk-based, and the 6.1 guest's EROFS does DAX for flat files only). The
+drives are then only "upper" and "config". Every VM of the node reads the layers' bytes from the
+same host page-cache pages, and its own page cache holds none of them. The guest kit's init
 mounts the root as the one lower of an overlay under the upper and runs the command; stdout,
 stderr and the exit status come back on virtio-console ports (`runtime_shim.vm.qemu`). The shim
 mounts the layers on the node (their files are the drives) but composes no root there
@@ -56,6 +65,7 @@ import blake3
 
 from erofs_builder.tree import Kind
 from fuse_client.linux import find_mount
+from layerstore.errors import ConfigError
 from layerstore.fileio import write_atomic
 
 from ..errors import ShimError
@@ -63,9 +73,10 @@ from ..paths import NodePaths
 from ..state import Sandbox, start_time
 from ..vm.config import GuestConfig, write_config
 from ..vm.kit import find_kit
-from ..vm.qemu import QemuVm, qemu_binary, start_vm
+from ..vm.pmem import pmem_image
+from ..vm.qemu import QemuVm, parse_mounts, qemu_binary, start_vm
 from ..vm.roots import root_image
-from ..vm.spec import Drive, Stream, VmSpec
+from ..vm.spec import MAX_PMEM, Drive, Pmem, Stream, VmSpec
 from .base import Confinement, Execution, Stdio
 from .bundle import process_args, process_env
 
@@ -74,19 +85,33 @@ MEMORY_MIB = 256
 MAX_MEMORY_MIB = 1024
 EXPORT_MEMORY_MIB = 256
 SOCKETS = Path("/run/layerstore/vm")
-STREAMS = ("stdout", "stderr", "status")
+STREAMS = ("stdout", "stderr", "status", "mounts")
+LAYER_DEVICES = ("blk", "pmem")
 
 
 class VmBackend:
     name = "vm"
     machine = "q35"
     guest_root = True  # the runner mounts its sandboxes with Shim.mount(guest=...)
+    layer_devices = LAYER_DEVICES  # what `layer_device` may be on this backend
 
-    def __init__(self, paths: NodePaths) -> None:
+    def __init__(self, paths: NodePaths, layer_device: str = "blk") -> None:
         self.paths = paths
         self.base = paths.root / "vm"
         self.running: dict[str, QemuVm] = {}
         self.signalled: dict[str, int] = {}
+        self.layer_device = layer_device
+        self.layer_mounts: dict[str, list[tuple[str, str, str, tuple[str, ...]]]] = {}  # what guests reported
+
+    def use_layer_device(self, device: str) -> None:
+        """How the next sandboxes get their layers: "blk" (virtio-blk drives, the default) or
+        "pmem" (virtio-pmem devices mounted with DAX). `ConfigError` if this backend cannot."""
+        self.check_layer_device(device)
+        self.layer_device = device
+
+    def check_layer_device(self, device: str) -> None:
+        if device not in LAYER_DEVICES:
+            raise ConfigError(f"layer device {device!r}: want one of {', '.join(LAYER_DEVICES)}")
 
     # -- where things are -------------------------------------------------------------------
     def workdir(self, sandbox: str) -> Path:
@@ -100,6 +125,7 @@ class VmBackend:
         return SOCKETS / f"{key}-{sandbox}"
 
     def check(self) -> None:
+        self.check_layer_device(self.layer_device)
         qemu_binary()
         find_kit()
 
@@ -109,13 +135,27 @@ class VmBackend:
         if getattr(sb, "backend", "") != self.name:
             raise ShimError(f"sandbox {sb.id} was not made for the {self.name} backend "
                             f"(layerctl run --backend {self.name})")
+        self.check_layer_device(self.layer_device)
         conf = confinement or Confinement()
         sources = [self.layer_source(blob) for blob in sb.layers]
-        root, _built = root_image(self.base / "roots", sb.layers, sources)
         memory = MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
+        plan: dict[str, Any]
+        if self.layer_device == "pmem":
+            plan = {"layer_device": "pmem", "pmem": self.pmem_images(sb, sources)}
+        else:
+            root, _built = root_image(self.base / "roots", sb.layers, sources)
+            plan = {"root": str(root), "devices": [str(s) for s in sources]}
         upper, config = self.write_guest_config(sb, command, extra_env, conf, memory)
-        plan = {"root": str(root), "devices": [str(s) for s in sources], "upper": upper, "memory_mib": memory}
+        plan |= {"upper": upper, "memory_mib": memory}
         write_atomic(self.workdir(sb.id) / "vm.json", json.dumps(plan).encode(), mode=0o600)
+
+    def pmem_images(self, sb: Sandbox, sources: Sequence[str]) -> list[tuple[str, int]]:
+        """Each layer's pmem image (bottom first), made complete and padded first (`vm.pmem`)."""
+        if len(sb.layers) > MAX_PMEM:
+            raise ShimError(f"sandbox {sb.id}: {len(sb.layers)} layers; a VM takes at most {MAX_PMEM} pmem layers "
+                            f"(use --layer-device blk)")
+        return [(str(p), size) for p, size in
+                (pmem_image(self.base / "pmem", blob, src) for blob, src in zip(sb.layers, sources, strict=True))]
 
     def write_guest_config(self, sb: Sandbox, command: Sequence[str] | None, extra_env: Sequence[str],
                            conf: Confinement, memory_mib: int) -> tuple[str, Path]:
@@ -144,25 +184,42 @@ class VmBackend:
             raise ShimError(f"layer {blob} is not mounted on this node")
         return m.source
 
+    def plan(self, sandbox: str) -> dict[str, Any]:
+        """What `prepare` wrote for the sandbox's VM (`ShimError` if nothing)."""
+        try:
+            plan = json.loads((self.workdir(sandbox) / "vm.json").read_text())
+        except (OSError, ValueError):
+            plan = None
+        if not isinstance(plan, dict):
+            raise ShimError(f"sandbox {sandbox}: no prepared VM")
+        return plan
+
+    def planned_device(self, sandbox: str) -> str:
+        """"pmem" or "blk": how the sandbox's prepared VM gets its layers."""
+        return str(self.plan(sandbox).get("layer_device", "blk"))
+
     def spec(self, sandbox: str) -> VmSpec:
         wd = self.workdir(sandbox)
-        try:
-            plan = json.loads((wd / "vm.json").read_text())
-        except (OSError, ValueError):
-            raise ShimError(f"sandbox {sandbox}: no prepared VM") from None
-        drives = [Drive(plan["root"], role="root", serial="layer0")]
-        drives += [Drive(d, role="meta", serial=f"dev{i + 1}") for i, d in enumerate(plan["devices"])]
+        plan = self.plan(sandbox)
+        pmem = tuple(Pmem(p, int(size)) for p, size in plan.get("pmem", ()))
+        drives = []
+        if not pmem:
+            drives.append(Drive(plan["root"], role="root", serial="layer0"))
+            drives += [Drive(d, role="meta", serial=f"dev{i + 1}") for i, d in enumerate(plan["devices"])]
         if plan["upper"]:
             drives.append(Drive(plan["upper"], read_only=False, role="upper", serial="upper"))
         drives.append(Drive(str(wd / "config.tar"), role="config", serial="config"))
-        return self.vm_spec(sandbox, "run", drives, plan["memory_mib"])
+        return self.vm_spec(sandbox, "run", drives, plan["memory_mib"], pmem)
 
-    def vm_spec(self, sandbox: str, mode: str, drives: list[Drive], memory_mib: int) -> VmSpec:
+    def vm_spec(self, sandbox: str, mode: str, drives: list[Drive], memory_mib: int,
+                pmem: tuple[Pmem, ...] = ()) -> VmSpec:
         kit = find_kit()
         socks = self.sockets(sandbox)
         cmdline = f"console=ttyS0 quiet panic=-1 layerstore.mode={mode} layerstore.drives={len(drives)}"
+        if pmem:
+            cmdline += f" layerstore.pmem={len(pmem)}"
         return VmSpec(kernel=str(kit.kernel), initrd=str(kit.initrd), cmdline=cmdline, memory_mib=memory_mib,
-                      machine=self.machine, drives=tuple(drives),
+                      machine=self.machine, drives=tuple(drives), pmem=pmem,
                       streams=tuple(Stream(n, str(socks / f"{n}.sock")) for n in STREAMS),
                       console_log=str(self.workdir(sandbox) / f"console-{mode}.log"))
 
@@ -258,6 +315,12 @@ class VmBackend:
             for s, h in old.items():
                 signal.signal(s, h)
         code, why = vm.result()
+        mounts = self.layer_mounts[execution.sandbox] = parse_mounts(bytes(vm.mounts))
+        if code is not None and self.planned_device(execution.sandbox) == "pmem":
+            undax = [m[1] for m in mounts if not any(o.startswith("dax") for o in m[3])]
+            if undax or not mounts:
+                raise ShimError(f"sandbox {execution.sandbox}: pmem layers, but the guest reports "
+                                f"{', '.join(undax) or 'no layer mounts'} without DAX")
         if code is not None:
             return code
         sig = self.signalled.pop(execution.sandbox, None)

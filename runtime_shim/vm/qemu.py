@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import RuntimeNotAvailable, ShimError
-from .spec import VmSpec
+from .spec import PMEM_SLOT, VmSpec, VmSpecError
 
 QEMU = "qemu-system-x86_64"
 STATUS_MAX = 4096  # bytes of the status stream kept
@@ -156,6 +156,9 @@ def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: 
     still forbids spawning anything; without `runas` it forbids them too."""
     spec.check()
     mmio = spec.machine == "microvm"
+    if mmio and spec.pmem:
+        raise VmSpecError("virtio-pmem on QEMU 7.2's microvm: it has no device-memory area, the guest cannot "
+                          "map the region (use q35)")
     cmdline = spec.cmdline
     if tsc_khz and mmio and accel == "tcg":
         cmdline += f" tsc_early_khz={tsc_khz}"
@@ -194,7 +197,7 @@ def qemu_argv(spec: VmSpec, *, accel: str = "tcg", binary: str = QEMU, tsc_khz: 
     for i, p in enumerate(spec.pmem):
         argv += ["-object", f"memory-backend-file,id=pm{i},share=on,readonly={'on' if p.read_only else 'off'},"
                             f"mem-path={_opt(p.path)},size={p.size}",
-                 "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i}"]
+                 "-device", f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,addr={PMEM_SLOT + i:#x}"]
     return argv
 
 
@@ -220,6 +223,22 @@ def parse_status(raw: bytes) -> tuple[int | None, str]:
     return None, "the guest reported no exit status"
 
 
+def parse_mounts(raw: bytes) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """The guest's "mounts" stream: its layer mounts as /proc/mounts lines (source, mount point,
+    type, options), what the guest init reports after mounting the layers so the host can see
+    how they were mounted (e.g. with DAX). Lines that are not four or more printable-ASCII fields
+    are skipped: the guest is an adversary, and this is information, never a decision's input
+    beyond a check of the guest's own claim."""
+    out = []
+    for line in raw.split(b"\n"):
+        fields = line.split(b" ")
+        if len(fields) < 4 or any(not f or not all(0x21 <= c < 0x7F for c in f) for f in fields[:4]):
+            continue
+        src, target, fstype, opts = (f.decode("ascii") for f in fields[:4])
+        out.append((src, target, fstype, tuple(opts.split(","))))
+    return out
+
+
 Sink = IO[bytes] | int | None
 
 
@@ -241,6 +260,7 @@ class QemuVm:
     pumps: list[threading.Thread] = field(default_factory=list)
     conns: list[socket.socket] = field(default_factory=list)
     signalled: int | None = None  # the signal the host sent it, if any
+    mounts: bytearray = field(default_factory=bytearray)  # the "mounts" stream (see parse_mounts)
 
     @property
     def pid(self) -> int:
@@ -354,8 +374,9 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
         vm.conns = list(conns.values())
         targets = {"stdout": _sink_fd(stdout, 1), "stderr": _sink_fd(stderr, 2)}
         for name, conn in conns.items():
-            if name == "status":
-                th = threading.Thread(target=_pump_bounded, args=(conn, vm.status, STATUS_MAX), daemon=True)
+            if name in ("status", "mounts"):
+                into = vm.status if name == "status" else vm.mounts
+                th = threading.Thread(target=_pump_bounded, args=(conn, into, STATUS_MAX), daemon=True)
             elif name == CONSOLE:
                 th = threading.Thread(target=_pump_to_log, args=(conn, spec.console_log, CONSOLE_MAX), daemon=True)
             elif name in targets:

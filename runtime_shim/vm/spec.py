@@ -20,8 +20,10 @@ Every field says what the guest must see, not how a VMM provides it:
     streams          byte streams from the guest to the host (virtio-console ports on QEMU and
                      Cloud Hypervisor): see `Stream`
     console_log      a host file the guest kernel's console goes to (None: discarded)
-    pmem             virtio-pmem devices (read-only images the guest may map with DAX; q35 only on
-                     QEMU 7.2: see docs/vm.md)
+    pmem             virtio-pmem devices (read-only images the guest maps with DAX; q35 only on
+                     QEMU 7.2, whose microvm has no device-memory area: see docs/vm-memory.md).
+                     A guest finds pmem device i by its PCI slot, PMEM_SLOT + i (QEMU: `addr=`),
+                     since virtio-pmem has no serial
 
 Drive roles (what the guest does with a drive, read by the guest's init through its serial):
 
@@ -44,6 +46,9 @@ import re
 from dataclasses import dataclass, field
 
 ROLES = ("layer", "upper", "config", "root", "meta")
+PMEM_ALIGN = 2 << 20  # a virtio-pmem image's size must be a multiple of this (the guest maps 2 MiB sections)
+PMEM_SLOT = 0x10  # q35: pmem device i sits at PCI slot PMEM_SLOT + i (below ICH9's 0x1f)
+MAX_PMEM = 0x1F - PMEM_SLOT
 MACHINES = ("microvm", "q35")
 # virtio-blk serials are at most 20 bytes; ours are plain names the guest can match in sh.
 SERIAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,19}")
@@ -92,7 +97,12 @@ class Stream:
 
 @dataclass(frozen=True)
 class Pmem:
-    """A virtio-pmem device: a host file mapped into guest memory (size a multiple of 2 MiB)."""
+    """A virtio-pmem device: a host file mapped into guest memory, shared and (here always)
+    read-only, so every VM mapping the same file reads the same host page-cache pages.
+
+    path       the host file, at least `size` bytes (QEMU maps its first `size` bytes)
+    size       a multiple of PMEM_ALIGN (2 MiB); the guest sees exactly this many bytes
+    """
 
     path: str
     size: int
@@ -141,9 +151,11 @@ class VmSpec:
             if not STREAM_NAME.fullmatch(s.name) or s.name in names:
                 raise VmSpecError(f"stream name {s.name!r}: want a unique [a-z][a-z0-9._-]* of at most 64")
             names.add(s.name)
+        if len(self.pmem) > MAX_PMEM:
+            raise VmSpecError(f"{len(self.pmem)} pmem devices: at most {MAX_PMEM}")
         for p in self.pmem:
             check_path(p.path, "pmem image")
-            if p.size <= 0 or p.size % (2 << 20):
+            if p.size <= 0 or p.size % PMEM_ALIGN:
                 raise VmSpecError(f"pmem {p.path}: size {p.size} is not a positive multiple of 2 MiB")
         return self
 
