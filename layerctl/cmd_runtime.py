@@ -85,6 +85,10 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
                    "per layer, or a full VM on one flattened root device (QEMU; KVM where it works, else TCG).")
 @click.option("--runtime", type=click.Choice(["runc", "crun"]), default="runc", show_default=True,
               help="The OCI runtime (container backend).")
+@click.option("--layer-device", type=click.Choice(["blk", "pmem"]), default=None,
+              help="How a VM gets its layers (VM backends): blk = virtio-blk drives (the default; lazy fetching), "
+                   "pmem = virtio-pmem devices mounted with DAX (vm only: the node's VMs share the layers' pages; "
+                   "each layer is fetched whole first). See docs/vm-memory.md.")
 @click.option("-e", "--env", "extra_env", multiple=True, metavar="KEY[=VALUE]",
               help="Extra environment variable; KEY alone takes its value from this process's environment "
                    "(keeps a secret off the command line). Values never reach a command line or a log.")
@@ -112,7 +116,8 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @click.argument("env")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
-            keep: bool, backend: str, runtime: str, extra_env: tuple[str, ...], pids_limit: int | None,
+            keep: bool, backend: str, runtime: str, layer_device: str | None, extra_env: tuple[str, ...],
+            pids_limit: int | None,
             memory: str | None, cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool,
             allow_setuid: bool, allow_devices: bool, unmask_system_paths: bool, userns: str, env: str,
             command: tuple[str, ...]) -> None:
@@ -134,7 +139,11 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
     if command[:1] == ("--",):  # click keeps the separator once positional parsing has begun
         command = command[1:]
     variables = _env_items(extra_env)
+    if layer_device is not None and backend == "container":
+        raise click.UsageError("--layer-device is for the VM backends (--backend microvm|vm)")
     with _shim(node_dir, store_url, policy) as shim:
+        if layer_device is not None:
+            shim.backends[backend].use_layer_device(layer_device)  # type: ignore[attr-defined]
         node = runner.NodeDefaults.load(shim.paths)
 
         def limit(given: float | None, default: float | None) -> float | None:
