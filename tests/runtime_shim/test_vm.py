@@ -2,12 +2,16 @@
 and init, the environment's root as one multi-device EROFS device over the layer blobs. The same
 cases as the container backend: output and exit code, environment variables and workdir, what a
 layer deleted stays deleted (and what the workload deletes), recovery after kill -9 of the VMM,
-and laziness through the node daemon. Boots are shared: each test boots once."""
+and laziness through the node daemon; the same cases with the layers as virtio-pmem devices
+mounted with DAX (`--layer-device pmem`), whose guest page cache stays out of the layers' reads
+and whose VMs share the host's pages of a layer. Boots are shared: each test boots once (the
+sharing test twice, at once)."""
 
 from __future__ import annotations
 
 import io
 import os
+import select
 import shutil
 import signal
 import threading
@@ -28,6 +32,8 @@ from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
+from runtime_shim.vm import hostmem
+from runtime_shim.vm.pmem import PMEM_ALIGN, image_path
 from runtime_shim.vm.qemu import qemu_argv
 
 pytestmark = [pytest.mark.root, needs_busybox, needs_vm]
@@ -40,7 +46,9 @@ def _tcg(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """base: busybox + /data/{keep,drop}; top: a whiteout of /data/drop, /data/new, an opaque /etc/opt."""
+    """base: busybox + /data/{keep,drop} + /big/plain (16 MiB, whole blocks: a flat file, which the
+    6.1 guest reads through DAX from a pmem layer); top: a whiteout of /data/drop, /data/new, an
+    opaque /etc/opt."""
     root = tmp_path_factory.mktemp("vmenv")
     base = busybox_rootfs(root / "base")
     (base / "data").mkdir()
@@ -48,6 +56,8 @@ def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     (base / "data" / "drop").write_text("drop\n")
     (base / "etc" / "opt").mkdir()
     (base / "etc" / "opt" / "old").write_text("old\n")
+    (base / "big").mkdir()
+    (base / "big" / "plain").write_bytes(os.urandom(BIG))
     from erofs_builder.source_dir import dir_entries
 
     d = root / "blobs"
@@ -85,10 +95,18 @@ def env(blobs: tuple[Path, list[str]]):  # noqa: ANN201 - an EnvSpec
                         "workdir": "/data", "user": ""})
 
 
-def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
+BIG = 16 << 20
+CACHED = "awk '/^Cached:/ { print $2 }' /proc/meminfo"  # the guest's page cache, kB
+
+
+@pytest.mark.parametrize("device", ["blk", "pmem"])
+def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[Path, list[str]], device: str) -> None:
+    backend: VmBackend = vm_shim.backends["vm"]  # type: ignore[assignment]
+    backend.use_layer_device(device)
     script = ("echo out; echo err >&2; pwd; echo $FROM_ENV $EXTRA; ls /data; ls /etc/opt; "
               "rm /data/keep; ls /data; cat /data/keep 2>/dev/null || echo gone; "
-              "ls /dev | grep -c '^vd'; exit 7")
+              "ls /dev | grep -c '^vd\\|^pmem'; "
+              f"a=$({CACHED}); cat /big/plain > /dev/null; b=$({CACHED}); echo $((b - a)); exit 7")
     out, err = io.BytesIO(), io.BytesIO()
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
@@ -112,7 +130,9 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
     out.write(got[r_out])
     err.write(got[r_err])
     assert res.exit_code == 7
-    assert out.getvalue().decode().splitlines() == [
+    lines = out.getvalue().decode().splitlines()
+    grew_kib = int(lines.pop())  # the guest's page cache after reading /big/plain
+    assert lines == [
         "out", "/data", "env-value x1",
         "keep", "new",  # the top layer's whiteout hides /data/drop
         "fresh",  # an opaque directory hides the base's /etc/opt/old
@@ -121,9 +141,86 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
     ]
     assert err.getvalue() == b"err\n"
     # nothing of the run is left: the VMM is gone, its record and sockets too; the root image stays
-    backend = vm_shim.backends["vm"]
     assert backend.leftovers() == [] and not vm_shim.sandboxes()
-    assert len(list((vm_shim.paths.root / "vm" / "roots").glob("*.erofs"))) == 1
+    (mounts,) = backend.layer_mounts.values()  # what the guest's init reported
+    roots = list((vm_shim.paths.root / "vm" / "roots").glob("*.erofs"))
+    if device == "blk":
+        assert len(roots) == 1
+        assert [(m[0], m[2], "dax=always" in m[3]) for m in mounts] == [("/dev/vda", "erofs", False)]
+        assert grew_kib >= (BIG >> 10) * 9 // 10  # the guest cached the file
+        return
+    # pmem: no root image; one DAX mount per layer, each on its pmem device
+    assert roots == []
+    assert [(m[0], m[1], m[2], "dax=always" in m[3]) for m in mounts] == [
+        ("/dev/pmem0", "/layers/0", "erofs", True), ("/dev/pmem1", "/layers/1", "erofs", True)]
+    assert grew_kib < 2048  # read through DAX: the guest's page cache holds none of it
+    # each layer's pmem image: the blob, then zeros to a multiple of 2 MiB, named by its digest
+    for name in blobs[1]:
+        img = image_path(vm_shim.paths.root / "vm" / "pmem", name)
+        data, blob = img.read_bytes(), (blobs[0] / name).read_bytes()
+        assert len(data) % PMEM_ALIGN == 0 and len(data) - len(blob) < PMEM_ALIGN
+        assert data[:len(blob)] == blob and not data[len(blob):].strip(b"\0")
+
+
+def test_two_pmem_vms_share_the_host_pages_of_a_layer(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
+    """Two VMs at once read the same 16 MiB file of a pmem layer: both map the same host pages
+    (each QEMU's mapping of the layer's image holds them shared: Pss about half its Rss), so the
+    host holds the file once (the two mappings' Pss sum to one copy), and neither guest caches it."""
+    backend: VmBackend = vm_shim.backends["vm"]  # type: ignore[assignment]
+    backend.use_layer_device("pmem")
+    image = os.path.realpath(image_path(vm_shim.paths.root / "vm" / "pmem", blobs[1][0]))
+    script = f"a=$({CACHED}); cat /big/plain > /dev/null; b=$({CACHED}); echo $((b - a)); sleep 600"
+    pipes = {name: os.pipe() for name in ("p1", "p2")}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            runner.run(vm_shim, env(blobs), ["/bin/sh", "-c", script], runtime="vm", sandbox=name,
+                       stdout=pipes[name][1], stderr=pipes[name][1])
+        except BaseException as e:  # noqa: BLE001 - the kill below ends each run with a ShimError
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in pipes]
+    for t in threads:
+        t.start()
+    try:
+        grew = {name: first_line(r, 240) for name, (r, _w) in pipes.items()}  # after the guest read the file
+        pids = {n: backend.live_pid(n) for n in pipes}
+        maps = {n: hostmem.mappings(pid).by_path[image] for n, pid in pids.items() if pid is not None}
+    finally:
+        for name in pipes:
+            pid = backend.live_pid(name)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        for r, w in pipes.values():
+            os.close(r)
+            os.close(w)
+    assert all(isinstance(e, ShimError) for e in errors) and len(errors) == 2
+    assert set(maps) == {"p1", "p2"} and all(0 <= g < 2048 for g in grew.values()), (grew, maps)
+    for u in maps.values():
+        # the file's pages, mapped and shared (a few metadata pages only one guest looked at are its own)
+        assert u.rss >= BIG and u.shared_clean >= u.rss - (1 << 20) and u.shared_dirty == u.private_dirty == 0
+        assert u.pss <= u.rss // 2 + (1 << 20)  # split between the two VMs
+    one_copy = sum(u.pss for u in maps.values())
+    assert one_copy <= hostmem.resident(image) + (1 << 20)
+    assert BIG <= one_copy < BIG * 3 // 2  # once, not twice
+    assert backend.leftovers() == [] and not vm_shim.sandboxes()
+
+
+def first_line(fd: int, timeout: float) -> int:
+    """The number on the first line written to `fd` within `timeout` seconds (-1: none)."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in got and (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            got += chunk
+    line = got.split(b"\n", 1)[0].strip()
+    return int(line) if line.lstrip(b"-").isdigit() else -1
 
 
 def test_kill9_of_the_vmm_then_recover(vm_shim: Shim, blobs: tuple[Path, list[str]]) -> None:
@@ -241,3 +338,62 @@ def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
     b.delete("x")
     assert (b.has("x"), b.leftovers()) == (False, [])
     assert len(b.sockets("x").name) < 40 and len(str(b.sockets("x") / "status.sock")) < 100
+
+
+def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
+    """--layer-device: pmem on q35 (shared read-only, at its PCI slot), refused on microvm with
+    the reason; the pmem image is the blob checked against its digest and padded; the guest's
+    mounts report is parsed as hostile input."""
+    from layerstore.errors import ConfigError
+    from runtime_shim.backends.microvm import MicrovmBackend
+    from runtime_shim.vm.pmem import padded, pmem_image, sweep
+    from runtime_shim.vm.qemu import parse_mounts
+    from runtime_shim.vm.spec import Pmem, VmSpec, VmSpecError
+
+    paths = NodePaths(tmp_path / "node")
+    vm, micro = VmBackend(paths), MicrovmBackend(paths)
+    vm.use_layer_device("pmem")
+    with pytest.raises(ConfigError, match="device-memory"):
+        micro.use_layer_device("pmem")
+    with pytest.raises(ConfigError):
+        vm.use_layer_device("nvme")
+    assert (vm.layer_device, micro.layer_device) == ("pmem", "blk")
+    img = tmp_path / "l.img"
+    img.write_bytes(b"x" * 5000)
+    q35 = VmSpec(kernel="/k", initrd=None, cmdline="c", machine="q35", pmem=(Pmem(str(img), 2 << 20),))
+    argv = qemu_argv(q35)
+    assert argv[argv.index("-m") + 1] == "256M,slots=1,maxmem=258M"
+    assert f"memory-backend-file,id=pm0,share=on,readonly=on,mem-path={img},size={2 << 20}" in argv
+    assert "virtio-pmem-pci,memdev=pm0,id=pmem0,bus=pcie.0,addr=0x10" in argv
+    with pytest.raises(VmSpecError, match="microvm"):
+        qemu_argv(VmSpec(kernel="/k", initrd=None, cmdline="c", machine="microvm", pmem=q35.pmem))
+    with pytest.raises(VmSpecError, match="2 MiB"):
+        VmSpec(kernel="/k", initrd=None, cmdline="c", machine="q35", pmem=(Pmem(str(img), 5000),)).check()
+    # the image: named by the digest, its bytes checked while copied, zeros after
+    assert (padded(1), padded(2 << 20), padded((2 << 20) + 1)) == (2 << 20, 2 << 20, 4 << 20)
+    blob = digestmod.of(img.read_bytes())
+    d = tmp_path / "pmem"
+    path, size = pmem_image(d, blob, img)
+    assert size == 2 << 20 and path.read_bytes() == b"x" * 5000 + bytes(size - 5000)
+    assert pmem_image(d, blob, tmp_path / "gone") == (path, size)  # there already: no copy
+    other = digestmod.of(b"other")
+    with pytest.raises(ShimError, match="other bytes"):
+        pmem_image(d, other, img)
+    assert not image_path(d, other).exists() and not list(d.glob(".*.tmp"))
+    (d / f".{image_path(d, other).name}.abc.tmp").write_bytes(b"half")  # a copy that died
+    assert [p.name.endswith(".tmp") for p in sweep(d)] == [True] and not list(d.glob(".*.tmp"))
+    # what the guest says about its mounts: fields of printable ASCII, nothing else
+    raw = (b"/dev/pmem0 /layers/0 erofs ro,dax=always 0 0\n\xff\xfe bad line\n \n"
+           b"/dev/pmem1 /layers/1 erofs ro 0 0\n" + b"x" * 5000)
+    assert parse_mounts(raw) == [("/dev/pmem0", "/layers/0", "erofs", ("ro", "dax=always")),
+                                 ("/dev/pmem1", "/layers/1", "erofs", ("ro",))]
+
+
+def test_layerctl_run_layer_device_refusals(tmp_path: Path) -> None:
+    from testkit.cli_helpers import layerctl
+
+    r = layerctl("run", "--layer-device", "pmem", "--node-dir", str(tmp_path / "n"), "x:1", "--", "true")
+    assert r.code == 2 and "VM backends" in r.err
+    r = layerctl("run", "--backend", "microvm", "--layer-device", "pmem", "--node-dir", str(tmp_path / "n"), "x:1",
+                 "--", "true")
+    assert r.code == 2 and "no device-memory area" in r.err
