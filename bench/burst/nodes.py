@@ -325,7 +325,10 @@ class ClusterBench(Bench):
             sent = ports1.get(peer, (0, 0))[0] - ports0.get(peer, (0, 0))[0]
             s = metrics.summarize(dict(raws[i], t0=t0), {})
             per_node.append({
-                "node": i, "sandboxes": len(plan[i]), "failed": s["failed"], "all_started_s": s["all_started_s"],
+                "node": i, "sandboxes": len(plan[i]), "envs": sorted(set(plan[i])),
+                "layer_bytes": sum(self.layers[x].facts.get("content_bytes", 0)
+                                   for x in {x for e in plan[i] for x in inputs.env_layers(e)}),
+                "failed": s["failed"], "all_started_s": s["all_started_s"],
                 "all_finished_s": s["all_finished_s"], "fetched_bytes": fetched, "sent_bytes": sent,
                 "disk_write_bytes": disk1[i].minus(disk0[i]).write_bytes, "disk_used_bytes": used[i],
                 "mem_peak_bytes": mem.peak_node[i], "mem_peak_anon_bytes": mem.peak_node_anon[i],
