@@ -103,6 +103,27 @@ class ContainerdClient:
             with contextlib.suppress(LayerstoreError):
                 self._call("delete lease", self.leases.Delete, api.leases_pb2.DeleteRequest(id=lid))
 
+    def lease_snapshot(self, snapshotter: str, key: str) -> None:
+        """Add a snapshot to the current lease (`leased`): containerd's garbage collector keeps it
+        while the lease lives, even once nothing else references it (a container deleted with
+        --keep-snapshot, before its upper is committed)."""
+        if not self.lease:
+            raise BadInput("lease_snapshot needs a lease (use leased())")
+        res = api.leases_pb2.Resource(id=key, type=f"snapshots/{snapshotter}")
+        self._call(f"lease snapshot {key}", self.leases.AddResource,
+                   api.leases_pb2.AddResourceRequest(id=self.lease, resource=res))
+
+    def collect_garbage(self) -> None:
+        """Run containerd's garbage collection now and wait for it (containerd collects when a
+        lease is deleted with `sync`: a throwaway lease is made and deleted so)."""
+        lid = f"layerctl-gc-{secrets.token_hex(8)}"
+        md = [("containerd-namespace", self.namespace)]
+        try:
+            self.leases.Create(api.leases_pb2.CreateRequest(id=lid), metadata=md, timeout=self.timeout)
+            self.leases.Delete(api.leases_pb2.DeleteRequest(id=lid, sync=True), metadata=md, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise _translate(e, "garbage collection") from None  # type: ignore[arg-type]
+
     # -- content -------------------------------------------------------------------------------
     def content_info(self, digest: str) -> dict[str, str] | None:
         """The labels of a blob in the content store (None: not there)."""
