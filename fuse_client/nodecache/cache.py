@@ -100,6 +100,9 @@ class NodeCache:
         # while it is in use: set by the daemon (the node lease's view: lookups, prefetches, pins
         # in progress, mounts); for `gc_unused`.
         self.in_use: Callable[[], Mapping[str, float]] | None = None
+        # Called with a blob on the trio thread before any hole is queued for its data file (a
+        # front end that watches the files, fanotify, marks it again first: docs/fanotify.md).
+        self.before_punch: Callable[[str], None] | None = None
 
     def close(self) -> None:
         for e in self.entries.values():
@@ -315,6 +318,8 @@ class NodeCache:
     def _enqueue(self, ops: list[ci.Op], punches: tuple[str, list[tuple[int, int]]] | None = None) -> None:
         self._pending.extend(ops)
         if punches is not None:
+            if self.before_punch is not None:
+                self.before_punch(punches[0])
             self._punches.append(punches)
         self._journal_kick.set()
 
@@ -545,6 +550,9 @@ class NodeCache:
             return 0, 0
         try:
             self._pending.extend(ops)
+            if self.before_punch is not None:
+                for blob in per_blob:
+                    self.before_punch(blob)
             self._punches.extend(per_blob.items())
             with trio.CancelScope(shield=True):
                 await self.flush()
