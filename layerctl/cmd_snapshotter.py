@@ -33,7 +33,7 @@ def snapshotter_cmd(address: str, node_dir: str | None, store_url: str | None, r
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     node = NodePaths.resolve(node_dir)
     snap_root = (root or node.root / "snapshotter").absolute()
-    layers = RemoteLayers.for_node(snap_root, node, store_url)
+    layers = RemoteLayers.for_node(snap_root, node.root, store_url)
     try:
         sn = Snapshotter(snap_root, layers)
     except BaseException:
@@ -42,7 +42,7 @@ def snapshotter_cmd(address: str, node_dir: str | None, store_url: str | None, r
     rep = sn.last_reconcile
     if rep.directories or rep.layer_mounts:
         logging.getLogger("layerstore.snapshotter").info(
-            "start-up cleanup: %d orphan directories, %d orphan layer mounts", len(rep.directories),
+            "start-up cleanup: %d orphan directories, %d layer holds released", len(rep.directories),
             len(rep.layer_mounts))
     serve(sn, address)
 

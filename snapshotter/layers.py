@@ -1,80 +1,73 @@
-"""Remote layers: a layerstore blob's EROFS image mounted read-only under SNAP/layers/<hex>, made
-exactly as the runtime shim makes its layer mounts (`runtime_shim.layers.LayerMounts.mount`:
-direct and pinned on the node cache's file when the blob is complete on the node, else file-backed
-on the node daemon's lazily fetched blob file), from the node's one daemon (started and supervised
-as the shim does, under the node lock). See docs/snapshotter.md for why the mounts are the
-snapshotter's own and not the shim's NODE/layers.
+"""Remote layers: a layerstore blob's EROFS image mounted through the node's runtime shim, as one of
+the node's shared, reference-counted layer mounts (NODE/layers/<hex>): a layer that shim
+sandboxes and containerd containers both stack is mounted once on the node (one page cache).
 
-A layer mount is not reference-counted here: the snapshot records naming the blob are its
-references (`Snapshotter` unmounts a layer when the last one goes, and `reconcile` repairs
-whatever a crash left in between).
+The snapshotter takes ONE reference on a layer's mount however many of its snapshots use the blob:
+a *hold*, which is a shim sandbox of its own (id `ctrd.<root tag>.<hex>`, backend "containerd":
+no overlay and no upper on the host; containerd composes its containers' roots from the layer
+mount). So the shim's reference counting, its node lock, its pending entries and its `recover()`
+cover the snapshotter's references as they cover every sandbox's: a crash in the middle of
+taking or dropping a hold is rolled back or finished by the shim's recovery, a daemon restart is
+followed by remounting the layer at the same path, and `layerctl sandbox ls` shows the holds.
+
+Which holds should exist is the snapshotter's to say (a blob that one of its records names):
+`Snapshotter` takes a hold before the record naming the blob is written and drops it after the
+last such record goes; `drop_unneeded` (at every start, and on Cleanup) drops the holds a crash
+left in between.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
-import threading
 from pathlib import Path
-from typing import Any
 
 from fuse_client import linux
 from fuse_client.linux import detach
+from layerstore import digest as digestmod
 from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet
-from runtime_shim.blobs import BlobSource, DaemonBlobs
-from runtime_shim.environment import CachingResolver, node_policy
-from runtime_shim.layers import LayerMounts
-from runtime_shim.lock import NodeLock
+from runtime_shim.blobs import BlobSource
+from runtime_shim.environment import CachingResolver, EnvSpec, LayerSpec
+from runtime_shim.errors import SandboxExists, SandboxNotFound
 from runtime_shim.paths import NodePaths
-from runtime_shim.state import LayerMount, NodeState
+from runtime_shim.shim import Shim
+from runtime_shim.state import MOUNTED
+
+HOLD_BACKEND = "containerd"  # the holds' Sandbox.backend: their roots are composed by containerd
 
 
 class RemoteLayers:
-    """`root`: SNAP (its layers/ holds the mounts). `blobs`: where blob files come from (the node
-    daemon in production; a directory of images in tests); `lock`: held while the blob source is
-    made ready (the node lock for the daemon)."""
+    """`shim`: the node's shim (its blob source, state and layer mounts); `root`: the snapshot root
+    (SNAP), which names this snapshotter's holds; `resolver`: environments through the node's
+    trust policy (None: no checks, for tests without a store)."""
 
-    def __init__(self, root: Path, blobs: BlobSource, lock: NodeLock | None = None,
-                 state: NodeState | None = None, resolver: CachingResolver | None = None) -> None:
-        self.paths = NodePaths(root)
-        self.paths.layers.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.blobs = blobs
-        self.mounts = LayerMounts(self.paths, blobs)
-        self.lock = lock
+    def __init__(self, shim: Shim, root: Path, resolver: CachingResolver | None = None) -> None:
+        self.shim = shim
+        self.root = Path(os.path.abspath(root))
         self.resolver = resolver
-        self._state = state
-        self._hint_mu = threading.Lock()
-        self._hinted: set[str] = set()
+        tag = hashlib.blake2b(str(self.root).encode(), digest_size=4).hexdigest()
+        self.prefix = f"ctrd.{tag}."
 
     @classmethod
-    def for_node(cls, root: Path, node: NodePaths, store_url: str | None = None) -> RemoteLayers:
-        """Blobs from the node daemon of `node` (started on first use) serving `store_url`; without
-        one, the store of the daemon already running, else the default store."""
-        from layerstore.config import resolve_store_url
-        from layerstore.store import Store
+    def for_node(cls, root: Path, node_dir: str | os.PathLike[str] | None = None,
+                 store_url: str | None = None) -> RemoteLayers:
+        """Through the node's production shim (`Shim.for_node`: blobs from the node daemon serving
+        `store_url`, else the store of the daemon already running, else the default store;
+        environments through the node's trust policy)."""
+        shim = Shim.for_node(node_dir, store_url)
+        return cls(shim, root, shim.resolver)  # type: ignore[arg-type]
 
-        node.create()
-        state = NodeState(node.state)
-        try:
-            if store_url is None:
-                with state.read() as t:
-                    rec = t.daemon()
-                store_url = rec.store if rec is not None else resolve_store_url(None)
-            store = Store.open(store_url)
-        except BaseException:
-            state.close()
-            raise
-        resolver = CachingResolver(store, node_policy(node.root, None))
-        return cls(root, DaemonBlobs(node, state, store.url), NodeLock(node.lock), state, resolver)
+    @classmethod
+    def with_blobs(cls, root: Path, node_dir: Path, blobs: BlobSource,
+                   resolver: CachingResolver | None = None) -> RemoteLayers:
+        """Through a shim of the node at `node_dir` with any blob source (a directory of images in
+        tests) and no sandbox backends; without a `resolver`, no trust checks."""
+        return cls(Shim(NodePaths(Path(os.path.abspath(node_dir))), blobs, backends={}), root, resolver)
 
     def close(self) -> None:
-        if self._state is not None:
-            self._state.close()
-            self._state = None
-        if self.resolver is not None:
-            self.resolver.close()
-            self.resolver = None
+        self.shim.close()
 
     def check(self, blob: str, environment: str) -> tuple[int, ...]:
         """May a client have this blob mounted? With the environment it came from (its manifest
@@ -94,69 +87,83 @@ class RemoteLayers:
             raise BadInput(f"layer {blob} is not a layer of environment {environment}")
         return tuple(spec.prefetch.get(blob, ()))
 
-    def hint(self, blob: str, chunks: tuple[int, ...]) -> None:
-        """Ask the daemon for the blob's hinted chunks in the background (below demand reads), once
-        per blob per process: an optimisation, so failures are ignored."""
-        with self._hint_mu:
-            if not chunks or blob in self._hinted:
-                return
-            self._hinted.add(blob)
-
-        def send() -> None:
-            with contextlib.suppress(Exception):
-                self.blobs.prefetch(blob, list(chunks))
-
-        threading.Thread(target=send, name="snapshotter-hints", daemon=True).start()
+    # -- holds -----------------------------------------------------------------------------------
+    def hold_id(self, blob: str) -> str:
+        return self.prefix + digestmod.parse(blob).split(":", 1)[1]
 
     def mountpoint(self, blob: str) -> str:
-        return str(self.paths.layer_mount(blob))
+        return str(self.shim.paths.layer_mount(blob))
 
-    def generation(self) -> str:
-        """Make the blob source ready (start the daemon if needed); its generation."""
-        if self.lock is None:
-            return self.blobs.ensure()
-        with self.lock:
-            return self.blobs.ensure()
+    def held(self) -> dict[str, str]:
+        """blob -> hold id, for every hold of this snapshotter on the node."""
+        return {sb.layers[0]: sb.id for sb in self.shim.sandboxes() if sb.id.startswith(self.prefix) and sb.layers}
 
-    def usable(self, rec: dict[str, Any] | None, generation: str | None) -> bool:
-        """Is this recorded mount in place and reading what the blob source serves now?"""
-        if rec is None:
+    def usable(self, blob: str) -> bool:
+        """Is the blob held, its layer mounted and reading what the node serves now? O(1): one
+        read of the node state and a few system calls; no node lock."""
+        with self.shim.state.read() as t:
+            sb = t.sandbox(self.hold_id(blob))
+            lm = t.layer(blob)
+        if sb is None or sb.status != MOUNTED or lm is None or lm.status != MOUNTED:
             return False
-        lm = LayerMount.from_json(rec)
-        return lm.current(generation) and linux.is_mount(lm.mountpoint)
+        if not lm.pin and not lm.current(self.shim.blobs.generation()):  # (a direct mount needs no daemon)
+            return False
+        return linux.is_mount(lm.mountpoint)
 
-    def mount(self, blob: str, generation: str) -> dict[str, Any]:
-        """Mount the layer (detaching whatever is at its mount point first); its record."""
-        return self.mounts.mount(blob, generation).to_json()
+    def hold(self, blob: str, hints: tuple[int, ...] = (), environment: str = "") -> None:
+        """Make the blob's layer mount ready and held by this snapshotter: taken through the shim
+        when it is not held (the shim then sends the prefetch `hints` to the daemon, once per
+        chunk per node); a held one that is stale (a daemon that restarted, a mount that went) is
+        repaired by the shim's recovery. Callers serialise holds of one blob."""
+        if self.usable(blob):
+            return
+        sid = self.hold_id(blob)
+        if self._exists(sid):
+            self.shim.recover_if_needed()  # (the node's recovery: remounts the layers of every sandbox)
+            if self.usable(blob):
+                return
+            self.release(blob)  # left broken by recovery (its layer could not be mounted): start again
+        spec = EnvSpec("", (LayerSpec(blob, 0, "layer"),), ref=environment or HOLD_BACKEND,
+                       prefetch={blob: hints} if hints else {})
+        try:
+            self.shim.mount(spec, sandbox=sid, guest=HOLD_BACKEND)
+        except SandboxExists:
+            if not self.usable(blob):
+                raise
 
-    def unmount(self, rec: dict[str, Any]) -> None:
-        self.mounts.unmount(LayerMount.from_json(rec))
+    def _exists(self, sid: str) -> bool:
+        with self.shim.state.read() as t:
+            return t.sandbox(sid) is not None
 
-    def orphans(self, recorded: set[str]) -> list[str]:
-        """Mount points under SNAP/layers that no record names."""
-        out = []
-        for m in linux.mounts_under(linux.read_mounts(), str(self.paths.layers)):
-            if m.mountpoint != str(self.paths.layers) and m.mountpoint not in recorded:
-                out.append(m.mountpoint)
-        return out
+    def release(self, blob: str) -> None:
+        """Drop this snapshotter's reference on the blob's layer mount (the last user's drop
+        unmounts it)."""
+        with contextlib.suppress(SandboxNotFound):
+            self.shim.unmount(self.hold_id(blob))
 
-    def drop_orphans(self, recorded: dict[str, dict[str, Any]]) -> list[str]:
-        """Detach layer mounts no record names, remove empty mount points, and unpin the pins of
-        this snapshotter's direct mounts that no record holds (a crash between a pin and its record)."""
-        points = {str(r.get("mountpoint", "")) for r in recorded.values()}
-        dropped = self.orphans(points)
-        for mp in dropped:
-            detach(mp)
-            rmdir_quiet(mp)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self.paths.layers):
-                p = str(self.paths.layers / name)
-                if p not in points:
-                    rmdir_quiet(p)
-        held = {str(r.get("pin", "")) for r in recorded.values() if r.get("pin")}
-        with contextlib.suppress(LayerstoreError, OSError):
-            for blob, holder in self.blobs.pins(self.mounts.holder_prefix):
-                if holder not in held:
-                    with contextlib.suppress(LayerstoreError):
-                        self.blobs.unpin(blob, holder)
+    def drop_unneeded(self, needed: set[str]) -> list[str]:
+        """Release the holds of blobs no record names (a crash between a hold and its record, or
+        between the last record's removal and the release). Returns the blobs released."""
+        dropped = []
+        for blob in self.held():
+            if blob not in needed:
+                self.release(blob)
+                dropped.append(blob)
         return dropped
+
+    def drop_legacy(self) -> list[str]:
+        """Layer mounts an earlier version of the snapshotter made under SNAP/layers (its own,
+        not the node's): detached, their pins of the node cache dropped. Returns the mount points."""
+        legacy = self.root / "layers"
+        mounts = linux.mounts_under(linux.read_mounts(), str(legacy))
+        gone = [m.mountpoint for m in mounts if m.mountpoint != str(legacy)]
+        for mp in gone:
+            detach(mp)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(legacy):
+                rmdir_quiet(legacy / name)
+            rmdir_quiet(legacy)
+        with contextlib.suppress(LayerstoreError, OSError):
+            for blob, holder in self.shim.blobs.pins(f"shim:{legacy}/"):
+                self.shim.blobs.unpin(blob, holder)
+        return gone

@@ -3,7 +3,8 @@
     snapshots/<key>            Snapshot (JSON): id, kind, parent key, labels, times, blob
     children/<parent>\\0<key>   present while <key> names <parent> as its parent (O(1) refusal
                                of Remove on a parent, O(children) listing)
-    layers/<blob>              the blob's layer mount (runtime_shim LayerMount JSON)
+    layers/<blob>              written by earlier versions (a layer mount of their own under
+                               SNAP/layers): emptied at start; layers are the node's now (`layers`)
     meta/next-id               the next snapshot id (directories are named by id, never reused)
 
 Every change is one write transaction. Unlike the shim's node state (which describes mounts that
@@ -145,14 +146,7 @@ class Txn:
         self.txn.put(b"next-id", str(n + 1).encode(), db=self.dbs["meta"])
         return n
 
-    # -- layer mounts ------------------------------------------------------------------------
-    def layer(self, blob: str) -> dict[str, Any] | None:
-        raw = self.txn.get(_k(blob), db=self.dbs["layers"])
-        return None if raw is None else dict(json.loads(bytes(raw)))
-
-    def put_layer(self, blob: str, rec: dict[str, Any]) -> None:
-        self.txn.put(_k(blob), json.dumps(rec, sort_keys=True).encode(), db=self.dbs["layers"])
-
+    # -- layer mounts of earlier versions ----------------------------------------------------
     def delete_layer(self, blob: str) -> None:
         self.txn.delete(_k(blob), db=self.dbs["layers"])
 

@@ -53,8 +53,7 @@ class Mount:
 @dataclass
 class CleanupReport:
     directories: list[str] = field(default_factory=list)
-    layer_mounts: list[str] = field(default_factory=list)
-    remounted: list[str] = field(default_factory=list)
+    layer_mounts: list[str] = field(default_factory=list)  # holds released (and an earlier version's mounts)
 
 
 def usage(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -180,14 +179,22 @@ class Snapshotter:
             self._check_remote(t, key, name, parent, blob)
         # Outside the record lock: the trust check reads the store, a cold mount waits for the
         # daemon to fetch the blob's metadata; other calls go on meanwhile.
-        hints = self.layers.check(blob, labels.get(LABEL_ENV, ""))
-        self._layer_ready(blob, self.layers.generation())
-        self.layers.hint(blob, hints)  # after the metadata is in, as the shim does
-        crashpoint("remote:mounted")
-        now = time.time()
-        with self.mu, self.meta.write() as t:
-            self._check_remote(t, key, name, parent, blob)  # (again: someone may have made it meanwhile)
-            t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now, blob))
+        env = labels.get(LABEL_ENV, "")
+        hints = self.layers.check(blob, env)
+        with self._blob_lock(blob):  # (held until recorded: a Remove or Cleanup meanwhile keeps the hold)
+            self.layers.hold(blob, hints, env)  # the daemon's hints go after the metadata is in, as the shim does
+            crashpoint("remote:mounted")
+            now = time.time()
+            try:
+                with self.mu, self.meta.write() as t:
+                    self._check_remote(t, key, name, parent, blob)  # (again: someone may have made it meanwhile)
+                    t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now,
+                                   blob))
+            except SnapshotExists:
+                raise
+            except BaseException:
+                self._release_unused_locked(blob)
+                raise
         crashpoint("remote:recorded")
         raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
 
@@ -203,18 +210,28 @@ class Snapshotter:
         with self._blob_mu:
             return self._blob_locks.setdefault(blob, threading.Lock())
 
-    def _layer_ready(self, blob: str, gen: str) -> None:
-        """The blob's layer mount is in place and reads what the blob source serves now (mounted
-        again if not), and recorded. One mount of a blob at a time."""
+    def _layer_ready(self, blob: str) -> None:
+        """The blob's layer mount is in place, held, and reads what the node serves now (taken or
+        repaired through the shim if not). One blob at a time."""
         assert self.layers is not None
+        if self.layers.usable(blob):  # (the common case, without the blob's lock)
+            return
         with self._blob_lock(blob):
-            with self.meta.read() as t:
-                rec = t.layer(blob)
-            if self.layers.usable(rec, gen):
-                return
-            new = self.layers.mount(blob, gen)
-            with self.mu, self.meta.write() as t:
-                t.put_layer(blob, new)
+            self.layers.hold(blob)
+
+    def _release_unused(self, blob: str) -> None:
+        with self._blob_lock(blob):
+            self._release_unused_locked(blob)
+
+    def _release_unused_locked(self, blob: str) -> bool:
+        """Caller holds the blob's lock. Drop the hold on the blob's layer unless a record names
+        the blob (again: one may have been written meanwhile)."""
+        assert self.layers is not None
+        with self.meta.read() as t:
+            if t.blob_users(blob):
+                return False
+        self.layers.release(blob)
+        return True
 
     # -- mounts ----------------------------------------------------------------------------------
     def mounts(self, key: str) -> list[Mount]:
@@ -231,11 +248,8 @@ class Snapshotter:
         with self.meta.read() as t:
             parents = t.chain(snap.key)[1:]
         blobs = list(dict.fromkeys(p.blob for p in parents if p.blob))
-        if blobs:
-            assert self.layers is not None
-            gen = self.layers.generation()
-            for blob in blobs:
-                self._layer_ready(blob, gen)
+        for blob in blobs:
+            self._layer_ready(blob)
         lowers = [self.fs(p) for p in parents]
         d = self.dir(snap)
         if snap.kind == ACTIVE:
@@ -282,15 +296,12 @@ class Snapshotter:
                     raise SnapshotPrecondition(f"cannot remove snapshot {key!r}: {len(kids)} child(ren), "
                                                f"e.g. {kids[0]!r}")
                 t.delete(snap)
-                layer = None
-                if snap.blob and t.blob_users(snap.blob) == 0:
-                    layer = t.layer(snap.blob)
-                    t.delete_layer(snap.blob)
+                last = bool(snap.blob) and t.blob_users(snap.blob) == 0
             crashpoint("remove:recorded")
-            if layer is not None and self.layers is not None:
-                self.layers.unmount(layer)
             if not snap.blob:
                 shutil.rmtree(self.dir(snap), ignore_errors=True)
+        if last and self.layers is not None:  # (outside the record lock: blob lock first, then records)
+            self._release_unused(snap.blob)
 
     # -- queries -----------------------------------------------------------------------------------
     def stat(self, key: str) -> Snapshot:
@@ -349,26 +360,25 @@ class Snapshotter:
         return self.reconcile()
 
     def reconcile(self) -> CleanupReport:
-        """Make the disk and the mounts agree with the records: delete directories no record
-        names, drop layer records and mounts no snapshot needs, detach unrecorded layer mounts."""
+        """Make the disk and the node's layer holds agree with the records: delete directories no
+        record names, release the holds of blobs no record names (each under its blob's lock,
+        so a Prepare in flight keeps its hold), and drop what an earlier version left."""
         rep = CleanupReport()
         with self.mu:
             with self.meta.write() as t:
-                snaps = list(t.all())
-                ids = {str(s.id) for s in snaps if not s.blob}
-                needed = {s.blob for s in snaps if s.blob}
-                layers = t.layers()
-                for blob in set(layers) - needed:
-                    if self.layers is not None:
-                        self.layers.unmount(layers[blob])
+                ids = {str(s.id) for s in t.all() if not s.blob}
+                for blob in t.layers():  # (records of an earlier version's own layer mounts)
                     t.delete_layer(blob)
-                    rep.layer_mounts.append(layers.pop(blob)["mountpoint"])
             for entry in os.listdir(self.snapshots):
                 if entry not in ids:
                     shutil.rmtree(self.snapshots / entry, ignore_errors=True)
                     rep.directories.append(entry)
-            if self.layers is not None:
-                rep.layer_mounts += self.layers.drop_orphans(layers)
+        if self.layers is not None:
+            rep.layer_mounts += self.layers.drop_legacy()
+            for blob in self.layers.held():
+                with self._blob_lock(blob):
+                    if self._release_unused_locked(blob):
+                        rep.layer_mounts.append(self.layers.mountpoint(blob))
         return rep
 
 

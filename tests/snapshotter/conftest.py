@@ -70,7 +70,7 @@ def detach_under(root: Path) -> None:
 @contextlib.contextmanager
 def served(root: Path, blobs: Path, sock: Path) -> Iterator[Served]:
     blobs.mkdir(parents=True, exist_ok=True)
-    sn = Snapshotter(root, RemoteLayers(root, DirBlobs(blobs)))
+    sn = Snapshotter(root, RemoteLayers.with_blobs(root, root.parent / "node", DirBlobs(blobs)))
     srv = server.start(sn, sock, workers=4)
     channel = grpc.insecure_channel(f"unix://{sock}")
     try:

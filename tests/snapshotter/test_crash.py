@@ -1,5 +1,6 @@
-"""kill -9 at each step of each change, then a restart: the records, the directories and the layer
-mounts agree again, and the change either happened whole or not at all.
+"""kill -9 at each step of each change, then a restart: the records, the directories, the node's
+layer references and its layer mounts agree again, and the change either happened whole or not at
+all.
 
 The server runs in a child process (layers from a directory of EROFS images); the step to die at
 is named by $LAYERSTORE_SNAPSHOTTER_CRASH (the process SIGKILLs itself there)."""
@@ -34,7 +35,7 @@ from snapshotter.layers import RemoteLayers
 from snapshotter.server import serve
 from snapshotter.snapshots import Snapshotter
 root, blobs, sock = map(Path, sys.argv[1:4])
-serve(Snapshotter(root, RemoteLayers(root, DirBlobs(blobs))), sock)
+serve(Snapshotter(root, RemoteLayers.with_blobs(root, root.parent / "node", DirBlobs(blobs))), sock)
 """
 REMOTE = {LABEL_REF: "sha256:chain1"}
 
@@ -42,6 +43,7 @@ REMOTE = {LABEL_REF: "sha256:chain1"}
 class Child:
     def __init__(self, tmp: Path) -> None:
         self.root, self.blobs, self.sock = tmp / "snap", tmp / "blobs", tmp / "snap.sock"
+        self.node = tmp / "node"
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
 
@@ -97,24 +99,32 @@ def walk(stub: pbg.SnapshotsStub) -> dict[str, pb.Info]:
 
 
 def check_agreement(c: Child, stub: pbg.SnapshotsStub) -> dict[str, pb.Info]:
-    """Every local record has its directory and every directory a record; every layer mount
-    under SNAP/layers belongs to a recorded remote layer (and vice versa once used)."""
+    """Every local record has its directory and every directory a record; the snapshotter holds
+    (through the node's shim) only layers its records name; the node's layer references match its
+    sandboxes (holds included: nothing leaked) and its layer mounts match its layer records."""
     snaps = walk(stub)
+    from runtime_shim.state import NodeState
     from snapshotter.metadata import Metadata
 
     dirs = set(os.listdir(c.root / "snapshots"))
-    layer_mounts = {m.mountpoint for m in linux.mounts_under(linux.read_mounts(), str(c.root / "layers"))}
-    # the records as the running server sees them: read-only peek at its LMDB
+    # the records as the running server sees them: read-only peeks at its LMDB and the node's
     meta = Metadata(c.root / "metadata")
     try:
         with meta.read() as t:
             recs = list(t.all())
     finally:
         meta.close()
+    with NodeState(c.node / "state") as state, state.read() as t:
+        sandboxes, layers = t.sandboxes(), t.layers()
     assert {r.key for r in recs} == set(snaps)
     assert dirs == {str(r.id) for r in recs if not r.blob}
-    wanted = {str(c.root / "layers" / r.blob.split(":", 1)[1]) for r in recs if r.blob}
-    assert layer_mounts <= wanted
+    held = {sb.layers[0] for sb in sandboxes if sb.id.startswith("ctrd.")}
+    assert held <= {r.blob for r in recs if r.blob}
+    users = {b for sb in sandboxes for b in sb.layers}
+    assert {lm.blob: lm.refs for lm in layers} == {b: sum(b in sb.layers for sb in sandboxes) for b in users}
+    mounted = {m.mountpoint for m in linux.mounts_under(linux.read_mounts(), str(c.node / "layers"))}
+    assert mounted == {lm.mountpoint for lm in layers}
+    assert not linux.mounts_under(linux.read_mounts(), str(c.root))  # (no layer mount of its own)
     return snaps
 
 
@@ -193,3 +203,35 @@ def test_kill_at_each_step_of_a_remote_layer(child: Child, step: str, tmp_path: 
     _blobs, blob = busybox_image(tmp_path / "img")
     os.rename(tmp_path / "img" / "blobs" / blob, child.blobs / blob)
     _crash_and_check(child, step, blob)
+
+
+@pytest.mark.root
+@needs_busybox
+def test_kill_while_a_shim_sandbox_shares_the_layer(child: Child, tmp_path: Path) -> None:
+    """kill -9 of the snapshotter holding a layer a shim sandbox also stacks: after the restart the
+    snapshotter's reference is gone (the crash came before its record), the sandbox's stays, the
+    layer is mounted once until the sandbox goes too."""
+    from runtime_shim.blobs import DirBlobs
+    from runtime_shim.environment import EnvSpec, LayerSpec
+    from runtime_shim.paths import NodePaths
+    from runtime_shim.shim import Shim
+
+    _blobs, blob = busybox_image(tmp_path / "img")
+    os.rename(tmp_path / "img" / "blobs" / blob, child.blobs / blob)
+    stub = child.start(crash="remote:mounted")
+    shim = Shim(NodePaths(child.node), DirBlobs(child.blobs), backends={})
+    try:
+        sb = shim.mount(EnvSpec("", (LayerSpec(blob, 0, "base"),)), tmp_path / "sb-root")
+        with pytest.raises(grpc.RpcError) as ei:
+            _op(stub, "remote:mounted", blob)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and child.died_by_sigkill()
+        assert shim.layer_refs() == {blob: 2}  # the dead snapshotter's hold, not recorded by it
+        child.stop()
+        stub = child.start()
+        check_agreement(child, stub)
+        assert shim.layer_refs() == {blob: 1}
+        assert (tmp_path / "sb-root" / "etc" / "motd").read_text() == "base motd\n"
+        shim.unmount(sb.id)
+        assert shim.layer_refs() == {} and not linux.is_mount(shim.paths.layer_mount(blob))
+    finally:
+        shim.close()

@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 from testkit.cli_helpers import layerctl
-from testkit.shim_support import busybox_rootfs, needs_busybox, store_with_env
+from testkit.shim_support import busybox_image, busybox_rootfs, needs_busybox, store_with_env
 
+from fuse_client import linux
 from layerstore.errors import BadInput, PermissionDenied
 from layerstore.store import Store
 from manifest.errors import UntrustedManifest
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.environment import CachingResolver, node_policy
 from snapshotter.layers import RemoteLayers
+
+from .conftest import detach_under
 
 KEY = "ed25519:IBqYGexjTO0isKTJtnTfANP12B/KnpdOKRw0hSAOIIo="
 
@@ -28,7 +31,8 @@ def test_trust_check(tmp_path: Path) -> None:
     env, blob = show["manifest"], show["environment"]["layers"][0]["blob"]
     other = "b3:" + "1" * 64
 
-    open_layers = RemoteLayers(tmp_path / "snap", DirBlobs(tmp_path / "b"), resolver=CachingResolver(Store.open(url)))
+    open_layers = RemoteLayers.with_blobs(tmp_path / "snap", tmp_path / "n1", DirBlobs(tmp_path / "b"),
+                                          CachingResolver(Store.open(url)))
     try:
         open_layers.check(blob, env)
         open_layers.check(other, "")  # no policy on the node: any blob
@@ -40,8 +44,8 @@ def test_trust_check(tmp_path: Path) -> None:
     node = tmp_path / "node"
     node.mkdir()
     (node / "policy.json").write_text(json.dumps({"require_signature": True, "trusted_keys": [KEY]}))
-    strict = RemoteLayers(tmp_path / "snap2", DirBlobs(tmp_path / "b"),
-                          resolver=CachingResolver(Store.open(url), node_policy(node, None)))
+    strict = RemoteLayers.with_blobs(tmp_path / "snap2", tmp_path / "n2", DirBlobs(tmp_path / "b"),
+                                     CachingResolver(Store.open(url), node_policy(node, None)))
     try:
         with pytest.raises(UntrustedManifest):
             strict.check(blob, env)  # unsigned
@@ -51,12 +55,16 @@ def test_trust_check(tmp_path: Path) -> None:
         strict.close()
 
 
+@pytest.mark.root
+@needs_busybox
 def test_prefetch_hints_of_the_environment_go_to_the_daemon(tmp_path: Path) -> None:
+    """The environment's hints for a blob go to the blob source when the snapshotter takes its
+    hold on the layer (through the shim: once per chunk per node, recorded in the node state)."""
     import threading
 
     from runtime_shim.environment import EnvSpec, LayerSpec
 
-    blob = "b3:" + "2" * 64
+    blobs, blob = busybox_image(tmp_path / "img")
     sent: list[tuple[str, list[int]]] = []
     done = threading.Event()
 
@@ -74,10 +82,18 @@ def test_prefetch_hints_of_the_environment_go_to_the_daemon(tmp_path: Path) -> N
         def close(self) -> None:
             pass
 
-    layers = RemoteLayers(tmp_path / "snap", Blobs(tmp_path / "b"), resolver=Resolver())  # type: ignore[arg-type]
-    hints = layers.check(blob, "b3:" + "3" * 64)
-    assert hints == (5, 1, 3)
-    layers.hint(blob, hints)
-    layers.hint(blob, hints)  # once per blob
-    assert done.wait(10)
-    assert sent == [(blob, [5, 1, 3])]
+    layers = RemoteLayers.with_blobs(tmp_path / "snap", tmp_path / "node", Blobs(blobs), Resolver())  # type: ignore[arg-type]
+    try:
+        hints = layers.check(blob, "b3:" + "3" * 64)
+        assert hints == (5, 1, 3)
+        layers.hold(blob, hints)
+        assert done.wait(10)
+        layers.release(blob)
+        layers.hold(blob, hints)  # again: the node has had these hints
+        layers.release(blob)
+        assert not linux.is_mount(layers.mountpoint(blob))
+        layers.close()  # (waits for hint senders)
+        assert sent == [(blob, [5, 1, 3])]
+    finally:
+        layers.close()
+        detach_under(tmp_path)
