@@ -15,6 +15,9 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 - `list_info(prefix)`: like `list`, with each object's size and modification time (seconds since
   the epoch, on the store's clock: the file system's or the S3 server's, never the caller's).
   The garbage collector keeps objects younger than its grace period by this time.
+- `load_many(keys, max_size=)`: several whole objects, each `(key, bytes)` or `(key, the
+  LayerstoreError a load of it raised)`, in the order given; one request for many where the
+  backend has it (HTTP: the service's batched read), else one `load` each.
 - `delete_many(keys)`: remove many objects, in batches where the backend has them (S3
   DeleteObjects); a key that is already gone is not an error. Returns how many were removed.
 - `replace_if(key, data, expected)`: compare-and-swap of a mutable object (a tag): replace it
@@ -33,10 +36,10 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError, NotFound
+from ..errors import ConfigError, LayerstoreError, NotFound
 from ..retry import is_temporary
 
 
@@ -87,6 +90,16 @@ class Backend(ABC):
     @abstractmethod
     def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """`list`, with each object's size and modification time (store clock)."""
+
+    def load_many(self, keys: Sequence[str], *, max_size: int | None = None
+                  ) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+        """Each object of `keys`, whole, in order: its bytes, or the error loading it raised
+        (`load`'s errors, retried as `load` retries them)."""
+        for key in keys:
+            try:
+                yield key, self.load(key, max_size=max_size)
+            except LayerstoreError as e:
+                yield key, e
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """Remove every object of `keys` that exists; returns how many this call removed."""
