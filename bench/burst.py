@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         results = ClusterBench(opts).run()
         section = nodereport.render(opts.output, opts.docs)
         sys.stdout.write(section)
-        failed = sum(c.get("failed", 0) for sh in results.get("shapes", {}).values()
+        # a sandbox that failed, or a contender that was asked for and could not run, fails the run
+        failed = sum(c.get("failed", 0) + (1 if c.get("skipped") else 0) for sh in results.get("shapes", {}).values()
                      for c in sh.get("contenders", {}).values() if isinstance(c, dict))
         return 1 if failed else 0
     if opts.readset_only:
