@@ -87,6 +87,7 @@ EXPORT_MEMORY_MIB = 256
 SOCKETS = Path("/run/layerstore/vm")
 STREAMS = ("stdout", "stderr", "status", "mounts")
 LAYER_DEVICES = ("blk", "pmem")
+KEPT_REPORTS = 64  # guests' layer-mount reports kept in `layer_mounts`
 
 
 class VmBackend:
@@ -101,7 +102,8 @@ class VmBackend:
         self.running: dict[str, QemuVm] = {}
         self.signalled: dict[str, int] = {}
         self.layer_device = layer_device
-        self.layer_mounts: dict[str, list[tuple[str, str, str, tuple[str, ...]]]] = {}  # what guests reported
+        # what the last guests reported of their layer mounts (source, mount point, type, options)
+        self.layer_mounts: dict[str, list[tuple[str, str, str, tuple[str, ...]]]] = {}
 
     def use_layer_device(self, device: str) -> None:
         """How the next sandboxes get their layers: "blk" (virtio-blk drives, the default) or
@@ -319,6 +321,8 @@ class VmBackend:
                 signal.signal(s, h)
         code, why = vm.result()
         mounts = self.layer_mounts[execution.sandbox] = parse_mounts(bytes(vm.mounts))
+        while len(self.layer_mounts) > KEPT_REPORTS:  # (a long-lived process: the latest ones)
+            del self.layer_mounts[next(iter(self.layer_mounts))]
         if code is not None and self.planned_device(execution.sandbox) == "pmem":
             undax = [m[1] for m in mounts if not any(o.startswith("dax") for o in m[3])]
             if undax or not mounts:

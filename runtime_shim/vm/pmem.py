@@ -81,13 +81,16 @@ def _copy(blob: str, source: str | os.PathLike[str], path: Path) -> int:
     try:
         h = digestmod.Hasher()
         n = 0
-        with open(source, "rb", buffering=0) as src:
-            while chunk := src.read(COPY_CHUNK):
-                h.update(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view):]
-                n += len(chunk)
+        try:
+            with open(source, "rb", buffering=0) as src:
+                while chunk := src.read(COPY_CHUNK):
+                    h.update(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    n += len(chunk)
+        except OSError as e:  # (the daemon's file: a fetch that failed; the node disk full)
+            raise ShimError(f"layer {blob}: cannot make its pmem image from {source}: {e}") from None
         if h.digest() != blob:
             raise ShimError(f"layer {blob}: {source} holds other bytes ({n} bytes hash to {h.digest()})")
         size = padded(n)
