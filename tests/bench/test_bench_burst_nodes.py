@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,38 @@ def test_burst_two_nodes_tiny(tmp_path: Path) -> None:
     assert "### Cold burst at cluster shape (tiny" in stdout
     assert _leftovers(tag, run_root) == []
     assert not any(run_root.glob("run-*"))
+
+
+def test_interrupted_burst_leaves_nothing(tmp_path: Path) -> None:
+    """Ctrl-C while the nodes' runners are up: the namespaces, veths, loop devices, mounts,
+    cgroups and processes of the run are gone when it exits."""
+    run_root = tmp_path / "run"
+    env = {**os.environ, "LAYERSTORE_BENCH_CACHE": str(tmp_path / "cache"), "LAYERSTORE_BENCH_RUN_DIR": str(run_root)}
+    p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "burst.py"), "--nodes", "2", "--per-node", "1",
+                          "--size", "tiny", "--no-docs", "--contenders", "lazy", "--output",
+                          str(tmp_path / "out.json")],
+                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tag = str(p.pid % 100000)
+    seen = []
+    try:
+        assert p.stderr is not None
+        for line in p.stderr:
+            seen.append(line)
+            if "round 1/1: lazy" in line:  # the nodes' runners are being started
+                break
+        else:
+            pytest.fail("the bench ended before its burst: " + "".join(seen)[-2000:])
+        nodes = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                 if n.startswith(f"lsbn{tag}x")]
+        assert len(nodes) == 2  # the run was really up
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert _leftovers(tag, run_root) == []
+    assert not any(run_root.glob("run-*"))
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    assert not [ln for ln in ps if str(run_root) in ln]
