@@ -122,10 +122,11 @@ class SnapshotsService(pbg.SnapshotsServicer):
         return empty_pb2.Empty()
 
 
-def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 8) -> grpc.Server:
+def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32) -> grpc.Server:
     """Serve on a unix socket (0600). The socket is bound under a temporary name and renamed over
     `address` once the server listens: a client never finds a socket that refuses connections, and
-    a stale one is replaced in one step."""
+    a stale one is replaced in one step. `workers`: calls served at once (a Prepare waiting for a
+    cold layer's metadata holds one: room for a burst's pulls and containers together)."""
     path = Path(os.path.abspath(address))
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

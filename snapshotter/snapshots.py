@@ -181,6 +181,7 @@ class Snapshotter:
         # daemon to fetch the blob's metadata; other calls go on meanwhile.
         env = labels.get(LABEL_ENV, "")
         hints = self.layers.check(blob, env)
+        self.layers.warm(env, blob)  # (the pull's next layers: their metadata on the way meanwhile)
         with self._blob_lock(blob):  # (held until recorded: a Remove or Cleanup meanwhile keeps the hold)
             self.layers.hold(blob, hints, env)  # the daemon's hints go after the metadata is in, as the shim does
             crashpoint("remote:mounted")
@@ -298,9 +299,11 @@ class Snapshotter:
                 t.delete(snap)
                 last = bool(snap.blob) and t.blob_users(snap.blob) == 0
             crashpoint("remove:recorded")
-            if not snap.blob:
-                shutil.rmtree(self.dir(snap), ignore_errors=True)
-        if last and self.layers is not None:  # (outside the record lock: blob lock first, then records)
+        # Outside the record lock: a container's upper may hold many files (other calls go on; its
+        # id is never reused), and a hold's release takes the blob's lock (blob lock, then records).
+        if not snap.blob:
+            shutil.rmtree(self.dir(snap), ignore_errors=True)
+        if last and self.layers is not None:
             self._release_unused(snap.blob)
 
     # -- queries -----------------------------------------------------------------------------------
@@ -365,10 +368,13 @@ class Snapshotter:
         so a Prepare in flight keeps its hold), and drop what an earlier version left."""
         rep = CleanupReport()
         with self.mu:
-            with self.meta.write() as t:
+            with self.meta.read() as t:  # (containerd calls Cleanup after each collection: no write if none is needed)
                 ids = {str(s.id) for s in t.all() if not s.blob}
-                for blob in t.layers():  # (records of an earlier version's own layer mounts)
-                    t.delete_layer(blob)
+                legacy = list(t.layers())
+            if legacy:  # records of an earlier version's own layer mounts
+                with self.meta.write() as t:
+                    for blob in legacy:
+                        t.delete_layer(blob)
             for entry in os.listdir(self.snapshots):
                 if entry not in ids:
                     shutil.rmtree(self.snapshots / entry, ignore_errors=True)
