@@ -10,6 +10,12 @@ lease (`nodecache.inuse`: what the node reports to the store's collector), close
 After kill -9 none of this runs: the mount is dead (ENOTCONN) and the next daemon lazily
 unmounts it before mounting again; the cache needs no repair beyond what `recovery.recover` does
 at every start; the node lease expires on its own.
+
+Data path (docs/fanotify.md): `fanotify` when the kernel has pre-content events (probed at start),
+else `fuse`; `LAYERSTORE_DATA_PATH=fanotify|fuse|auto` forces it. On the fanotify path the daemon
+also serves FUSE (health checks, complete-blob pins), takes the fanotify group from its holder
+(or makes one and a holder), marks the attached blobs again *before* the cache is opened, and
+answers what a killed predecessor left before it serves new events.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import contextlib
 import functools
 import grp
 import logging
+import os
 import resource
 import signal
 import socket
@@ -32,6 +39,9 @@ from layerstore.errors import ConfigError, LayerstoreError
 
 from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
+from .fanotify import group as fan_group
+from .fanotify import kernel as fan_kernel
+from .fanotify.frontend import FanotifyFrontEnd, load_attachments
 from .fuse.fs import BlobFS
 from .fuse.mount import DEFAULT_KERNEL_READAHEAD_KB, FuseMount, clear_dead_mount, fuse_options
 from .nodecache import (
@@ -49,11 +59,31 @@ from .nodecache import (
     open_cache,
     write_trace,
 )
+from .nodecache.files import BlobFiles
 from .nodecache.inuse import NodeLease, interval_from_env
 
 log = logging.getLogger("layerstore.fuse.daemon")
 
 TRACE_INTERVAL = 5.0
+DATA_PATH_ENV = "LAYERSTORE_DATA_PATH"
+HOLDER_CHECK = 1.0  # seconds between checks that the fanotify holder lives
+
+
+def choose_data_path(where: Path, wanted: str | None = None) -> str:
+    """"fanotify" or "fuse": `wanted` (else $LAYERSTORE_DATA_PATH, else "auto": fanotify when the
+    kernel gives pre-content events on files in `where`)."""
+    want = (wanted or os.environ.get(DATA_PATH_ENV) or "auto").strip().lower()
+    if want not in ("auto", "fanotify", "fuse"):
+        raise ConfigError(f"{DATA_PATH_ENV}={want!r}: expected auto, fanotify or fuse")
+    if want == "fuse":
+        return "fuse"
+    why = fan_kernel.probe(where)
+    if why is None:
+        return "fanotify"
+    if want == "fanotify":
+        raise ConfigError(f"the fanotify data path is not available here: {why}")
+    log.info("fanotify pre-content events not available (%s): FUSE data path", why)
+    return "fuse"
 
 
 @dataclass
@@ -71,6 +101,7 @@ class DaemonConfig:
     kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
     allow_other: bool = True
     control_group: str | None = None  # a group whose members may use the control socket (else root only)
+    data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH or auto
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
 
     def budget(self) -> Budget:
@@ -111,6 +142,7 @@ class Daemon:
         self.stats: Stats | None = None
         self.trace: TraceRecorder | None = None
         self.node_lease: NodeLease | None = None
+        self.fanotify: FanotifyFrontEnd | None = None
         self._stop = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -134,6 +166,15 @@ class Daemon:
         if not mountpoint.is_dir() and not linux.is_mount(mountpoint):
             raise ConfigError(f"mountpoint {mountpoint} is not a directory")
         with contextlib.ExitStack() as stack:
+            front = self.fanotify = await self._fanotify_start(cache_dir, stack)
+            previous = load_attachments(cache_dir) if front is not None else {}
+            if front is not None and front.group is None and previous:
+                # Attachments but no holder: the group died with it; a new one marks the files
+                # again (open EROFS backing files raise events to any group's marks).
+                front.open_group(*await trio.to_thread.run_sync(front.acquire))
+            if front is not None and front.group is not None:
+                front.premark(list(previous))  # before recovery may punch anything
+                front.start()  # our own accesses are answered from here on
             cache = self.cache = await trio.to_thread.run_sync(
                 functools.partial(open_cache, cache_dir, cfg.budget(), stack))
             trace = self.trace = TraceRecorder() if cfg.record_trace else None
@@ -155,11 +196,21 @@ class Daemon:
                 # their recovered chunks now, in the background (docs/fuse-client.md).
                 service.start_soon(lazy.verify_pinned)
                 ops = BlobFS(lazy, push_nursery=service)
-                control = ControlServer(socket_path(cache_dir), ControlAPI(lazy), group=cfg.control_gid())
+                if front is not None:
+                    front.bind(lazy, service)
+                    await front.restore(previous)
+                    await front.release()  # the predecessor's leftovers answered; new events served
+                    service.start_soon(self._holder_watch, front)
+                control = ControlServer(socket_path(cache_dir), ControlAPI(lazy, front), group=cfg.control_gid())
                 try:
                     await self._serve_mounted(FuseMount(ops, mountpoint, cfg.fuse_options()), control, task_status)
                 finally:
                     with trio.CancelScope(shield=True):
+                        if front is not None:
+                            await front.stop()
+                            if front.group is not None and not front.attached:
+                                # Nothing mounted on the group: nobody needs it kept.
+                                await trio.to_thread.run_sync(fan_group.quit_holder, cache_dir, front.group_id)
                         if trace is not None and cfg.record_trace is not None:
                             await trio.to_thread.run_sync(write_trace, cfg.record_trace, trace.to_json())
                         await cache.shutdown_flush()
@@ -169,6 +220,31 @@ class Daemon:
                             log.warning("node lease: not released (%s); it expires on its own", e)
                     service.cancel_scope.cancel()
         log.info("daemon stopped")
+
+    async def _fanotify_start(self, cache_dir: Path, stack: contextlib.ExitStack) -> FanotifyFrontEnd | None:
+        """The fanotify front end if that is the data path; with the holder's group if a holder
+        keeps one (a restart or an upgrade), else without a group yet (made on the first attach)."""
+        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if choose_data_path(cache_dir, self.config.data_path) != "fanotify":
+            return None
+        front = FanotifyFrontEnd(cache_dir, data_file=BlobFiles(cache_dir).path,
+                                 acquire=functools.partial(fan_group.acquire, cache_dir))
+        stack.callback(front.close)
+        got = await trio.to_thread.run_sync(fan_group.take_over, cache_dir)
+        if got is not None:
+            front.open_group(*got)
+        log.info("data path: fanotify (%s)", f"group {front.group_id} taken over" if got else "no group yet")
+        return front
+
+    async def _holder_watch(self, front: FanotifyFrontEnd) -> None:
+        while True:
+            await trio.sleep(HOLDER_CHECK)
+            if front.group is None:
+                continue
+            try:
+                await trio.to_thread.run_sync(fan_group.ensure_holder, front.cache_dir, front.group, front.group_id)
+            except OSError as e:
+                log.error("cannot start a new fanotify holder: %s", e)
 
     async def _serve_mounted(self, fuse: FuseMount, control: ControlServer,
                              task_status: trio.TaskStatus[Daemon]) -> None:

@@ -8,6 +8,7 @@ check). The client's names are here too: `fuse_client.control.request_json`, `.p
 
 from __future__ import annotations
 
-from .client import SOCKET_NAME, DaemonNotRunning, pin, request, request_json, socket_path, unpin
+from .client import SOCKET_NAME, DaemonNotRunning, attach, detach, pin, request, request_json, socket_path, unpin
 
-__all__ = ["SOCKET_NAME", "DaemonNotRunning", "pin", "request", "request_json", "socket_path", "unpin"]
+__all__ = ["SOCKET_NAME", "DaemonNotRunning", "attach", "detach", "pin", "request", "request_json", "socket_path",
+           "unpin"]

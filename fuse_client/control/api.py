@@ -11,6 +11,10 @@ it on the daemon's Unix socket, inside the daemon's trio loop, through hypercorn
     POST /prefetch       {"blob": D, "chunks": [i...] | "ranges": [[off, len]...] | "all": true, "wait": bool}
     POST /pin            {"blob": D, "holder": H} -> {"blob", "complete": true, "path"} | 409 BlobIncomplete
     POST /unpin          {"blob": D, "holder": H} -> {"blob", "holder", "removed": bool} (idempotent)
+    POST /attach         {"blob": D, "holder": H} -> {"path", "generation", "data_path"}: the blob's data
+                         file made ready for a direct EROFS mount, filled on fanotify events
+                         (docs/fanotify.md); 409 `DataPathUnavailable` when the daemon serves FUSE only
+    POST /detach         {"blob": D, "holder": H} -> {"removed": bool} (idempotent)
     GET  /openapi.json   the OpenAPI document of the above
 
 A request body is a JSON object whatever its Content-Type says (so `curl -d` works), at most
@@ -26,7 +30,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request, Response
@@ -38,6 +42,8 @@ from starlette.requests import ClientDisconnect
 from fuse_client.nodecache import LazyCache, check_holder
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, LayerstoreError
+
+from .errors import DataPathUnavailable
 
 log = logging.getLogger("layerstore.fuse.control")
 
@@ -78,12 +84,24 @@ class PinRequest(_Body):
 Handler = Callable[[dict[str, Any]], Awaitable[Response]]
 
 
-class ControlAPI:
-    """The routes, over the node cache's API; `app` is the ASGI application."""
+class Attachments(Protocol):
+    """What a direct-mount front end offers the control API (`fuse_client.fanotify`)."""
 
-    def __init__(self, lazy: LazyCache) -> None:
+    async def attach(self, blob: str, holder: str) -> dict[str, Any]: ...
+
+    async def detach(self, blob: str, holder: str) -> dict[str, Any]: ...
+
+    def stats_json(self) -> dict[str, Any]: ...
+
+
+class ControlAPI:
+    """The routes, over the node cache's API; `app` is the ASGI application. `attachments`: the
+    fanotify front end when the daemon's data path is fanotify, else None (FUSE only)."""
+
+    def __init__(self, lazy: LazyCache, attachments: Attachments | None = None) -> None:
         self.lazy = lazy
         self.cache = lazy.cache
+        self.attachments = attachments
         self.app = FastAPI(title="layerstore node daemon control API", docs_url=None, redoc_url=None)
         self.app.add_exception_handler(StarletteHTTPException, _no_route)  # type: ignore[arg-type]
         routes: list[tuple[str, str, Handler, type[BaseModel] | None, str]] = [
@@ -96,6 +114,8 @@ class ControlAPI:
             ("POST", "/prefetch", self.post_prefetch, PrefetchRequest, "Fetch chunks below demand reads"),
             ("POST", "/pin", self.post_pin, PinRequest, "Pin a complete blob: the path of its cache file"),
             ("POST", "/unpin", self.post_unpin, PinRequest, "Drop a pin (idempotent)"),
+            ("POST", "/attach", self.post_attach, PinRequest, "Cache file ready for a direct mount"),
+            ("POST", "/detach", self.post_detach, PinRequest, "Drop an attachment (idempotent)"),
         ]
         for method, path, handler, model, summary in routes:
             extra = None if model is None else {"requestBody": {"required": False, "content": {
@@ -104,7 +124,11 @@ class ControlAPI:
                                    openapi_extra=extra, response_class=JSONResponse)
 
     async def get_stats(self, req: dict[str, Any]) -> Response:
-        return _json(self.lazy.stats.to_json())
+        out = self.lazy.stats.to_json()
+        out["data_path"] = "fuse" if self.attachments is None else "fanotify"
+        if self.attachments is not None:
+            out["fanotify"] = self.attachments.stats_json()
+        return _json(out)
 
     async def get_metrics(self, req: dict[str, Any]) -> Response:
         return Response(self.lazy.stats.prometheus(), media_type=PROMETHEUS_TEXT)
@@ -139,6 +163,19 @@ class ControlAPI:
         blob, holder = _pin_args(req)
         removed = await self.cache.unpin_blob(blob, holder)
         return _json({"blob": blob, "holder": holder, "removed": removed, "holders": self.cache.holders(blob)})
+
+
+    async def post_attach(self, req: dict[str, Any]) -> Response:
+        blob, holder = _pin_args(req)
+        if self.attachments is None:
+            raise DataPathUnavailable("this daemon serves the FUSE data path only (no fanotify pre-content events)")
+        return _json(await self.attachments.attach(blob, holder))
+
+    async def post_detach(self, req: dict[str, Any]) -> Response:
+        blob, holder = _pin_args(req)
+        if self.attachments is None:
+            return _json({"blob": blob, "holder": holder, "removed": False})
+        return _json(await self.attachments.detach(blob, holder))
 
 
 def _pin_args(req: dict[str, Any]) -> tuple[str, str]:

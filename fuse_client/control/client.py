@@ -22,6 +22,8 @@ from typing import Any
 from fuse_client.nodecache.errors import BlobIncomplete
 from layerstore.errors import LayerstoreError, NodeUnavailable, PermissionDenied, StoreUnavailable, from_wire
 
+from .errors import DataPathUnavailable
+
 SOCKET_NAME = "control.sock"
 
 
@@ -121,3 +123,17 @@ def unpin(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60
         from fuse_client.nodecache.maintenance import unpin_offline  # (imports trio: only offline)
 
         return unpin_offline(cache_dir, blob, holder)
+
+
+def attach(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60.0) -> dict[str, Any] | None:
+    """The blob's cache file made ready for a direct EROFS mount on the fanotify data path
+    (`{"path", "generation", ...}`: docs/fanotify.md), or None if the daemon serves FUSE only."""
+    try:
+        return request_json(cache_dir, "POST", "/attach", {"blob": blob, "holder": holder}, timeout=timeout)
+    except DataPathUnavailable:
+        return None
+
+
+def detach(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60.0) -> bool:
+    res = request_json(cache_dir, "POST", "/detach", {"blob": blob, "holder": holder}, timeout=timeout)
+    return bool(res.get("removed"))

@@ -174,7 +174,7 @@ async def test_the_openapi_document_describes_every_route(store: Store, tmp_path
     got = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
     assert got == {("GET", "/stats"), ("GET", "/metrics"), ("GET", "/cache"), ("POST", "/cache/verify"),
                    ("POST", "/cache/evict"), ("POST", "/cache/gc"), ("POST", "/prefetch"), ("POST", "/pin"),
-                   ("POST", "/unpin")}
+                   ("POST", "/unpin"), ("POST", "/attach"), ("POST", "/detach")}
     schema = doc["paths"]["/prefetch"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(schema["properties"]) == {"blob", "chunks", "ranges", "all", "wait"}
     assert schema["required"] == ["blob"]

@@ -1,0 +1,475 @@
+"""The fanotify front end on the node-cache library (docs/fanotify.md): attachments (a blob's data
+file marked, its metadata filled, for the shim to mount EROFS on it directly), the event thread,
+and the trio side of an event (fill through `LazyCache`, then answer).
+
+Threads: the event thread only reads events, answers the daemon's own accesses and accesses to
+present chunks (presence is read with `BlobEntry.missing`, under `_lock`, which `before_punch`
+takes too), journals the rest and hands them to the trio thread with `TrioToken.run_sync_soon`
+(no wait). Everything else (attachments, marks, readers, the fill) lives on the trio thread.
+Every event is answered exactly once: allowed after its chunks are present, denied with EIO on
+any error; an event whose task is cancelled (shutdown) is left pending in the journal for the
+next daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from fuse_client.nodecache import BlobEntry, LazyCache, Reader
+from layerstore.errors import BadInput, LayerstoreError
+
+from . import abi, kernel
+from .journal import InflightJournal, Pending
+
+log = logging.getLogger("layerstore.fanotify")
+
+ATTACHED_NAME = "fanotify-attached.json"
+JOURNAL_NAME = "fanotify.inflight"
+READ_SIZE = 64 << 10
+TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
+
+
+@dataclass
+class FrontStats:
+    """The front end's counters (the library keeps fetched bytes, corrupt chunks, store errors)."""
+
+    events: int = 0
+    own_events: int = 0
+    fast_allowed: int = 0  # answered in the event thread: every chunk present
+    filled: int = 0  # answered after a fill on the trio thread
+    denied: int = 0
+    leftovers_answered: int = 0  # events a dead daemon had read, answered by this one
+    marks: int = 0
+    unmarks: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, int]:
+        return {"events": self.events, "own_events": self.own_events, "fast_allowed": self.fast_allowed,
+                "filled": self.filled, "denied": self.denied, "leftovers_answered": self.leftovers_answered,
+                "marks": self.marks, "unmarks": self.unmarks}
+
+
+@dataclass
+class Attached:
+    entry: BlobEntry
+    path: Path
+    key: tuple[int, int]  # (st_dev, st_ino) of the data file
+    holders: set[str]
+    reader: Reader
+    marked: bool = True
+
+
+def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
+    """blob -> holders, as the last daemon persisted them ({} if none or unreadable)."""
+    try:
+        data = json.loads((Path(cache_dir) / ATTACHED_NAME).read_text())
+        return {str(b): [str(h) for h in hs] for b, hs in data.get("blobs", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+class FanotifyFrontEnd:
+    """Made before the cache is opened (`premark`, `start`: the daemon's own accesses during
+    recovery are answered from then on; other events wait), then `bind` to the library, `restore`
+    the attachments, `answer_leftovers`, `release`: events are served from then on."""
+
+    def __init__(self, cache_dir: Path, *, data_file: Callable[[str], Path],
+                 acquire: Callable[[], tuple[int, str, bool]]) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.data_file = data_file  # blob -> its data file's path (`BlobFiles.path`)
+        self.acquire = acquire  # -> (group fd, group id, created): `group.acquire`, blocking
+        # The group is taken at start when a holder keeps one (a restart), else made on the
+        # first attach: a daemon that never attaches starts no holder.
+        self.group: int | None = None
+        self.group_id = ""
+        self._group_lock = trio.Lock()
+        self.lazy: LazyCache | None = None
+        self.nursery: trio.Nursery | None = None
+        self.journal = InflightJournal(self.cache_dir / JOURNAL_NAME)
+        self.stats = FrontStats()
+        self.attached: dict[str, Attached] = {}
+        self._by_key: dict[tuple[int, int], Attached] = {}  # read by the event thread (dict get: atomic)
+        self._lock = threading.Lock()  # presence check + answer in the event thread vs before_punch
+        self._pid = os.getpid()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._stopping = False
+        self._tasks = 0
+        self._idle = trio.Event()
+        self._touches: list[tuple[BlobEntry, int, int]] = []
+        # Until `release`: events of others are journalled and held here, not dispatched.
+        self._held: list[tuple[int, int, int, int, int]] | None = []
+        self._leftovers: list[Pending] = []
+        self._reserved: list[int] = []
+
+    @property
+    def generation(self) -> str:
+        return f"fanotify:{self.group_id}" if self.group_id else ""
+
+    def open_group(self, fd: int, group_id: str, created: bool) -> None:
+        """Use this group from now on: a new one (the journal is void: its events were on a group
+        that is gone), or one taken over from the holder (what the journal holds is pending)."""
+        self.group, self.group_id = fd, group_id
+        if created:
+            self.journal.reset()
+        else:
+            self._leftovers = self.journal.pending()
+            self._reserve_leftover_numbers()
+
+    def _reserve_leftover_numbers(self) -> None:
+        """Occupy the fd numbers of the previous daemon's unanswered events (those free here), so
+        no new event gets one of them before they are answered (an answer is matched by number)."""
+        if not self._leftovers:
+            return
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for p in self._leftovers:
+                try:
+                    os.fstat(p.fd)
+                except OSError:
+                    os.dup2(null, p.fd, inheritable=False)
+                    self._reserved.append(p.fd)
+        finally:
+            os.close(null)
+
+    def bind(self, lazy: LazyCache, nursery: trio.Nursery) -> None:
+        self.lazy = lazy
+        self.nursery = nursery
+        lazy.cache.before_punch = self.before_punch
+
+    async def release(self) -> None:
+        """Answer the leftovers, free their numbers, serve the held events; from now on events
+        go straight to the trio thread."""
+        await self.answer_leftovers()
+        for fd in self._reserved:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._reserved = []
+        held, self._held = self._held, None
+        if held:
+            self._dispatch(held)
+
+    def stats_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.stats.to_json())
+        out["generation"] = self.generation
+        out["attached"] = {b: {"holders": sorted(a.holders), "marked": a.marked}
+                           for b, a in sorted(self.attached.items())}
+        return out
+
+    # -- marks ---------------------------------------------------------------------------------
+    def premark(self, blobs: list[str]) -> None:
+        """Before the cache is opened (recovery may punch): mark the data files of the blobs the
+        last daemon had attached (a file that is gone is skipped)."""
+        assert self.group is not None
+        for blob in blobs:
+            path = self.data_file(blob)
+            try:
+                kernel.mark(self.group, path)
+                self.stats.marks += 1
+            except OSError as e:
+                log.warning("blob %s: cannot mark %s again: %s", blob, path, e.strerror)
+
+    def before_punch(self, blob: str) -> None:
+        """`NodeCache.before_punch`: an attached blob's file is marked again before a hole is
+        punched in it; taking `_lock` waits for a presence check of the event thread in progress."""
+        with self._lock:
+            a = self.attached.get(blob)
+            if a is not None and not a.marked and self.group is not None:
+                try:
+                    kernel.mark(self.group, a.path)
+                    a.marked = True
+                    self.stats.marks += 1
+                except OSError as e:
+                    log.error("blob %s: cannot mark %s again before eviction: %s", blob, a.path, e.strerror)
+
+    def _unmark_if_complete(self, a: Attached) -> None:
+        if a.marked and self.group is not None and not a.entry.missing_bytes():
+            with self._lock:
+                try:
+                    kernel.unmark(self.group, a.path)
+                except OSError as e:
+                    log.warning("blob %s: cannot drop the mark of a complete file: %s", a.entry.blob, e.strerror)
+                    return
+                a.marked = False
+                self.stats.unmarks += 1
+            log.info("blob %s complete: mark dropped", a.entry.blob)
+
+    # -- attachments (the shim's seam) -----------------------------------------------------------
+    async def attach(self, blob: str, holder: str) -> dict[str, Any]:
+        """Mark the blob's data file, fill its metadata, persist the attachment; the shim then
+        mounts EROFS on `path`. Idempotent per holder."""
+        if not holder or len(holder) > 256:
+            raise BadInput("a holder is a non-empty string of at most 256 characters")
+        assert self.lazy is not None
+        if self.group is None:
+            async with self._group_lock:
+                if self.group is None:
+                    fd, group_id, created = await trio.to_thread.run_sync(self.acquire)
+                    self.open_group(fd, group_id, created)
+                    self.start()
+                    if self._leftovers:  # (a holder appeared meanwhile: a daemon we did not know of died)
+                        await self.release()
+        assert self.group is not None
+        a = self.attached.get(blob)
+        if a is None:
+            entry = await self.lazy.entry(blob)
+            path = Path(self.data_file(blob))
+            st = os.stat(path)
+            kernel.mark(self.group, path)
+            self.stats.marks += 1
+            a = self.attached.get(blob)  # (another attach of the same blob may have won meanwhile)
+            if a is None:
+                a = Attached(entry, path, (st.st_dev, st.st_ino), set(), self.lazy.open_reader(entry))
+                self.attached[blob] = a
+                self._by_key[a.key] = a
+        try:
+            await self.lazy.ensure_metadata(a.entry)
+        except BaseException:
+            if not a.holders:
+                self._forget(a)
+            raise
+        if holder not in a.holders:
+            a.holders.add(holder)
+            await self._persist()
+        return {"blob": blob, "holder": holder, "path": str(a.path), "generation": self.generation,
+                "data_path": "fanotify"}
+
+    async def detach(self, blob: str, holder: str) -> dict[str, Any]:
+        a = self.attached.get(blob)
+        removed = a is not None and holder in a.holders
+        if a is not None and removed:
+            a.holders.discard(holder)
+            if not a.holders:
+                self._forget(a)
+            await self._persist()
+        return {"blob": blob, "holder": holder, "removed": removed}
+
+    def _forget(self, a: Attached) -> None:
+        self.attached.pop(a.entry.blob, None)
+        self._by_key.pop(a.key, None)
+        a.reader.close()
+        if a.marked and self.group is not None:
+            with contextlib.suppress(OSError):
+                kernel.unmark(self.group, a.path)
+
+    async def _persist(self) -> None:
+        data = json.dumps({"blobs": {b: sorted(a.holders) for b, a in sorted(self.attached.items())}})
+        path = self.cache_dir / ATTACHED_NAME
+
+        def write() -> None:
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+
+        await trio.to_thread.run_sync(write)
+
+    async def restore(self, previous: dict[str, list[str]]) -> None:
+        """Take the attachments of the last daemon back (their files were marked by `premark`)."""
+        for blob, holders in previous.items():
+            try:
+                for h in holders:
+                    await self.attach(blob, h)
+            except (LayerstoreError, OSError) as e:
+                log.error("blob %s: cannot attach again after a restart (%s); its mounts may fail", blob, e)
+
+    # -- events ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._event_loop, name="fanotify-events", daemon=True)
+        self._thread.start()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop reading events; give the events in progress `grace` seconds to be answered (the
+        rest stay pending in the journal for the next daemon)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            await trio.to_thread.run_sync(self._thread.join)
+        if self._tasks:
+            self._idle = trio.Event()
+            with trio.move_on_after(grace):
+                await self._idle.wait()
+        self._flush_touches()
+
+    def close(self) -> None:
+        for a in list(self.attached.values()):
+            a.reader.close()
+        self.journal.close()
+        if self.group is not None:
+            os.close(self.group)
+            self.group = None
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _event_loop(self) -> None:
+        assert self.group is not None
+        poller = select.poll()
+        poller.register(self.group, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stopping:
+            try:
+                ready = poller.poll()
+            except InterruptedError:
+                continue
+            if self._stopping:
+                return
+            if not any(fd == self.group for fd, _ in ready):
+                continue
+            try:
+                buf = os.read(self.group, READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as e:
+                log.error("reading fanotify events: %s", e)
+                return
+            try:
+                events = abi.parse_events(buf)
+            except abi.ParseError as e:  # cannot answer what cannot be parsed: say so loudly
+                log.critical("unparseable fanotify events (%s): their readers wait for a restart", e)
+                continue
+            slow: list[tuple[int, int, int, int, int]] = []
+            for ev in events:
+                self._one_event(ev, slow)
+            if slow:
+                assert self._token is not None
+                try:
+                    self._token.run_sync_soon(self._dispatch_or_hold, slow)
+                except trio.RunFinishedError:
+                    return  # (journalled: the next daemon answers them)
+            if len(self._touches) >= TOUCH_FLUSH:
+                with contextlib.suppress(trio.RunFinishedError):
+                    assert self._token is not None
+                    self._token.run_sync_soon(self._flush_touches)
+
+    def _one_event(self, ev: abi.Event, slow: list[tuple[int, int, int, int, int]]) -> None:
+        st = self.stats
+        st.events += 1
+        if ev.fd < 0 or not ev.is_permission:
+            if ev.fd >= 0:
+                os.close(ev.fd)
+            if ev.mask & abi.FAN_Q_OVERFLOW:
+                log.error("fanotify queue overflow")
+            return
+        if ev.pid == self._pid:  # the daemon's own access (fetch writes, punches, the hit path)
+            st.own_events += 1
+            self._answer(ev.fd, allow=True)
+            os.close(ev.fd)
+            return
+        try:
+            fst = os.fstat(ev.fd)
+            key = (fst.st_dev, fst.st_ino)
+        except OSError:
+            key = (0, 0)
+        off, count = ev.offset or 0, ev.count or 0
+        with self._lock:
+            a = self._by_key.get(key)
+            if a is not None:
+                e = a.entry
+                span = abi.page_span(off, count, e.size)
+                if span is None:
+                    self._answer(ev.fd, allow=True)  # past the end: nothing to fill
+                    os.close(ev.fd)
+                    st.fast_allowed += 1
+                    return
+                first, last = e.cmap.index_at(span[0]), e.cmap.index_at(span[1] - 1) + 1
+                if not e.missing(range(first, last)):
+                    self._answer(ev.fd, allow=True)
+                    os.close(ev.fd)
+                    st.fast_allowed += 1
+                    self._touches.append((e, first, last))
+                    return
+        self.journal.record(ev.fd, key[0], key[1], off, count)
+        slow.append((ev.fd, key[0], key[1], off, count))
+
+    def _answer(self, fd: int, *, allow: bool, err: int = 0) -> None:
+        assert self.group is not None
+        try:
+            kernel.respond(self.group, fd, allow=allow, errno=err)
+        except OSError as e:
+            log.error("answering fanotify event fd %d: %s", fd, e)
+
+    def _flush_touches(self) -> None:
+        touches, self._touches = self._touches, []
+        now = self.lazy.cache.clock() if self.lazy is not None else 0.0
+        for e, first, last in touches:
+            e.touch(first, last, now)
+
+    def _dispatch_or_hold(self, slow: list[tuple[int, int, int, int, int]]) -> None:
+        if self._held is not None:
+            self._held.extend(slow)
+        else:
+            self._dispatch(slow)
+
+    def _dispatch(self, slow: list[tuple[int, int, int, int, int]]) -> None:
+        assert self.nursery is not None
+        for fd, dev, ino, off, count in slow:
+            self._tasks += 1
+            self.nursery.start_soon(self._handle, fd, (dev, ino), off, count, False)
+
+    async def _handle(self, fd: int, key: tuple[int, int], off: int, count: int, leftover: bool) -> None:
+        """Fill, then answer. Cancelled (shutdown): not answered, left in the journal."""
+        allow, err = False, errno.EIO
+        try:
+            a = self._by_key.get(key)
+            if a is None:
+                log.error("fanotify event on a file that is not attached (inode %d:%d): denied", *key)
+            else:
+                span = abi.page_span(off, count, a.entry.size)
+                if span is not None:
+                    await a.reader.read_missing(span[0], span[1] - span[0])
+                allow = True
+        except trio.Cancelled:
+            if not leftover:
+                self._done_task()
+            raise
+        except LayerstoreError as e:
+            log.error("fanotify fill of %d+%d failed: %s (denied: EIO)", off, count, e)
+        except Exception:
+            log.exception("fanotify fill of %d+%d (denied: EIO)", off, count)
+        if allow:
+            self.stats.filled += 1
+        else:
+            self.stats.denied += 1
+        self._answer(fd, allow=allow, err=err)
+        self.journal.clear(fd)
+        if not leftover:
+            os.close(fd)
+            self._done_task()
+        if allow:
+            a = self._by_key.get(key)
+            if a is not None:
+                self._unmark_if_complete(a)
+
+    def _done_task(self) -> None:
+        self._tasks -= 1
+        if self._tasks == 0:
+            self._idle.set()
+
+    async def answer_leftovers(self) -> int:
+        """The events a dead daemon read and did not answer: fill each and answer it by its fd
+        number, before any new event is answered (docs/fanotify.md). Returns how many."""
+        pending, self._leftovers = self._leftovers, []
+        if pending:
+            log.warning("answering %d fanotify event(s) left by the previous daemon", len(pending))
+            async with trio.open_nursery() as n:
+                for p in pending:
+                    n.start_soon(self._handle, p.fd, (p.dev, p.ino), p.offset, p.count, True)
+            self.stats.leftovers_answered += len(pending)
+        return len(pending)
