@@ -73,7 +73,7 @@ from ..paths import NodePaths
 from ..state import Sandbox, start_time
 from ..vm.config import GuestConfig, write_config
 from ..vm.kit import find_kit
-from ..vm.pmem import pmem_image
+from ..vm.pmem import pmem_image, sweep
 from ..vm.qemu import QemuVm, parse_mounts, qemu_binary, start_vm
 from ..vm.roots import root_image
 from ..vm.spec import MAX_PMEM, Drive, Pmem, Stream, VmSpec
@@ -156,8 +156,10 @@ class VmBackend:
         if len(sb.layers) > MAX_PMEM:
             raise ShimError(f"sandbox {sb.id}: {len(sb.layers)} layers; a VM takes at most {MAX_PMEM} pmem layers "
                             f"(use --layer-device blk)")
+        images = self.base / "pmem"
+        sweep(images)  # (temporaries of copies that died)
         return [(str(p), size) for p, size in
-                (pmem_image(self.base / "pmem", blob, src) for blob, src in zip(sb.layers, sources, strict=True))]
+                (pmem_image(images, blob, src) for blob, src in zip(sb.layers, sources, strict=True))]
 
     def write_guest_config(self, sb: Sandbox, command: Sequence[str] | None, extra_env: Sequence[str],
                            conf: Confinement, memory_mib: int) -> tuple[str, Path]:
