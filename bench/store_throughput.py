@@ -7,8 +7,16 @@ accessed directly in the same run (`ratio_http_to_direct`).
 A client is a separate process with its own `Store` (and so its own thread pool and, for S3, its
 own boto3 client), like separate sandbox nodes sharing one store. Each client stores distinct,
 mostly incompressible chunks with `put_chunks`, then reads every one back with `get_chunk`
-(decompress + blake3 verify included). Throughput is the bytes of payload moved by all clients
-divided by the wall time from the first client's start to the last client's end.
+(decompress + blake3 verify included), then reads them all again `--batch` chunks a call of the
+Backend's `load_many` (`get_batched`: the service's batched read over http, a `load` each on the
+other backends; each chunk verified as `get_chunk` does). Throughput is the bytes of payload moved
+by all clients divided by the wall time from the first client's start to the last client's end.
+Each read phase also counts the CPU time it cost per MiB (the clients' own, plus the service's
+processes' from the scheduler's accounting): on saturated cores that ratio is the throughput
+ratio, and it moves far less with other work on the machine than wall time does.
+`loopback_floor_cpu_ms_per_mib` is the CPU a bare TCP transfer of the same buffers costs on this
+host (no HTTP, no Python protocol code): `best_possible_over_loopback` is the ratio a service over
+loopback could reach at best against the direct local read.
 
 The Ceph cluster is started here through testkit.ceph_cluster (and stopped at the end), unless
 `--ceph-dir DIR` names one left running by `python testkit.ceph_cluster start DIR`.
@@ -36,9 +44,11 @@ import os
 import platform
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +61,8 @@ from testkit.ceph_cluster import CephCluster  # noqa: E402
 from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree  # noqa: E402
 from testkit.store_service import Service, make_tokens, start_service  # noqa: E402
 
-from layerstore.store import DEFAULT_WORKERS, Store  # noqa: E402
+from layerstore import chunkobj  # noqa: E402
+from layerstore.store import DEFAULT_WORKERS, MAX_OBJECT_SIZE, Store  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_OUT = ROOT / "bench" / "results" / "store_throughput.json"
@@ -65,7 +76,7 @@ def make_chunk(seed: int, size: int) -> bytes:
     return rnd + text
 
 
-def client(url: str, env: dict[str, str], index: int, nchunks: int, chunk_size: int, barrier: Any,
+def client(url: str, env: dict[str, str], index: int, nchunks: int, chunk_size: int, batch: int, barrier: Any,
            results: Any) -> None:
     os.environ.update(env)
     payloads = [make_chunk(index * 1_000_003 + i, chunk_size) for i in range(nchunks)]
@@ -78,26 +89,52 @@ def client(url: str, env: dict[str, str], index: int, nchunks: int, chunk_size: 
             stored += stats.stored_bytes
         t1 = time.time()
         barrier.wait()
-        t2 = time.time()
+        t2, c2 = time.time(), time.process_time()
         ok = True
         for payload, data in zip(payloads, store.pool.map(store.get_chunk, digests), strict=True):
             ok = ok and data == payload
-        t3 = time.time()
-    results.put({"client": index, "put": (t0, t1), "get": (t2, t3), "bytes": nchunks * chunk_size,
-                 "stored_bytes": stored, "ok": ok, "first": digests[0] if digests else None})
+        t3, c3 = time.time(), time.process_time()
+        barrier.wait()
+        # The same reads, `batch` chunks a call of the Backend's `load_many` (the service's batched
+        # read over http, a `load` each on the others), each chunk verified as `get_chunk` does.
+        batches = [digests[i : i + batch] for i in range(0, len(digests), batch)]
+        t4, c4 = time.time(), time.process_time()
+        for ds, datas in zip(batches, store.pool.map(lambda ds: read_batch(store, ds), batches), strict=True):
+            ok = ok and datas == payloads[digests.index(ds[0]) : digests.index(ds[0]) + len(ds)]
+        t5, c5 = time.time(), time.process_time()
+        barrier.wait()
+    results.put({"client": index, "put": (t0, t1), "get": (t2, t3), "get_batched": (t4, t5),
+                 "cpu": {"get": c3 - c2, "get_batched": c5 - c4},
+                 "bytes": nchunks * chunk_size, "stored_bytes": stored, "ok": ok,
+                 "first": digests[0] if digests else None})
 
 
-def run(url: str, env: dict[str, str], nclients: int, total_mib: int, chunk_size: int) -> dict[str, Any]:
+def read_batch(store: Store, digests: list[str]) -> list[bytes]:
+    out = []
+    for (_key, data), digest in zip(store.backend.load_many([store.chunk_key(d) for d in digests],
+                                                            max_size=MAX_OBJECT_SIZE["chunks"]), digests, strict=True):
+        if isinstance(data, Exception):
+            raise data
+        out.append(chunkobj.decode(data, digest))
+    return out
+
+
+def run(url: str, env: dict[str, str], nclients: int, total_mib: int, chunk_size: int, batch: int) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     with Store.open(url) as s:
         s.init()
     nchunks = max(1, total_mib * MiB // chunk_size // nclients)
-    barrier = ctx.Barrier(nclients)
+    barrier = ctx.Barrier(nclients + 1)  # and this process, to take the service's CPU time per phase
     results = ctx.Queue()
-    procs = [ctx.Process(target=client, args=(url, env, i, nchunks, chunk_size, barrier, results))
+    procs = [ctx.Process(target=client, args=(url, env, i, nchunks, chunk_size, batch, barrier, results))
              for i in range(nclients)]
     for p in procs:
         p.start()
+    service = SERVICES[url][0].proc.pid if url in SERVICES else None
+    marks = []
+    for _ in range(4):  # before the puts, the gets, the batched gets, after them
+        barrier.wait(1800)
+        marks.append(group_cpu(service) if service else 0.0)
     out = [results.get(timeout=1800) for _ in procs]
     for p in procs:
         p.join(60)
@@ -108,6 +145,7 @@ def run(url: str, env: dict[str, str], nclients: int, total_mib: int, chunk_size
     moved = sum(r["bytes"] for r in out)
     put_s = max(r["put"][1] for r in out) - min(r["put"][0] for r in out)
     get_s = max(r["get"][1] for r in out) - min(r["get"][0] for r in out)
+    batched_s = max(r["get_batched"][1] for r in out) - min(r["get_batched"][0] for r in out)
     return {
         "clients": nclients,
         "chunks": nchunks * nclients,
@@ -117,17 +155,71 @@ def run(url: str, env: dict[str, str], nclients: int, total_mib: int, chunk_size
         "get_seconds": round(get_s, 3),
         "put_mib_s": round(moved / MiB / put_s, 1),
         "get_mib_s": round(moved / MiB / get_s, 1),
+        "get_batched_mib_s": round(moved / MiB / batched_s, 1),
+        # CPU time (clients + the service, all cores) per MiB read: what the throughput is on
+        # saturated cores, less shaken by other work on the machine than wall time
+        "cpu_ms_per_mib": {what: round((sum(r["cpu"][what] for r in out) + service_s) * 1000 / (moved / MiB), 3)
+                           for what, service_s in (("get", marks[2] - marks[1]), ("get_batched", marks[3] - marks[2]))},
+        "service_cpu_ms_per_mib": {"get": round((marks[2] - marks[1]) * 1000 / (moved / MiB), 3),
+                                   "get_batched": round((marks[3] - marks[2]) * 1000 / (moved / MiB), 3)},
     }
+
+
+def group_cpu(pgid: int) -> float:
+    """CPU seconds of the live threads of process group `pgid` (the service and its workers), from
+    the scheduler's own accounting (`schedstat`, nanoseconds: the ticks of `stat` are too coarse
+    for a phase of a second)."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def loopback_floor(mib: int, chunk_size: int) -> float:
+    """CPU ms per MiB of moving `chunk_size` buffers over a loopback TCP connection with no
+    protocol at all (one thread `sendall`, another `recv_into` a reused buffer): what any service
+    on this host costs at least on top of reading the store directly, whatever its HTTP stack."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    data = random.Random(1).randbytes(chunk_size)
+    count = max(1, mib * MiB // chunk_size)
+    with listener, socket.create_connection(listener.getsockname()) as rx:
+        tx, _ = listener.accept()
+        with tx:
+            sender = threading.Thread(target=lambda: [tx.sendall(data) for _ in range(count)])
+            view = memoryview(bytearray(chunk_size))
+            c0 = time.process_time()
+            sender.start()
+            for _ in range(count):
+                got = 0
+                while got < chunk_size:
+                    got += rx.recv_into(view[got:], chunk_size - got)
+            sender.join()
+            return round((time.process_time() - c0) * 1000 / (count * chunk_size / MiB), 3)
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The first run with the median figures for put and get (each taken on its own), plus every
     run's figures: other work on a shared machine shows up as spread."""
     out = dict(runs[0])
-    for what in ("put", "get"):
+    for what in ("put", "get", "get_batched"):
         values = sorted(r[f"{what}_mib_s"] for r in runs)
         out[f"{what}_mib_s"] = values[len(values) // 2]
         out[f"{what}_mib_s_runs"] = [r[f"{what}_mib_s"] for r in runs]
+    out["cpu_ms_per_mib"] = dict(runs[0]["cpu_ms_per_mib"])
+    out.pop("service_cpu_ms_per_mib", None)
+    out["service_cpu_ms_per_mib_runs"] = [r["service_cpu_ms_per_mib"] for r in runs]
+    for what in ("get", "get_batched"):
+        values = sorted(r["cpu_ms_per_mib"][what] for r in runs)
+        out["cpu_ms_per_mib"][what] = values[len(values) // 2]
+        out.setdefault("cpu_ms_per_mib_runs", {})[what] = [r["cpu_ms_per_mib"][what] for r in runs]
     out.pop("put_seconds", None)
     out.pop("get_seconds", None)
     return out
@@ -179,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE", "quick"))
     ap.add_argument("--size-mib", type=int, help="payload per run, split among the clients")
     ap.add_argument("--chunk-kib", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8, help="chunks per load_many call in the batched get phase")
     ap.add_argument("--clients", default="1,8", help="comma-separated client counts")
     ap.add_argument("--backends", default="local,cephfs,s3,http,http-s3")
     ap.add_argument("--repeat", type=int, help="rounds over every point; medians are reported")
@@ -204,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(None)
     results: dict[str, dict[str, Any]] = {}
     daemon: dict[str, Any] | None = None
+    floors: list[float] = []
     try:
         if {"cephfs", "s3", "http-s3"} & set(backends):
             if args.ceph_dir:
@@ -221,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
             for backend in backends:
                 for n in clients:
                     url, env = location(backend, n, work, ceph)
-                    r = run(url, env, n, args.size_mib, chunk_size)
+                    r = run(url, env, n, args.size_mib, chunk_size, args.batch)
                     samples[backend, n].append(r)
                     cleanup(backend, url, work)
                     print(f"round {rnd + 1} {backend:7s} clients={n}: put {r['put_mib_s']:8.1f} MiB/s  "
-                          f"get {r['get_mib_s']:8.1f} MiB/s  (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+                          f"get {r['get_mib_s']:8.1f} MiB/s  batched {r['get_batched_mib_s']:8.1f} MiB/s  "
+                          f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+            floors.append(loopback_floor(args.size_mib, chunk_size))
         for (backend, n), runs in samples.items():
             results.setdefault(backend, {})[str(n)] = median_run(runs)
         if args.daemon_mib and ceph is not None and {"s3", "http-s3"} <= set(backends) and os.geteuid() == 0:
@@ -244,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ratios[backend] = {
                 n: {"put": round(r["put_mib_s"] / results["local"][n]["put_mib_s"], 3),
-                    "get": round(r["get_mib_s"] / results["local"][n]["get_mib_s"], 3)}
+                    "get": round(r["get_mib_s"] / results["local"][n]["get_mib_s"], 3),
+                    "get_batched": round(r["get_batched_mib_s"] / results["local"][n]["get_batched_mib_s"], 3)}
                 for n, r in per.items() if n in results["local"]
             }
     via_http: dict[str, Any] = {}
@@ -252,20 +349,32 @@ def main(argv: list[str] | None = None) -> int:
         if http in results and direct in results:
             via_http[f"{http}/{direct}"] = {
                 n: {"put": round(r["put_mib_s"] / results[direct][n]["put_mib_s"], 3),
-                    "get": round(r["get_mib_s"] / results[direct][n]["get_mib_s"], 3)}
+                    "get": round(r["get_mib_s"] / results[direct][n]["get_mib_s"], 3),
+                    "get_batched": round(r["get_batched_mib_s"] / results[direct][n]["get_batched_mib_s"], 3),
+                    "cpu_get": round(results[direct][n]["cpu_ms_per_mib"]["get"] / r["cpu_ms_per_mib"]["get"], 3),
+                    "cpu_get_batched": round(results[direct][n]["cpu_ms_per_mib"]["get_batched"]
+                                             / r["cpu_ms_per_mib"]["get_batched"], 3)}
                 for n, r in results[http].items() if n in results[direct]}
+    floor = sorted(floors)[len(floors) // 2] if floors else None
+    if floor and "local" in results:
+        # the best any service could do over loopback TCP on this host: direct CPU plus the floor
+        via_http["best_possible_over_loopback"] = {
+            n: round(r["cpu_ms_per_mib"]["get"] / (r["cpu_ms_per_mib"]["get"] + floor), 3)
+            for n, r in results["local"].items()}
     doc = {
         "benchmark": "store_throughput",
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git": git_commit(),
         "machine": {**machine, "loadavg_at_end": os.getloadavg()[0]},
         "params": {"size": args.size, "size_mib_per_run": args.size_mib, "chunk_kib": args.chunk_kib,
+                   "batch": args.batch,
                    "clients": clients, "repeat": args.repeat,
                    "store_workers_per_client": DEFAULT_WORKERS,
                    "data": "7/8 random bytes + 1/8 repeated text per chunk, distinct chunks per client"},
         "results_mib_s": results,
         "ratio_to_local": ratios,
         "ratio_http_to_direct": via_http,
+        "loopback_floor_cpu_ms_per_mib": {"median": floor, "runs": floors},
         "daemon_cold_read": daemon,
         "notes": [
             "local: PosixBackend on the machine's disk with fsync; gets are served from the page cache",

@@ -40,6 +40,7 @@ from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
 from .auth import Principal, TokenTable
+from .batch import BatchResponse
 from .cached_reads import CachedReader
 from .checks import check_body, check_key, limit_for
 from .fastpath import ObjectFastPath
@@ -365,6 +366,52 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             if not who.may_delete(k):
                 raise PermissionDenied(f"token {who.id} may not delete {k}")
         return {"removed": await run(backend.delete_many, keys)}
+
+    @app.post(wire.BATCH, response_class=BatchResponse, status_code=200,
+              responses={200: {"content": {wire.BATCH_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+                  "type": "object", "required": ["keys"], "properties": {"keys": {
+                      "type": "array", "maxItems": wire.MAX_BATCH_KEYS, "items": {"type": "string"}}}}}}}})
+    async def batch_read(request: Request, who: Who) -> BatchResponse:
+        """Read several content-addressed objects (chunks, chunk maps, manifests) in one request:
+        {"keys": [...]} (at most 64, distinct) -> one frame per key, in order: a line
+        "<status> <length> <key>" and that many bytes, the object or the error a GET of it would
+        answer. The whole request is refused (4xx) before any item is read if a key is malformed,
+        not content-addressed or repeated, or the token may not read."""
+        raw = await read_body(request, wire.MAX_BATCH_BODY)
+        try:
+            keys = json.loads(raw)["keys"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise BadInput('want {"keys": ["key", ...]}') from None
+        if len(keys) > wire.MAX_BATCH_KEYS:
+            raise wire.TooLarge(f"at most {wire.MAX_BATCH_KEYS} keys a batch")
+        if len(set(keys)) != len(keys):
+            raise BadInput("a batch names each key once")
+        for k in keys:
+            check_key(k)
+            if wire.kind_of(k) not in wire.CONTENT_KINDS:
+                raise BadKey(f"a batch reads content-addressed objects only (chunks, blobs, manifests), not {k!r}")
+            readable(who, k)
+        return BatchResponse(keys, batch_item, quick_item if cached is not None else None)
+
+    def quick_item(key: str) -> tuple[int, bytes | memoryview] | None:
+        hit = cached.read(key, limit_for(key)) if cached is not None else None
+        return (200, hit[2]) if hit is not None and hit[2] is not None else None
+
+    async def batch_item(key: str) -> tuple[int, bytes | memoryview]:
+        """One item of a batch: the object, or the error answer a GET of it would get."""
+        limit = limit_for(key)
+        try:
+            if cached is not None:
+                hit = cached.read(key, limit)
+                if hit is not None and hit[2] is not None:
+                    return 200, hit[2]
+            return 200, await on_object(key, lambda: backend.load(key, max_size=limit))
+        except Exception as e:  # every failure is the item's answer
+            err = edge_error(e)
+            return err.status_code, bytes(err.body)
 
     # -- the store itself ----------------------------------------------------------------------
     @app.get(wire.STORE)

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote as urlquote
@@ -42,6 +42,7 @@ T = TypeVar("T")
 DEFAULT_POOL = 32
 DEFAULT_ATTEMPTS = 5
 DELETE_BATCH = 1000
+READ_BATCH = 16  # keys a batched read asks for at a time (the service takes up to wire.MAX_BATCH_KEYS)
 MAX_ERROR_BODY = 64 << 10
 MAX_LIST_LINE = 8 << 10
 
@@ -80,6 +81,7 @@ class HttpBackend(Backend):
         self._client: httpx.Client | None = None
         self._core: httpcore.ConnectionPool | None = None
         self._lock = threading.Lock()
+        self.batched = True  # False once the service turned out to have no batched read
 
     # -- the client ----------------------------------------------------------------------
     @property
@@ -211,6 +213,86 @@ class HttpBackend(Backend):
             return _read_body(resp, key, offset, size, max_size, ranged=bool(headers))
 
         return self._call(what, once)
+
+    def load_many(self, keys: Sequence[str], *, max_size: int | None = None
+                  ) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+        """Content-addressed objects `READ_BATCH` at a time in one request each (`POST /v1/batch`,
+        docs/service.md), any other key with `load`. Every object comes back as a single GET
+        would bring it (`max_size` checked before its body is read; its content is the caller's
+        to check against its key); an item the service could not read for a moment (5xx, 429)
+        and a service without batched reads fall back to `load`, with its retries."""
+        for start in range(0, len(keys), READ_BATCH):
+            window = list(keys[start : start + READ_BATCH])
+            batch = [k for k in dict.fromkeys(window) if wire.kind_of(validate(k)) in wire.CONTENT_KINDS]
+            results = self._batch(batch, max_size) if len(batch) > 1 and self.batched else {}
+            for key in window:
+                if key not in results:
+                    try:
+                        results[key] = self.load(key, max_size=max_size)
+                    except LayerstoreError as e:
+                        results[key] = e
+                yield key, results[key]
+
+    def _batch(self, keys: list[str], max_size: int | None) -> dict[str, bytes | LayerstoreError]:
+        """The answers of one batched read of `keys` (distinct, content-addressed); keys left out
+        are for `load` (a temporary failure of that item, or no batched read at this service). A
+        broken answer is asked again for the keys it did not bring, under the retry policy."""
+        results: dict[str, bytes | LayerstoreError] = {}
+        single: set[str] = set()
+        sched = self.policy.schedule(time.monotonic())
+        core = self.core
+        while rest := [k for k in keys if k not in results and k not in single]:
+            body = wire.batch_request(rest)
+            try:
+                if core is not None:
+                    with core.stream("POST", self.base + wire.BATCH, content=body, extensions=self._core_ext,
+                                     headers=[*self._core_headers, (b"Content-Type", b"application/json"),
+                                              (b"Content-Length", b"%d" % len(body))]) as raw:
+                        self._frames(CoreAnswer(raw), rest, max_size, results, single)
+                else:
+                    with self.client.stream("POST", wire.BATCH, content=body,
+                                            headers={"Content-Type": "application/json"}) as resp:
+                        self._frames(resp, rest, max_size, results, single)
+            except NoBatch:
+                self.batched = False
+                return results
+            except Exception as e:
+                if not self.is_temp_failure(e):
+                    if not isinstance(e, LayerstoreError):
+                        raise
+                    results.update((k, e) for k in rest if k not in results and k not in single)
+                    return results
+                delay = sched.next_delay(time.monotonic())
+                if delay is None:
+                    return results  # what is left goes to `load`, which has its own retries
+                time.sleep(delay)
+        return results
+
+    def _frames(self, resp: Any, rest: list[str], max_size: int | None, results: dict[str, bytes | LayerstoreError],
+                single: set[str]) -> None:
+        if resp.status_code in (404, 405):  # the route, not an object: the service predates batches
+            raise NoBatch
+        self._raise_for(resp, "batched read")
+        if resp.headers.get("content-type", "").split(";")[0].strip() != wire.BATCH_TYPE:
+            raise StoreUnavailable(f"batched read: the store service answered {resp.headers.get('content-type')!r}")
+        frames = wire.BatchFrames(rest, max_size)
+        try:
+            for part in resp.iter_bytes():
+                for key, status, data in frames.feed(part):
+                    if status == 200:
+                        results[key] = data
+                        continue
+                    err = wire.error_of(status, data, f"object {key}")
+                    if self.is_temp_failure(err) or isinstance(err, wire.RangeNotSatisfiable):
+                        single.add(key)
+                    else:
+                        results[key] = err
+        except CorruptObject as e:  # an object larger than `max_size`: that key's answer, and a new request
+            results[rest[frames.next]] = e
+            return
+        frames.check_done()
+        if frames.next < len(rest):
+            raise StoreUnavailable(f"batched read: {frames.next} of {len(rest)} objects, then the answer ended")
 
     def _put(self, key: str, data: bytes | memoryview, headers: dict[str, str]) -> bool:
         """PUT; False when the server says the condition does not hold (412)."""
@@ -367,6 +449,10 @@ class CoreAnswer:
         for part in self.raw.iter_stream():
             if part:
                 yield part
+
+
+class NoBatch(Exception):
+    """The service has no batched read (an older one): objects are read one a request."""
 
 
 CORE_TEMPORARY = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.RemoteProtocolError)

@@ -28,6 +28,11 @@ API = "/v1"
 OBJECTS = API + "/objects/"
 LIST = API + "/list"
 DELETE_MANY = API + "/delete"
+BATCH = API + "/batch"
+BATCH_TYPE = "application/vnd.layerstore.batch.v1"
+MAX_BATCH_KEYS = 64  # keys one batched read may name
+MAX_BATCH_BODY = 64 << 10  # its request body (JSON)
+MAX_FRAME_HEAD = 512  # "<status> <length> <key>\n"
 STORE = API + "/store"
 TOKEN_ENV = "LAYERSTORE_TOKEN"
 CREDENTIALS_ENV = "LAYERSTORE_CREDENTIALS"
@@ -35,6 +40,7 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 MUTABLE = "no-cache"
 MUTABLE_KINDS = ("tags", "leases", "gc")
 CONTENT_KINDS = keys.KINDS  # chunks, blobs, manifests: the key names the content's digest
+BATCH_STATUSES = (200, 400, 401, 403, 404, 408, 413, 422, 429, 500, 502, 503, 504)
 
 
 class Unauthenticated(PermissionDenied):
@@ -175,3 +181,99 @@ def error_of(status: int, body: bytes, what: str) -> LayerstoreError:
     if 400 <= status < 500:
         return BadInput(detail)
     return LayerstoreError(detail)
+
+
+# -- batched reads (POST /v1/batch) ------------------------------------------------------------
+# Request: {"keys": [key, ...]}: at most MAX_BATCH_KEYS distinct content-addressed keys.
+# Answer: 200 of BATCH_TYPE, one frame per key in the order asked, each a head line
+# "<status> <length> <key>\n" and <length> bytes: the object (status 200) or the error family's
+# JSON (any other status, as a single GET of that key would answer it).
+
+
+def batch_request(keys_: list[str]) -> bytes:
+    return json.dumps({"keys": keys_}, separators=(",", ":")).encode()
+
+
+def frame_head(status: int, length: int, key: str) -> bytes:
+    return b"%d %d %s\n" % (status, length, key.encode())
+
+
+class BatchFrames:
+    """The frames of a batch answer, fed the body as it arrives (pure: no I/O). Each frame's head
+    is checked before its body is taken: the key must be the next one asked for, the status one a
+    GET may answer, the length at most `max_size` (an object) or MAX_ERROR (an error body); a
+    frame for a key not asked for, out of order or twice, or a body that does not end where the
+    last frame does is a broken answer (`StoreUnavailable`). Objects come back as they are: their
+    content is checked against their key by the caller, exactly as after a single GET."""
+
+    MAX_ERROR = 64 << 10
+
+    def __init__(self, keys_: list[str], max_size: int | None) -> None:
+        self.expected = keys_
+        self.max_size = max_size
+        self.next = 0  # index in `expected` of the frame being read
+        self.head = bytearray()
+        self.status = 0
+        self.want = -1  # bytes of the current frame's body still to come; -1: reading a head
+        self.parts: list[bytes] = []
+
+    def feed(self, data: bytes) -> list[tuple[str, int, bytes]]:
+        """The frames `data` completes: (key, status, body)."""
+        out: list[tuple[str, int, bytes]] = []
+        view = memoryview(data)
+        while view:
+            if self.want < 0:
+                nl = bytes(view[: MAX_FRAME_HEAD + 1]).find(b"\n")
+                if nl < 0:
+                    self.head += view
+                    if len(self.head) > MAX_FRAME_HEAD:
+                        raise StoreUnavailable("batch answer: a frame head too long")
+                    return out
+                self.head += view[:nl]
+                view = view[nl + 1 :]
+                self._start()
+            else:
+                take = view[: self.want]
+                self.parts.append(bytes(take))
+                self.want -= len(take)
+                view = view[len(take) :]
+            if self.want == 0:
+                out.append(self._finish())
+        return out
+
+    def _start(self) -> None:
+        if len(self.head) > MAX_FRAME_HEAD:
+            raise StoreUnavailable("batch answer: a frame head too long")
+        if self.next >= len(self.expected):
+            raise StoreUnavailable("batch answer: more frames than keys asked for")
+        key = self.expected[self.next]
+        try:
+            status_s, length_s, got = bytes(self.head).decode("ascii").split(" ", 2)
+            if not (status_s.isdigit() and length_s.isdigit() and len(status_s) == 3 and len(length_s) <= 19):
+                raise ValueError
+            status, length = int(status_s), int(length_s)
+        except ValueError:
+            raise StoreUnavailable(f"batch answer: a malformed frame head {bytes(self.head[:100])!r}") from None
+        if got != key:
+            raise StoreUnavailable(f"batch answer: a frame for {got[:200]!r} where {key} was due")
+        if status not in BATCH_STATUSES:
+            raise StoreUnavailable(f"batch answer: status {status} for {key}")
+        if status == 200 and self.max_size is not None and length > self.max_size:
+            raise CorruptObject(f"object {key}: {length} bytes, more than such an object can have "
+                                f"({self.max_size})")
+        if status != 200 and length > self.MAX_ERROR:
+            raise StoreUnavailable(f"batch answer: an error of {length} bytes for {key}")
+        self.head.clear()
+        self.status, self.want = status, length
+
+    def _finish(self) -> tuple[str, int, bytes]:
+        key = self.expected[self.next]
+        body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        self.parts, self.want = [], -1
+        self.next += 1
+        return key, self.status, body
+
+    def check_done(self) -> None:
+        """At the end of the body: every frame was whole (a cut answer is a broken stream)."""
+        if self.want >= 0 or self.head:
+            raise StoreUnavailable("batch answer: cut in the middle of a frame (broken stream)")
