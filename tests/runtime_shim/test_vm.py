@@ -33,7 +33,7 @@ from runtime_shim.errors import ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 from runtime_shim.vm import hostmem
-from runtime_shim.vm.pmem import PMEM_ALIGN, image_path
+from runtime_shim.vm.pmem import PMEM_ALIGN, image_path, padded
 from runtime_shim.vm.qemu import qemu_argv
 
 pytestmark = [pytest.mark.root, needs_busybox, needs_vm]
@@ -313,12 +313,22 @@ def test_cold_node_laziness_commit_kill9_of_the_daemon_and_resume(tmp_path: Path
         # kill -9 of the node daemon, then recovery: the next VM reads through the new daemon
         kill9_daemon(shim)
         shim.recover()
-        # resume through the CLI, as a user would: `layerctl run --backend vm` on the same node
+        # resume through the CLI, as a user would: `layerctl run --backend vm` on the same node, on
+        # pmem layers: their images are copied through the new daemon, which fetches them whole
         check = "ls /data; cat /data/mine; ls -d /w/x; head -c 100000 /opt/big | wc -c; exit 4"
-        r = layerctl("run", "--backend", "vm", "--store", url, "--node-dir", str(shim.paths.root), "big:c1", "--",
-                     "/bin/sh", "-c", check, timeout=600, env={"LAYERSTORE_VM_ACCEL": "tcg"})
+        r = layerctl("run", "--backend", "vm", "--layer-device", "pmem", "--store", url, "--node-dir",
+                     str(shim.paths.root), "big:c1", "--", "/bin/sh", "-c", check, timeout=600,
+                     env={"LAYERSTORE_VM_ACCEL": "tcg"})
         assert (r.code, r.out.split()) == (4, ["mine", "mine", "/w/x", "100000"]), r.err
         assert shim.backends["vm"].leftovers() == [] and not shim.sandboxes()
+        r = layerctl("stats", "--cache", str(shim.paths.cache), "--json")
+        assert r.code == 0, r.err
+        st = r.json()["blobs"]
+        # a pmem layer is a complete one: the 8 MiB file no guest read was fetched for the copy (by
+        # the new daemon, whose figures these are: the old one had fetched under a quarter)
+        assert st[blobs[1]]["fetched_bytes"] > st[blobs[1]]["size"] // 2
+        images = shim.paths.root / "vm" / "pmem"
+        assert all(image_path(images, b).stat().st_size == padded(st[b]["size"]) for b in [*blobs, done.layer])
 
 
 def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
@@ -342,11 +352,11 @@ def test_backend_bookkeeping_without_a_boot(tmp_path: Path) -> None:
 
 def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
     """--layer-device: pmem on q35 (shared read-only, at its PCI slot), refused on microvm with
-    the reason; the pmem image is the blob checked against its digest and padded; the guest's
-    mounts report is parsed as hostile input."""
+    the reason; the pmem image is the blob (an EROFS image) padded with zeros; the guest's mounts
+    report is parsed as hostile input."""
     from layerstore.errors import ConfigError
     from runtime_shim.backends.microvm import MicrovmBackend
-    from runtime_shim.vm.pmem import padded, pmem_image, sweep
+    from runtime_shim.vm.pmem import pmem_image, sweep
     from runtime_shim.vm.qemu import parse_mounts
     from runtime_shim.vm.spec import Pmem, VmSpec, VmSpecError
 
@@ -358,8 +368,11 @@ def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         vm.use_layer_device("nvme")
     assert (vm.layer_device, micro.layer_device) == ("pmem", "blk")
+    from erofs_builder import format as fmt
+
     img = tmp_path / "l.img"
-    img.write_bytes(b"x" * 5000)
+    content = b"x" * fmt.SUPER_OFFSET + fmt.MAGIC.to_bytes(4, "little") + b"y" * 3972
+    img.write_bytes(content)
     q35 = VmSpec(kernel="/k", initrd=None, cmdline="c", machine="q35", pmem=(Pmem(str(img), 2 << 20),))
     argv = qemu_argv(q35)
     assert argv[argv.index("-m") + 1] == "256M,slots=1,maxmem=258M"
@@ -369,16 +382,18 @@ def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
         qemu_argv(VmSpec(kernel="/k", initrd=None, cmdline="c", machine="microvm", pmem=q35.pmem))
     with pytest.raises(VmSpecError, match="2 MiB"):
         VmSpec(kernel="/k", initrd=None, cmdline="c", machine="q35", pmem=(Pmem(str(img), 5000),)).check()
-    # the image: named by the digest, its bytes checked while copied, zeros after
+    # the image: named by the blob's id, its bytes the blob's, zeros after
     assert (padded(1), padded(2 << 20), padded((2 << 20) + 1)) == (2 << 20, 2 << 20, 4 << 20)
-    blob = digestmod.of(img.read_bytes())
+    blob = digestmod.of(content)
     d = tmp_path / "pmem"
     path, size = pmem_image(d, blob, img)
-    assert size == 2 << 20 and path.read_bytes() == b"x" * 5000 + bytes(size - 5000)
+    assert size == 2 << 20 and path.read_bytes() == content + bytes(size - len(content))
     assert pmem_image(d, blob, tmp_path / "gone") == (path, size)  # there already: no copy
     other = digestmod.of(b"other")
-    with pytest.raises(ShimError, match="other bytes"):
-        pmem_image(d, other, img)
+    (tmp_path / "junk").write_bytes(b"z" * 5000)
+    for source, why in ((tmp_path / "junk", "no EROFS image"), (tmp_path / "gone", "cannot make")):
+        with pytest.raises(ShimError, match=why):
+            pmem_image(d, other, source)
     assert not image_path(d, other).exists() and not list(d.glob(".*.tmp"))
     (d / f".{image_path(d, other).name}.abc.tmp").write_bytes(b"half")  # a copy that died
     assert [p.name.endswith(".tmp") for p in sweep(d)] == [True] and not list(d.glob(".*.tmp"))
