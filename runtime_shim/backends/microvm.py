@@ -31,6 +31,10 @@ pax tar on its stdout port; the host parses that with the project's hardened tar
 hard links, whiteouts, the opaque xattr). The guest, even one whose kernel a crafted image took
 over, can only make the commit hold other bytes or fail.
 
+Layers are always virtio-blk drives here: `--layer-device pmem` is refused (QEMU 7.2's microvm
+has no device-memory area, so the guest cannot map a virtio-pmem device; the full-VM backend
+does pmem: docs/vm-memory.md).
+
 What is not about the drives (the VMM's pid and start time, streams, the wait, signals, teardown,
 the commit's export VM) is the full-VM backend's (`backends.vm.VmBackend`), which this one
 extends; its VMM records live apart, in NODE/microvm/run/<id>.json.
