@@ -302,10 +302,9 @@ class ClusterBench(Bench):
                     proc.stdin.write("TEARDOWN\n")
                     proc.stdin.flush()
             for proc in procs:
-                stop_runner(proc)
+                stop_runner(proc)  # they tear down in parallel; each wait is for the slowest
         finally:
-            for proc in procs:
-                stop_runner(proc)
+            stop_all(procs)
             for g in groups:
                 g.remove()
         raws = []
@@ -358,6 +357,26 @@ class ClusterBench(Bench):
         out["per_node"] = per_node
         out["disk_split"] = disk_split(per_node, name)
         return out
+
+
+def stop_all(procs: list[subprocess.Popen[str]], grace: float = 60.0) -> None:
+    """Stop every runner at once (an interrupted burst: they may be mid-burst, not reading stdin):
+    SIGTERM to all (each tears down what it started), one shared grace period, then SIGKILL; what
+    is left in a node's namespace goes with the namespace."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(OSError):
+            assert p.stdin is not None
+            p.stdin.close()
+        with contextlib.suppress(ProcessLookupError):
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def disk_split(per_node: list[dict[str, Any]], contender: str) -> dict[str, int]:
