@@ -113,10 +113,16 @@ def markers_for(size: str) -> str:
     return f"nodes-{size}"
 
 
-def render(results_file: Path, docs: Path | None) -> str:
+def render(results_file: Path, docs: Path | None, more: tuple[Path, ...] = ()) -> str:
+    """The section of one results file, plus the shapes of `more` files of the same size (runs
+    made apart, e.g. the 250 Mbit/s shapes), each shape with its own load lines."""
     results = json.loads(results_file.read_text())
     results["output"] = str(results_file)
     md = markdown(results)
+    for extra in more:
+        r = json.loads(extra.read_text())
+        r["output"] = str(extra)
+        md += "\n" + markdown(r).split("\n", 1)[1]
     if docs is not None and docs.exists():
         update_docs(docs, md, markers_for(str(results.get("size"))))
     return md
@@ -124,10 +130,10 @@ def render(results_file: Path, docs: Path | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", type=Path)
+    ap.add_argument("results", type=Path, nargs="+", help="results files of one size (the first names it)")
     ap.add_argument("--docs", type=Path, default=None)
     a = ap.parse_args(argv)
-    sys.stdout.write(render(a.results, a.docs))
+    sys.stdout.write(render(a.results[0], a.docs, tuple(a.results[1:])))
     return 0
 
 
