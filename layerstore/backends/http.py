@@ -219,57 +219,83 @@ class HttpBackend(Backend):
         """Content-addressed objects `READ_BATCH` at a time in one request each (`POST /v1/batch`,
         docs/service.md), any other key with `load`. Every object comes back as a single GET
         would bring it (`max_size` checked before its body is read; its content is the caller's
-        to check against its key); an item the service could not read for a moment (5xx, 429)
-        and a service without batched reads fall back to `load`, with its retries."""
+        to check against its key), and is yielded as soon as it and those before it are in (the
+        caller works on one while the next arrives, and holds no more than it wants to); an item
+        the service could not read for a moment (5xx, 429) and a service without batched reads
+        fall back to `load`, with its retries."""
         for start in range(0, len(keys), READ_BATCH):
-            window = list(keys[start : start + READ_BATCH])
-            batch = [k for k in dict.fromkeys(window) if wire.kind_of(validate(k)) in wire.CONTENT_KINDS]
-            results = self._batch(batch, max_size) if len(batch) > 1 and self.batched else {}
-            for key in window:
-                if key not in results:
-                    try:
-                        results[key] = self.load(key, max_size=max_size)
-                    except LayerstoreError as e:
-                        results[key] = e
-                yield key, results[key]
+            yield from self._window([validate(k) for k in keys[start : start + READ_BATCH]], max_size)
 
-    def _batch(self, keys: list[str], max_size: int | None) -> dict[str, bytes | LayerstoreError]:
-        """The answers of one batched read of `keys` (distinct, content-addressed); keys left out
-        are for `load` (a temporary failure of that item, or no batched read at this service). A
-        broken answer is asked again for the keys it did not bring, under the retry policy."""
-        results: dict[str, bytes | LayerstoreError] = {}
+    def _window(self, window: list[str], max_size: int | None) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+        """`load_many` of at most READ_BATCH keys: the content keys in one batch, each key yielded
+        in its turn once its answer is in (at the end, by `load` if the batch did not bring it)."""
+        batch = [k for k in dict.fromkeys(window) if wire.kind_of(k) in wire.CONTENT_KINDS]
+        if len(batch) < 2 or not self.batched:
+            batch = []
+        last = {k: i for i, k in enumerate(window)}
+        got: dict[str, bytes | LayerstoreError] = {}
+        turn = 0
+
+        def due(final: bool) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+            nonlocal turn
+            while turn < len(window) and (final or window[turn] in got or window[turn] not in batch):
+                key = window[turn]
+                value = got.pop(key) if key in got else self._load_or_error(key, max_size)
+                if last[key] != turn:
+                    got[key] = value  # asked again later in the window
+                turn += 1
+                yield key, value
+
+        for key, value in self._batch(batch, max_size):
+            got[key] = value
+            yield from due(False)
+        yield from due(True)
+
+    def _load_or_error(self, key: str, max_size: int | None) -> bytes | LayerstoreError:
+        try:
+            return self.load(key, max_size=max_size)
+        except LayerstoreError as e:
+            return e
+
+    def _batch(self, keys: list[str], max_size: int | None) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+        """The answers of batched reads of `keys` (distinct, content-addressed), as they come;
+        keys left out are for `load` (a temporary failure of that item, or no batched read at
+        this service). A broken answer is asked again for the keys it did not bring, under the
+        retry policy."""
+        done: set[str] = set()
         single: set[str] = set()
         sched = self.policy.schedule(time.monotonic())
         core = self.core
-        while rest := [k for k in keys if k not in results and k not in single]:
+        while rest := [k for k in keys if k not in done and k not in single]:
             body = wire.batch_request(rest)
             try:
                 if core is not None:
                     with core.stream("POST", self.base + wire.BATCH, content=body, extensions=self._core_ext,
                                      headers=[*self._core_headers, (b"Content-Type", b"application/json"),
                                               (b"Content-Length", b"%d" % len(body))]) as raw:
-                        self._frames(CoreAnswer(raw), rest, max_size, results, single)
+                        yield from self._frames(CoreAnswer(raw), rest, max_size, done, single)
                 else:
                     with self.client.stream("POST", wire.BATCH, content=body,
                                             headers={"Content-Type": "application/json"}) as resp:
-                        self._frames(resp, rest, max_size, results, single)
+                        yield from self._frames(resp, rest, max_size, done, single)
             except NoBatch:
                 self.batched = False
-                return results
+                return
             except Exception as e:
                 if not self.is_temp_failure(e):
                     if not isinstance(e, LayerstoreError):
                         raise
-                    results.update((k, e) for k in rest if k not in results and k not in single)
-                    return results
+                    for k in rest:
+                        if k not in done and k not in single:
+                            yield k, e
+                    return
                 delay = sched.next_delay(time.monotonic())
                 if delay is None:
-                    return results  # what is left goes to `load`, which has its own retries
+                    return  # what is left goes to `load`, which has its own retries
                 time.sleep(delay)
-        return results
 
-    def _frames(self, resp: Any, rest: list[str], max_size: int | None, results: dict[str, bytes | LayerstoreError],
-                single: set[str]) -> None:
+    def _frames(self, resp: Any, rest: list[str], max_size: int | None, done: set[str],
+                single: set[str]) -> Iterator[tuple[str, bytes | LayerstoreError]]:
         if resp.status_code in (404, 405):  # the route, not an object: the service predates batches
             raise NoBatch
         self._raise_for(resp, "batched read")
@@ -279,16 +305,17 @@ class HttpBackend(Backend):
         try:
             for part in resp.iter_bytes():
                 for key, status, data in frames.feed(part):
-                    if status == 200:
-                        results[key] = data
-                        continue
-                    err = wire.error_of(status, data, f"object {key}")
-                    if self.is_temp_failure(err) or isinstance(err, wire.RangeNotSatisfiable):
-                        single.add(key)
-                    else:
-                        results[key] = err
+                    if status != 200:
+                        err = wire.error_of(status, data, f"object {key}")
+                        if self.is_temp_failure(err) or isinstance(err, wire.RangeNotSatisfiable):
+                            single.add(key)
+                            continue
+                    done.add(key)
+                    yield key, (data if status == 200 else err)
         except CorruptObject as e:  # an object larger than `max_size`: that key's answer, and a new request
-            results[rest[frames.next]] = e
+            key = rest[frames.next]
+            done.add(key)
+            yield key, e
             return
         frames.check_done()
         if frames.next < len(rest):

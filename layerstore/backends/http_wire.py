@@ -215,7 +215,7 @@ class BatchFrames:
         self.head = bytearray()
         self.status = 0
         self.want = -1  # bytes of the current frame's body still to come; -1: reading a head
-        self.parts: list[bytes] = []
+        self.parts: list[memoryview] = []  # views of the fed parts: the body is copied once, by the join
 
     def feed(self, data: bytes) -> list[tuple[str, int, bytes]]:
         """The frames `data` completes: (key, status, body)."""
@@ -234,7 +234,7 @@ class BatchFrames:
                 self._start()
             else:
                 take = view[: self.want]
-                self.parts.append(bytes(take))
+                self.parts.append(take)
                 self.want -= len(take)
                 view = view[len(take) :]
             if self.want == 0:
@@ -268,7 +268,9 @@ class BatchFrames:
 
     def _finish(self) -> tuple[str, int, bytes]:
         key = self.expected[self.next]
-        body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        whole = len(self.parts) == 1 and isinstance(self.parts[0].obj, bytes) and self.parts[0].nbytes == len(
+            self.parts[0].obj)
+        body = self.parts[0].obj if whole else b"".join(self.parts)
         self.parts, self.want = [], -1
         self.next += 1
         return key, self.status, body
