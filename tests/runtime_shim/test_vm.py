@@ -97,6 +97,11 @@ def env(blobs: tuple[Path, list[str]]):  # noqa: ANN201 - an EnvSpec
 
 BIG = 16 << 20
 CACHED = "awk '/^Cached:/ { print $2 }' /proc/meminfo"  # the guest's page cache, kB
+# the guest's root writes 64 KiB of random bytes at the end of its first pmem device (past the
+# EROFS image: the guest's own mount is unharmed); the host's image must not change
+WRITE_PMEM = ("if [ -e /sys/block/pmem0 ]; then mknod /dev/p b $(tr : ' ' < /sys/block/pmem0/dev) "
+              "&& head -c 65536 /dev/urandom > /r && dd if=/r of=/dev/p bs=4096 conv=fsync "
+              "seek=$(($(cat /sys/block/pmem0/size) / 8 - 16)) 2>/dev/null && echo wrote; rm -f /dev/p /r; fi")
 
 
 @pytest.mark.parametrize("device", ["blk", "pmem"])
@@ -106,7 +111,7 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
     script = ("echo out; echo err >&2; pwd; echo $FROM_ENV $EXTRA; ls /data; ls /etc/opt; "
               "rm /data/keep; ls /data; cat /data/keep 2>/dev/null || echo gone; "
               "ls /dev | grep -c '^vd\\|^pmem'; "
-              f"a=$({CACHED}); cat /big/plain > /dev/null; b=$({CACHED}); echo $((b - a)); exit 7")
+              f"a=$({CACHED}); cat /big/plain > /dev/null; b=$({CACHED}); echo $((b - a)); {WRITE_PMEM}; exit 7")
     out, err = io.BytesIO(), io.BytesIO()
     r_out, w_out = os.pipe()
     r_err, w_err = os.pipe()
@@ -131,6 +136,8 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
     err.write(got[r_err])
     assert res.exit_code == 7
     lines = out.getvalue().decode().splitlines()
+    if device == "pmem":
+        assert lines.pop() == "wrote"  # (the guest's root wrote to its pmem device: see below)
     grew_kib = int(lines.pop())  # the guest's page cache after reading /big/plain
     assert lines == [
         "out", "/data", "env-value x1",
@@ -155,7 +162,8 @@ def test_output_exit_code_env_workdir_and_deletions(vm_shim: Shim, blobs: tuple[
                                                                      ("/layers/1", "erofs", True)]
     assert sorted(m[0] for m in mounts) == ["/dev/pmem0", "/dev/pmem1"]  # (the init picks each by PCI slot)
     assert grew_kib < 2048  # read through DAX: the guest's page cache holds none of it
-    # each layer's pmem image: the blob, then zeros to a multiple of 2 MiB, named by its digest
+    # each layer's pmem image: the blob, then zeros to a multiple of 2 MiB, named by its digest;
+    # the guest's write to its device reached neither (read-only at the VMM)
     for name in blobs[1]:
         img = image_path(vm_shim.paths.root / "vm" / "pmem", name)
         data, blob = img.read_bytes(), (blobs[0] / name).read_bytes()
