@@ -66,16 +66,30 @@ class ClusterLink:
         self.netns = f"lsbl{self.tag}"
         self.host_if = f"lsbh{self.tag}"
         self.host_peer = f"lsbk{self.tag}"
-        o = subnet_octet(int(self.tag))
-        self.prefix = f"198.19.{o}"
-        self.store_addr = f"{self.prefix}.1"
-        self.host_addr = f"{self.prefix}.2"
+        self._set_subnet(subnet_octet(int(self.tag)))
         self.nodes: list[NodeNet] = []
         self.up = False
+
+    def _set_subnet(self, octet: int) -> None:
+        self.prefix = f"198.19.{octet}"
+        self.store_addr = f"{self.prefix}.1"
+        self.host_addr = f"{self.prefix}.2"
+
+    def _pick_free_subnet(self) -> None:
+        """Another run on this machine may hold our /24 on its host port: take the next free one."""
+        used = _ip("-4", "-o", "addr", "show", check=False).stdout
+        start = int(self.prefix.rsplit(".", 1)[1])
+        for k in range(250):
+            octet = (start - 1 + k) % 250 + 1
+            if f" 198.19.{octet}." not in used:
+                self._set_subnet(octet)
+                return
+        raise RuntimeError("no free /24 in 198.19.0.0/16 for the cluster link")
 
     # -- lifecycle -----------------------------------------------------------------------
     def setup(self) -> None:
         cleanup_stale(self.state_dir)
+        self._pick_free_subnet()
         self._record()
         try:
             _ip("netns", "add", self.netns)

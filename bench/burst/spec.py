@@ -134,6 +134,9 @@ def environment(name: str) -> Environment:
     return TINY if name == TINY.name else ENVIRONMENTS[name]
 
 
+MAX_NODES = 200  # node i is 198.19.<run>.(10 + i) on the cluster link
+
+
 @dataclass(frozen=True)
 class Shape:
     """One burst at cluster shape: `nodes` nodes with `per_node` sandboxes each, all reading one store
@@ -154,8 +157,8 @@ class Shape:
         for part in (t.strip() for t in text.split(",") if t.strip()):
             n, _, m = part.partition("x")
             nodes, each = int(n), int(m) if m else per_node
-            if nodes < 1 or each < 1:
-                raise ValueError(f"bad shape {part!r}: nodes and sandboxes per node must be >= 1")
+            if not (1 <= nodes <= MAX_NODES and each >= 1):
+                raise ValueError(f"bad shape {part!r}: 1-{MAX_NODES} nodes, >= 1 sandbox per node")
             out += [cls(nodes, each, r) for r in rates]
         return out
 
