@@ -131,7 +131,7 @@ class ClusterBench(Bench):
             self.layers = inputs.build_all(o.environments)
             self.results = self._header()
             self.results.update(benchmark="burst-nodes", size=no.size, sandboxes=None, rate_mbit=None,
-                                shapes={}, load_at_start=_uptime())
+                                shapes={}, load_at_start=_uptime(), notes=o.notes)  # kept if interrupted
             self.results["timings"] = {"inputs_s": round(time.monotonic() - t, 1)}
             self._up()
             self._setup_contenders()
