@@ -13,20 +13,21 @@ The guest gets, as virtio-blk drives in this order (the guest's init finds them 
                            host; a sandbox that is not kept has its upper in the guest's memory
     last         "config"  the workload (argv, env, workdir, user; `runtime_shim.vm.config`), 0600
 
-and nothing else: no network, no shared directory, no other host file.
-
-With `layer_device = "pmem"` (`layerctl run --layer-device pmem`) the layers are virtio-pmem
-devices instead (docs/vm-memory.md): each layer's pmem image (`runtime_shim.vm.pmem`: a complete,
-digest-checked copy of the blob padded to 2 MiB, NODE/vm/pmem/<hex>.img, one per node, fetched
-whole before the boot) mapped shared and read-only, layer i at PCI slot 0x10+i; the guest mounts
-each with DAX and stacks them with overlayfs as the microVM's guest does, so no root image is
-made (its files are chunk-based, and the 6.1 guest's EROFS does DAX for flat files only). The
-drives are then only "upper" and "config". Every VM of the node reads the layers' bytes from the
-same host page-cache pages, and its own page cache holds none of them. The guest kit's init
+and nothing else: no network, no shared directory, no other host file. The guest kit's init
 mounts the root as the one lower of an overlay under the upper and runs the command; stdout,
 stderr and the exit status come back on virtio-console ports (`runtime_shim.vm.qemu`). The shim
 mounts the layers on the node (their files are the drives) but composes no root there
 (`guest_root`).
+
+With `layer_device = "pmem"` (`layerctl run --layer-device pmem`) the layers are virtio-pmem
+devices instead (docs/vm-memory.md): each layer's pmem image (`runtime_shim.vm.pmem`: a complete
+copy of the blob from the node's layer source, padded to 2 MiB, NODE/vm/pmem/<hex>.img, one per
+node, fetched whole before the boot) mapped shared and read-only, layer i at PCI slot 0x10+i; the
+guest mounts each with DAX and stacks them with overlayfs as the microVM's guest does, so no root
+image is made (its files are chunk-based, and the 6.1 guest's EROFS does DAX for flat files
+only). The drives are then only "upper" and "config". Every VM of the node reads the layers'
+bytes from the same host page-cache pages, and its own page cache holds none of them; the guest
+reports its layer mounts (a "mounts" port) and `wait` checks that each has DAX on.
 
 Commit (`upper_source`): the upper drive is read after the VM stopped, never by the host kernel:
 a helper VM of the same kit (init mode "export") mounts it read-only and writes the upper as a
@@ -94,7 +95,6 @@ class VmBackend:
     name = "vm"
     machine = "q35"
     guest_root = True  # the runner mounts its sandboxes with Shim.mount(guest=...)
-    layer_devices = LAYER_DEVICES  # what `layer_device` may be on this backend
 
     def __init__(self, paths: NodePaths, layer_device: str = "blk") -> None:
         self.paths = paths
@@ -197,10 +197,6 @@ class VmBackend:
         if not isinstance(plan, dict):
             raise ShimError(f"sandbox {sandbox}: no prepared VM")
         return plan
-
-    def planned_device(self, sandbox: str) -> str:
-        """"pmem" or "blk": how the sandbox's prepared VM gets its layers."""
-        return str(self.plan(sandbox).get("layer_device", "blk"))
 
     def spec(self, sandbox: str) -> VmSpec:
         wd = self.workdir(sandbox)
@@ -325,11 +321,12 @@ class VmBackend:
         mounts = self.layer_mounts[execution.sandbox] = parse_mounts(bytes(vm.mounts))
         while len(self.layer_mounts) > KEPT_REPORTS:  # (a long-lived process: the latest ones)
             del self.layer_mounts[next(iter(self.layer_mounts))]
-        if code is not None and self.planned_device(execution.sandbox) == "pmem":
-            undax = [m[1] for m in mounts if not any(o.startswith("dax") for o in m[3])]
-            if undax or not mounts:
-                raise ShimError(f"sandbox {execution.sandbox}: pmem layers, but the guest reports "
-                                f"{', '.join(undax) or 'no layer mounts'} without DAX")
+        plan = self.plan(execution.sandbox) if code is not None else {}
+        if plan.get("layer_device") == "pmem":
+            dax = [m for m in mounts if any(o.startswith("dax") for o in m[3])]
+            if len(dax) != len(plan["pmem"]) or len(mounts) != len(dax):
+                raise ShimError(f"sandbox {execution.sandbox}: {len(plan['pmem'])} pmem layers, but the guest "
+                                f"reports {len(dax)} of {len(mounts)} layer mounts with DAX")
         if code is not None:
             return code
         sig = self.signalled.pop(execution.sandbox, None)

@@ -406,6 +406,24 @@ def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
     assert not image_path(d, other).exists() and not list(d.glob(".*.tmp"))
     (d / f".{image_path(d, other).name}.abc.tmp").write_bytes(b"half")  # a copy that died
     assert [p.name.endswith(".tmp") for p in sweep(d)] == [True] and not list(d.glob(".*.tmp"))
+    # the host's check of a pmem guest's report: every layer mounted, each with DAX
+    import json
+    import subprocess
+
+    from runtime_shim.backends.base import Execution
+    from runtime_shim.vm.qemu import QemuVm
+
+    vm.workdir("s").mkdir(parents=True)
+    (vm.workdir("s") / "vm.json").write_text(json.dumps({"layer_device": "pmem", "pmem": [["/a", 1], ["/b", 1]]}))
+    dax = b"/dev/pmem0 /layers/0 erofs ro,dax=always 0 0\n/dev/pmem1 /layers/1 erofs ro,dax=always 0 0\n"
+    for report, ok in ((dax, True), (dax.replace(b",dax=always", b"", 1), False), (dax[:46], False), (b"", False)):
+        proc = subprocess.Popen(["true"])
+        vm.running["s"] = QemuVm(proc, status=bytearray(b"exit 3\n"), mounts=bytearray(report))
+        if ok:
+            assert vm.wait(Execution("s", proc)) == 3
+        else:
+            with pytest.raises(ShimError, match="with DAX"):
+                vm.wait(Execution("s", proc))
     # what the guest says about its mounts: fields of printable ASCII, nothing else
     raw = (b"/dev/pmem0 /layers/0 erofs ro,dax=always 0 0\n\xff\xfe bad line\n \n"
            b"/dev/pmem1 /layers/1 erofs ro 0 0\n" + b"x" * 5000)
