@@ -103,6 +103,7 @@ class NodeCache:
         # Called with a blob on the trio thread before any hole is queued for its data file (a
         # front end that watches the files, fanotify, marks it again first: docs/fanotify.md).
         self.before_punch: Callable[[str], None] | None = None
+        self.map_files = True  # data files may be mapped (see `disable_mapping`)
 
     def close(self) -> None:
         for e in self.entries.values():
@@ -122,9 +123,17 @@ class NodeCache:
         if entry is not None:
             return entry
         entry = BlobEntry(cmap, self.files.open(cmap.blob, cmap.size))
+        entry.mappable = self.map_files
         self.entries[cmap.blob] = entry
         self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
         return entry
+
+    def disable_mapping(self) -> None:
+        """Serve every read with pread, never a mapping of the data files (a front end that
+        watches the files with fanotify needs this: `BlobEntry.mappable`). Before any read."""
+        self.map_files = False
+        for e in self.entries.values():
+            e.mappable = False
 
     # -- readers ---------------------------------------------------------------------------
     def pin(self, entry: BlobEntry, idxs: Iterable[int]) -> None:

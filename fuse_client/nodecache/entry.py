@@ -54,7 +54,7 @@ class BlobEntry:
 
     __slots__ = ("blob", "cmap", "fd", "present", "unverified", "last_use", "pins", "open_count", "metadata",
                  "is_meta", "use_dirty", "streams", "_positions", "view", "mapped",
-                 "_map", "_map_failed", "io_lock", "closed")
+                 "_map", "_map_failed", "io_lock", "closed", "mappable")
 
     def __init__(self, cmap: ChunkMap, fd: int) -> None:
         n = len(cmap.chunks)
@@ -81,6 +81,10 @@ class BlobEntry:
         # reused) descriptor.
         self.io_lock = threading.Lock()
         self.closed = False
+        # False: never mapped (`NodeCache.disable_mapping`): with a fanotify pre-content mark on
+        # the file, mmap(2) and page faults raise an event while CPython holds the GIL, and the
+        # daemon's own event thread could never answer it.
+        self.mappable = True
 
     @property
     def size(self) -> int:
@@ -146,7 +150,7 @@ class BlobEntry:
     def map(self) -> memoryview | None:
         """The read-only view of the whole data file, mapped on first use; None if it cannot be
         mapped (e.g. vm.max_map_count reached): then reads fall back to pread."""
-        if self.view is None and not self._map_failed and self.cmap.size:
+        if self.view is None and not self._map_failed and self.mappable and self.cmap.size:
             try:
                 self._map = mmap.mmap(self.fd, self.cmap.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             except (OSError, ValueError) as e:

@@ -152,6 +152,38 @@ class Reader:
         self.stats.served_bytes += len(data)
         return data
 
+    async def fill(self, off: int, size: int) -> None:
+        """`read_missing` without the read: make the range's chunks present (fetched in
+        parallel, single-flight, pinned meanwhile; readahead streams, counters and the trace kept
+        as for a read) for a front end whose reader reads the data file itself (fanotify)."""
+        e = self.entry
+        cmap = e.cmap
+        end = min(off + size, cmap.size)
+        if off >= end:
+            return
+        first = cmap.index_at(off)
+        last = cmap.index_at(end - 1) + 1
+        idxs = range(first, last)
+        if self.trace is not None:
+            self.trace.record(e.blob, len(e.present), first, last)
+        if not e.is_meta[first]:
+            w = e.streams.on_read(off, end, last, len(e.present), self.window, self.clock(),
+                                  cmap.chunks[first].length)
+            if w is not None:
+                self.fetcher.readahead(e, w[0], w[1])
+        missing = e.missing(idxs)
+        if missing:
+            self.cache.pin(e, idxs)
+            try:
+                await self.fetcher.ensure(e, idxs)
+            finally:
+                self.cache.unpin(e, idxs)
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+        e.touch(first, last, self.clock())
+        self.stats.served_bytes += end - off
+
     def read_error(self, off: int, end: int, err: OSError) -> CacheIOError:
         log.error("blob %s: reading the cache at %d+%d: %s", self.entry.blob, off, end - off, err)
         return CacheIOError(f"blob {self.entry.blob}: reading the cache at {off}+{end - off}: {err.strerror or err}")
