@@ -397,6 +397,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         return BatchResponse(keys, batch_item, quick_item if cached is not None else None)
 
     def quick_item(key: str) -> tuple[int, bytes | memoryview] | None:
+        """An item of a batch if the page cache of a local store holds it (read in the loop)."""
         hit = cached.read(key, limit_for(key)) if cached is not None else None
         return (200, hit[2]) if hit is not None and hit[2] is not None else None
 
@@ -404,10 +405,9 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         """One item of a batch: the object, or the error answer a GET of it would get."""
         limit = limit_for(key)
         try:
-            if cached is not None:
-                hit = cached.read(key, limit)
-                if hit is not None and hit[2] is not None:
-                    return 200, hit[2]
+            hit = quick_item(key)
+            if hit is not None:
+                return hit
             return 200, await on_object(key, lambda: backend.load(key, max_size=limit))
         except Exception as e:  # every failure is the item's answer
             err = edge_error(e)
