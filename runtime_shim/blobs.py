@@ -3,7 +3,10 @@
 In production every blob is the read-only file NODE/fuse/blobs/<digest> served lazily by the
 node daemon (`DaemonBlobs`); tests and tools can serve a directory of image files (`DirBlobs`).
 `generation` names the thing that serves the files: EROFS mounts made from one generation's files
-must be remounted when it changes (a restarted daemon is a new FUSE mount).
+must be remounted when it changes (a restarted daemon is a new FUSE mount). On the fanotify data
+path (docs/fanotify.md) a layer is mounted directly on the node cache's file (`attach`) and the
+generation is the fanotify group's (`fanotify:<id>`), which outlives daemon restarts: only a new
+group (every holder of the old one died) makes those mounts stale.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ class DirBlobs:
     def pins(self, prefix: str) -> list[tuple[str, str]]:
         return []
 
+    def attach(self, blob: str, holder: str) -> tuple[Path, str] | None:
+        return None  # (local files already)
+
+    def detach(self, blob: str, holder: str) -> None:
+        pass
+
 
 class DaemonBlobs:
     """Blob files served by the node daemon, which is started on first use and reused after."""
@@ -119,19 +128,41 @@ class DaemonBlobs:
             raise DaemonError(f"the node daemon serves store {rec.store}, not {self.store} "
                               f"(one store per node; stop it or use another --node-dir)")
         if rec is not None and self.supervisor.health(rec).healthy:
-            return _gen(rec.pid, rec.start_time)
+            return self._gen(rec.pid, rec.start_time)
         self.supervisor.stop(rec)  # a live process whose mount died is of no use
         rec = self.supervisor.start(self.store)
         with self.state.write() as t:
             t.put_daemon(rec)
-        return _gen(rec.pid, rec.start_time)
+        return self._gen(rec.pid, rec.start_time)
 
     def generation(self) -> str | None:
         with self.state.read() as t:
             rec = t.daemon()
         if rec is None or not self.supervisor.health(rec).healthy:
             return None
-        return _gen(rec.pid, rec.start_time)
+        return self._gen(rec.pid, rec.start_time)
+
+    def _gen(self, pid: int, start_time: int) -> str:
+        """The fanotify group's generation while a holder keeps one, else the daemon's."""
+        from fuse_client.fanotify.handover import holder_generation
+
+        return holder_generation(self.paths.cache) or _gen(pid, start_time)
+
+    def attach(self, blob: str, holder: str) -> tuple[Path, str] | None:
+        """(the blob's cache file, the group's generation) once the daemon marked it and filled
+        its metadata, for a direct EROFS mount on the fanotify data path; None when the daemon
+        serves FUSE only."""
+        from fuse_client import control
+
+        got = control.attach(self.paths.cache, blob, holder, timeout=None)
+        if got is None:
+            return None
+        return Path(got["path"]), str(got["generation"])
+
+    def detach(self, blob: str, holder: str) -> None:
+        from fuse_client import control
+
+        control.detach(self.paths.cache, blob, holder)
 
     def path(self, blob: str) -> Path:
         return self.paths.fuse / "blobs" / digestmod.parse(blob)

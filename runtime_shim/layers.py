@@ -19,6 +19,12 @@ A layer whose blob is complete in the node cache is mounted *directly* on the ca
 that survives the daemon (recovery does not redo it when the daemon restarts). The pin goes
 after the unmount, with the last reference; recovery unpins the shim's pins that no layer record
 holds (a crash between pin and record).
+
+A layer whose blob is only partly cached is, on the fanotify data path (docs/fanotify.md), mounted
+directly on the cache's sparse file too, *attached* (the daemon marked the file and filled its
+metadata first; it fills the rest on the kernel's pre-content events): generation `fanotify:<id>`,
+which survives daemon restarts. Detached after the unmount. Else it is mounted on the daemon's
+FUSE file.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from .paths import NodePaths
 from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
 
 DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
+ATTACHED_PREFIX = "fanotify:"  # the generation of a mount on a cache file filled on fanotify events
 CLAIMED = "claimed"
 PIN_PREFIX = "shim:"
 
@@ -70,7 +77,7 @@ class LayerMounts:
         mp = self.paths.layer_mount(blob)
         mp.mkdir(mode=0o755, exist_ok=True)
         detach(mp)
-        direct = self._mount_direct(blob, mp)
+        direct = self._mount_direct(blob, mp) or self._mount_attached(blob, mp)
         if direct is not None:
             return direct
         source = self.blobs.path(blob)
@@ -101,11 +108,34 @@ class LayerMounts:
             return None
         return LayerMount(blob, str(mp), str(local), 0, DIRECT, pin=holder)
 
+    def _mount_attached(self, blob: str, mp: Path) -> LayerMount | None:
+        attach = getattr(self.blobs, "attach", None)
+        if attach is None:
+            return None
+        holder = self.holder(blob)
+        try:
+            got = attach(blob, holder)
+        except LayerstoreError:  # (the FUSE file says why, if it fails too)
+            return None
+        if got is None:
+            return None
+        path, generation = got
+        try:
+            mount_layer(path, mp, "")  # buffered: the daemon's writes land in the file's page cache
+        except linux.MountError:
+            with contextlib.suppress(LayerstoreError):
+                self.blobs.detach(blob, holder)  # type: ignore[attr-defined]
+            return None
+        return LayerMount(blob, str(mp), str(path), 0, generation)
+
     def unmount(self, lm: LayerMount) -> None:
         """Unmount first, then drop the pin of a direct mount (never the other way round: the
-        cache may reuse an unpinned file)."""
+        cache may reuse an unpinned file), or the attachment of a fanotify one."""
         detach(lm.mountpoint)
         rmdir_quiet(lm.mountpoint)
+        if lm.generation.startswith(ATTACHED_PREFIX):
+            with contextlib.suppress(LayerstoreError, AttributeError):
+                self.blobs.detach(lm.blob, self.holder(lm.blob))  # type: ignore[attr-defined]
         if lm.pin:
             with contextlib.suppress(LayerstoreError):  # (left for recovery's reconciliation)
                 self.blobs.unpin(lm.blob, lm.pin)

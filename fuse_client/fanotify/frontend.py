@@ -20,7 +20,7 @@ import logging
 import os
 import select
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ log = logging.getLogger("layerstore.fanotify")
 
 ATTACHED_NAME = "fanotify-attached.json"
 JOURNAL_NAME = "fanotify.inflight"
-READ_SIZE = 64 << 10
+READ_SIZE = 4096  # up to 85 pre-content events per read(2): a short window before they are journalled
+RESERVE_MARGIN = 1024  # fd numbers reserved beyond the predecessor's highest event fd (unknown events)
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
 
 
@@ -51,6 +52,7 @@ class FrontStats:
     filled: int = 0  # answered after a fill on the trio thread
     denied: int = 0
     leftovers_answered: int = 0  # events a dead daemon had read, answered by this one
+    unknown_answered: int = 0  # ... read and not journalled (it died reading them): allowed after a full fill
     marks: int = 0
     unmarks: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -58,6 +60,7 @@ class FrontStats:
     def to_json(self) -> dict[str, int]:
         return {"events": self.events, "own_events": self.own_events, "fast_allowed": self.fast_allowed,
                 "filled": self.filled, "denied": self.denied, "leftovers_answered": self.leftovers_answered,
+                "unknown_answered": self.unknown_answered,
                 "marks": self.marks, "unmarks": self.unmarks}
 
 
@@ -69,6 +72,7 @@ class Attached:
     holders: set[str]
     reader: Reader
     marked: bool = True
+    meta_pinned: bool = False
 
 
 def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
@@ -114,6 +118,8 @@ class FanotifyFrontEnd:
         self._held: list[tuple[int, int, int, int, int]] | None = []
         self._leftovers: list[Pending] = []
         self._reserved: list[int] = []
+        self._unknown_batch = False  # the predecessor died while reading a batch of events
+        self._high = 0  # highest event fd number seen (ours, or the predecessor's)
 
     @property
     def generation(self) -> str:
@@ -125,25 +131,38 @@ class FanotifyFrontEnd:
         self.group, self.group_id = fd, group_id
         if created:
             self.journal.reset()
-        else:
-            self._leftovers = self.journal.pending()
-            self._reserve_leftover_numbers()
-
-    def _reserve_leftover_numbers(self) -> None:
-        """Occupy the fd numbers of the previous daemon's unanswered events (those free here), so
-        no new event gets one of them before they are answered (an answer is matched by number)."""
-        if not self._leftovers:
             return
+        self._leftovers = self.journal.pending()
+        self._unknown_batch, high = self.journal.header()
+        high = max([high, *(p.fd for p in self._leftovers)])
+        if self._unknown_batch:
+            self._reserve_numbers(range(3, high + RESERVE_MARGIN + 1))
+        else:
+            self._reserve_numbers([p.fd for p in self._leftovers])
+        self._high = high
+
+    def _reserve_numbers(self, numbers: Iterable[int]) -> None:
+        """Occupy the free fd numbers among `numbers` until the predecessor's unanswered events
+        (journalled, or unknown: then a range) are answered: an answer is matched by number, so
+        no event of ours may get one of theirs meanwhile."""
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            for p in self._leftovers:
+            for n in numbers:
                 try:
-                    os.fstat(p.fd)
+                    os.fstat(n)
                 except OSError:
-                    os.dup2(null, p.fd, inheritable=False)
-                    self._reserved.append(p.fd)
+                    os.dup2(null, n, inheritable=False)
+                    self._reserved.append(n)
         finally:
             os.close(null)
+        if self._reserved:
+            log.info("reserved %d fd number(s) of the previous daemon's events", len(self._reserved))
+
+    def _free_reserved(self) -> None:
+        for n in self._reserved:
+            with contextlib.suppress(OSError):
+                os.close(n)
+        self._reserved = []
 
     def bind(self, lazy: LazyCache, nursery: trio.Nursery) -> None:
         self.lazy = lazy
@@ -151,13 +170,11 @@ class FanotifyFrontEnd:
         lazy.cache.before_punch = self.before_punch
 
     async def release(self) -> None:
-        """Answer the leftovers, free their numbers, serve the held events; from now on events
-        go straight to the trio thread."""
-        await self.answer_leftovers()
-        for fd in self._reserved:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._reserved = []
+        """Answer the leftovers, serve the held events; from now on events go straight to the
+        trio thread. The reserved fd numbers are freed once nothing of the predecessor's can be
+        pending under them (they stay reserved if unknown events could not be answered)."""
+        if await self.answer_leftovers():
+            self._free_reserved()
         held, self._held = self._held, None
         if held:
             self._dispatch(held)
@@ -220,7 +237,7 @@ class FanotifyFrontEnd:
                     fd, group_id, created = await trio.to_thread.run_sync(self.acquire)
                     self.open_group(fd, group_id, created)
                     self.start()
-                    if self._leftovers:  # (a holder appeared meanwhile: a daemon we did not know of died)
+                    if self._leftovers or self._unknown_batch:  # (a holder appeared meanwhile)
                         await self.release()
         assert self.group is not None
         a = self.attached.get(blob)
@@ -237,6 +254,14 @@ class FanotifyFrontEnd:
                 self._by_key[a.key] = a
         try:
             await self.lazy.ensure_metadata(a.entry)
+            # EROFS reads its metadata through the backing file's page cache (read_mapping_folio),
+            # which raises no pre-content event: those chunks must be on disk for as long as the
+            # blob is mounted. Pinned (eviction skips them) and committed (a restart's recovery
+            # keeps them) before the shim may mount.
+            if not a.meta_pinned:
+                self.lazy.cache.pin(a.entry, a.entry.metadata)
+                a.meta_pinned = True
+            await self.lazy.cache.flush()
         except BaseException:
             if not a.holders:
                 self._forget(a)
@@ -261,6 +286,9 @@ class FanotifyFrontEnd:
         self.attached.pop(a.entry.blob, None)
         self._by_key.pop(a.key, None)
         a.reader.close()
+        if a.meta_pinned and self.lazy is not None:
+            self.lazy.cache.unpin(a.entry, a.entry.metadata)
+            a.meta_pinned = False
         if a.marked and self.group is not None:
             with contextlib.suppress(OSError):
                 kernel.unmark(self.group, a.path)
@@ -332,9 +360,11 @@ class FanotifyFrontEnd:
                 return
             if not any(fd == self.group for fd, _ in ready):
                 continue
+            self.journal.begin_batch(self._high)
             try:
                 buf = os.read(self.group, READ_SIZE)
             except (BlockingIOError, InterruptedError):
+                self.journal.end_batch(self._high)
                 continue
             except OSError as e:
                 log.error("reading fanotify events: %s", e)
@@ -347,6 +377,10 @@ class FanotifyFrontEnd:
             slow: list[tuple[int, int, int, int, int]] = []
             for ev in events:
                 self._one_event(ev, slow)
+            high = max((ev.fd for ev in events), default=0)
+            if high > self._high:
+                self._high = high
+            self.journal.end_batch(self._high)
             if slow:
                 assert self._token is not None
                 try:
@@ -433,7 +467,7 @@ class FanotifyFrontEnd:
             else:
                 span = abi.page_span(off, count, a.entry.size)
                 if span is not None:
-                    await a.reader.read_missing(span[0], span[1] - span[0])
+                    await a.reader.fill(span[0], span[1] - span[0])
                 allow = True
         except trio.Cancelled:
             if not leftover:
@@ -462,9 +496,12 @@ class FanotifyFrontEnd:
         if self._tasks == 0:
             self._idle.set()
 
-    async def answer_leftovers(self) -> int:
+    async def answer_leftovers(self) -> bool:
         """The events a dead daemon read and did not answer: fill each and answer it by its fd
-        number, before any new event is answered (docs/fanotify.md). Returns how many."""
+        number, before any new event is answered (docs/fanotify.md). If it died while reading a
+        batch, events may be pending that nobody knows of: every attached blob is filled
+        completely, then every reserved number is allowed (ENOENT where nothing is pending).
+        False if such unknown events could not be answered (a fill failed)."""
         pending, self._leftovers = self._leftovers, []
         if pending:
             log.warning("answering %d fanotify event(s) left by the previous daemon", len(pending))
@@ -472,4 +509,29 @@ class FanotifyFrontEnd:
                 for p in pending:
                     n.start_soon(self._handle, p.fd, (p.dev, p.ino), p.offset, p.count, True)
             self.stats.leftovers_answered += len(pending)
-        return len(pending)
+        if self._unknown_batch:
+            self._unknown_batch = False
+            return await self._answer_unknown({p.fd for p in pending})
+        return True
+
+    async def _answer_unknown(self, known: set[int]) -> bool:
+        assert self.lazy is not None and self.group is not None
+        log.warning("the previous daemon died reading events: filling %d attached blob(s) completely, then "
+                    "allowing its unknown events", len(self.attached))
+        for blob in list(self.attached):
+            try:
+                res = await self.lazy.prefetch(blob, all_chunks=True, wait=True)
+            except LayerstoreError as e:
+                log.error("blob %s: cannot fill it (%s): unknown events of the previous daemon stay pending", blob, e)
+                return False
+            if res.get("failed"):
+                log.error("blob %s: %s chunk(s) failed: unknown events of the previous daemon stay pending",
+                          blob, res["failed"])
+                return False
+        answered = 0
+        for n in self._reserved:
+            if n not in known and kernel.respond(self.group, n, allow=True):
+                answered += 1
+        self.stats.unknown_answered += answered
+        log.warning("allowed %d unknown event(s) of the previous daemon", answered)
+        return True

@@ -6,7 +6,8 @@ zeros) and answers `handover` requests on `CACHE/fanotify.sock`.
     python -m fuse_client.fanotify.holder CACHE_DIR GROUP_FD GROUP_ID
 
 It ignores SIGTERM, SIGINT and SIGHUP (a stray signal must not turn waiting reads into zeros);
-it exits on a `Q` request from root, or with SIGKILL.
+it exits on a `Q` request from root, with SIGKILL, or once the cache directory is gone (removed
+with everything in it: a node torn down, a test's temporary directory).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 from . import handover
+
+CHECK_INTERVAL = 2.0  # seconds between checks that the cache directory still exists
 
 
 def bind(cache_dir: Path) -> socket.socket:
@@ -47,8 +50,14 @@ def serve(cache_dir: Path, group: int, group_id: str) -> None:
     srv = bind(cache_dir)
     handover.write_identity(cache_dir, os.getpid(), group_id)
     me = json.dumps({"pid": os.getpid(), "group": group_id}).encode()
+    srv.settimeout(CHECK_INTERVAL)
     while True:
-        conn, _ = srv.accept()
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            if not cache_dir.is_dir():
+                break
+            continue
         with conn:
             conn.settimeout(5)
             try:

@@ -6,6 +6,10 @@ leaves nothing pending anyway). A restarted daemon fills and answers what its pr
 Slot i belongs to event fd number i: numbers are unique among the event fds one process holds
 open, and the daemon closes an event fd only after it answered the event and cleared its slot.
 An fd number beyond the journal is not journalled (logged once).
+
+Slot 0 (fd 0 is never an event's) is the header: `in_batch` is set before each `read(2)` of
+events and cleared once all its events are journalled (a daemon killed in between may have left
+events nobody knows of), `high` is the highest event fd number seen (what a successor reserves).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ log = logging.getLogger("layerstore.fanotify")
 SLOT = struct.Struct("<IiQQQQ")  # used, fd, dev, ino, offset, count
 SLOTS = 1 << 16
 USED = 0x464E4F54  # a recognisable marker ("TONF"): anything else is a free slot
+HEADER = 0x52444848  # slot 0
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,21 @@ class InflightJournal:
             os.close(fd)
         self._warned = False
 
+    def header(self) -> tuple[bool, int]:
+        """(a batch was being read, highest event fd number seen)."""
+        used, in_batch, high, _, _, _ = SLOT.unpack_from(self._map, 0)
+        if used != HEADER:
+            return False, 0
+        return bool(in_batch), high
+
+    def begin_batch(self, high: int) -> None:
+        SLOT.pack_into(self._map, 0, HEADER, 1, high, 0, 0, 0)
+
+    def end_batch(self, high: int) -> None:
+        SLOT.pack_into(self._map, 0, HEADER, 0, high, 0, 0, 0)
+
     def record(self, fd: int, dev: int, ino: int, offset: int, count: int) -> None:
-        if not 0 <= fd < self.slots:
+        if not 0 < fd < self.slots:
             if not self._warned:
                 self._warned = True
                 log.warning("event fd %d beyond the in-flight journal (%d slots): not journalled", fd, self.slots)
@@ -56,14 +74,14 @@ class InflightJournal:
         SLOT.pack_into(self._map, fd * SLOT.size, USED, fd, dev, ino, offset, count)
 
     def clear(self, fd: int) -> None:
-        if 0 <= fd < self.slots:
+        if 0 < fd < self.slots:
             SLOT.pack_into(self._map, fd * SLOT.size, 0, 0, 0, 0, 0, 0)
 
     def pending(self) -> list[Pending]:
         """The events recorded and not cleared (what a dead daemon left)."""
         out = []
         m = self._map
-        for off in range(0, self.slots * SLOT.size, SLOT.size):
+        for off in range(SLOT.size, self.slots * SLOT.size, SLOT.size):
             if m[off:off + 4] != b"\x54\x4f\x4e\x46":
                 continue
             used, fd, dev, ino, offset, count = SLOT.unpack_from(m, off)

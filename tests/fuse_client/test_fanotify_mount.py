@@ -1,0 +1,228 @@
+"""Real kernel, both data paths (FUSE: EROFS on the daemon's file; fanotify: EROFS on the node
+cache's sparse file, filled on pre-content events; docs/fanotify.md): every file equal, laziness,
+single-flight, a corrupt chunk and a store outage are EIO (never zeros), an evicted range is
+fetched again; on fanotify, kill -9 of the daemon while sandboxes read: reads wait and complete."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from testkit.erofs_helpers import assert_trees_equal, snapshot_tree
+from testkit.fanotify_helpers import (
+    DATA_PATHS,
+    mounted_layer,
+    needs_fanotify,
+    node_daemon,
+    read_uncached,
+    start_daemon,
+    stop_holder,
+)
+from testkit.fuse_helpers import CountingBackend, build_and_push, make_tree
+
+from erofs_builder.build import BuiltLayer
+from fuse_client.control import request_json
+from fuse_client.fanotify import handover
+from layerstore import keys
+from layerstore.store import Store
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "src", small=60, big=(3 << 20,))
+
+
+@pytest.fixture
+def layer(store: Store, src: Path, tmp_path: Path) -> BuiltLayer:
+    return build_and_push(store, src, tmp_path / "image.erofs")
+
+
+def _unique_bytes(layer: BuiltLayer) -> int:
+    return sum({r.digest: r.length for r in layer.refs}.values())
+
+
+def _files(src: Path) -> list[Path]:
+    return sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_lazy_then_every_file_equal(backend: CountingBackend, src: Path, layer: BuiltLayer, tmp_path: Path,
+                                    data_path: str) -> None:
+    meta = sum(r.length for r in layer.refs if r.metadata)
+    max_chunk = max(r.length for r in layer.refs if not r.metadata)
+    with node_daemon(backend.url, tmp_path, data_path) as ds, mounted_layer(ds[-1], layer.blob, data_path,
+                                                                            tmp_path) as mnt:
+        assert (mnt / "d1" / "small1.txt").read_bytes() == (src / "d1" / "small1.txt").read_bytes()
+        st = ds[-1].stats()
+        assert st["data_path"] == data_path
+        assert st["blobs"][layer.blob]["fetched_bytes"] <= meta + max_chunk  # metadata and one file
+        assert_trees_equal(snapshot_tree(src, root_meta=False), snapshot_tree(mnt, root_meta=False))
+        assert ds[-1].stats()["blobs"][layer.blob]["fetched_bytes"] <= _unique_bytes(layer)
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_single_flight_under_16_concurrent_readers(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                                    tmp_path: Path, data_path: str) -> None:
+    files = _files(src)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(16)
+    with node_daemon(backend.url, tmp_path, data_path) as ds, mounted_layer(ds[-1], layer.blob, data_path,
+                                                                            tmp_path) as mnt:
+        def reader(k: int) -> None:
+            try:
+                order = files[:]
+                random.Random(k).shuffle(order)
+                barrier.wait()
+                for rel in order:
+                    assert (mnt / rel).read_bytes() == (src / rel).read_bytes(), rel
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        # Each distinct chunk fetched once: a second fetch of any would add its length again.
+        assert ds[-1].stats()["blobs"][layer.blob]["fetched_bytes"] == _unique_bytes(layer)
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_a_corrupt_chunk_is_eio_never_served(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                             tmp_path: Path, data_path: str) -> None:
+    ref = next(r for r in layer.refs if not r.metadata and r.offset >= 1 << 20 and r.length > 8192)
+    obj = backend.inner.root / keys.object_key("chunks", ref.digest)  # type: ignore[attr-defined]
+    good = obj.read_bytes()
+    with node_daemon(backend.url, tmp_path, data_path) as ds, mounted_layer(ds[-1], layer.blob, data_path,
+                                                                            tmp_path) as mnt:
+        obj.chmod(0o644)
+        obj.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(OSError) as ei:
+            (mnt / "big0.bin").read_bytes()
+        assert ei.value.errno == errno.EIO
+        assert ds[-1].stats()["corrupt_chunks"] >= 1
+        obj.write_bytes(good)
+        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_a_store_outage_is_eio_then_reads_recover(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                                  tmp_path: Path, data_path: str) -> None:
+    root: Path = backend.inner.root  # type: ignore[attr-defined]
+    with node_daemon(backend.url, tmp_path, data_path, "--fetch-deadline", "1") as ds, \
+            mounted_layer(ds[-1], layer.blob, data_path, tmp_path) as mnt:
+        root.rename(root.with_name("away"))
+        try:
+            with pytest.raises(OSError) as ei:
+                (mnt / "big0.bin").read_bytes()
+            assert ei.value.errno == errno.EIO
+        finally:
+            root.with_name("away").rename(root)
+        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+
+
+@needs_fanotify
+def test_an_evicted_range_raises_events_again(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                              tmp_path: Path) -> None:
+    """Complete: the mark is dropped; evicted: marked again before the holes are punched, and
+    the same mount's next reads fill the holes (never zeros)."""
+    with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
+                                                                            tmp_path) as mnt:
+        d = ds[-1]
+        assert_trees_equal(snapshot_tree(src, root_meta=False), snapshot_tree(mnt, root_meta=False))
+        request_json(d.cache_dir, "POST", "/prefetch", {"blob": layer.blob, "all": True, "wait": True})
+        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()  # (a fill completes it)
+        fan = d.stats()["fanotify"]
+        assert fan["attached"][layer.blob]["marked"] is False and fan["unmarks"] >= 1
+        fetched = d.stats()["blobs"][layer.blob]["fetched_bytes"]
+        request_json(d.cache_dir, "POST", "/cache/evict", {"all": True})
+        assert d.stats()["fanotify"]["attached"][layer.blob]["marked"] is True
+        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+        st = d.stats()
+        assert st["blobs"][layer.blob]["fetched_bytes"] > fetched
+        assert st["fanotify"]["filled"] >= 1
+
+
+def _readers(mnt: Path, src: Path, files: list[Path], stop: threading.Event, errors: list[BaseException],
+             reads: list[int], n: int) -> list[threading.Thread]:
+    want = {rel: (src / rel).read_bytes() for rel in files}
+
+    def reader(k: int) -> None:
+        rng = random.Random(k)
+        try:
+            while not stop.is_set():
+                rel = rng.choice(files)
+                got = read_uncached(mnt / rel)
+                if got != want[rel]:
+                    raise AssertionError(f"wrong bytes in {rel} ({len(got)} vs {len(want[rel])})")
+                reads[k] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    return [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(n)]
+
+
+@needs_fanotify
+def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                                   tmp_path: Path) -> None:
+    """The group lives on in the holder: reads in the gap wait, the next daemon answers what the
+    dead one had read (its journal) and the rest; no read fails, none returns wrong bytes. Chunks
+    are evicted before each kill so that the readers keep needing fills."""
+    files = _files(src)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    reads = [0] * 16
+    with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
+                                                                            tmp_path) as mnt:
+        generation = handover.holder_generation(tmp_path / "cache")
+        threads = _readers(mnt, src, files, stop, errors, reads, 16)
+        for t in threads:
+            t.start()
+        try:
+            for _ in range(3):
+                request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
+                before = sum(reads)
+                while sum(reads) < before + 16 and not errors:
+                    threading.Event().wait(0.01)
+                ds[-1].kill9()
+                ds.append(start_daemon(backend.url, tmp_path / "cache", tmp_path / "mnt", "fanotify"))
+            before = sum(reads)
+            while sum(reads) < before + 32 and not errors:
+                threading.Event().wait(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors[:3]
+        assert handover.holder_generation(tmp_path / "cache") == generation  # the same group throughout
+        assert ds[-1].stats()["fanotify"]["attached"][layer.blob]["holders"] == ["test"]
+
+
+@needs_fanotify
+def test_holder_and_daemon_killed_new_group_new_generation_right_bytes(backend: CountingBackend, src: Path,
+                                                                       layer: BuiltLayer, tmp_path: Path) -> None:
+    """Every process holding the group killed: the next daemon makes a new group (a new
+    generation: the shim remounts those layers) and marks the attached files again before it
+    serves, so the old mount's holes are filled on events again, not read as zeros."""
+    with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
+                                                                            tmp_path) as mnt:
+        cache = tmp_path / "cache"
+        old = handover.holder_generation(cache)
+        ident = handover.read_identity(cache)
+        assert old and ident
+        ds[-1].kill9()
+        os.kill(ident[0], 9)
+        while handover.proc_start_time(ident[0]) is not None:
+            threading.Event().wait(0.01)
+        ds.append(start_daemon(backend.url, cache, tmp_path / "mnt", "fanotify"))
+        new = handover.holder_generation(cache)
+        assert new and new != old
+        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+    stop_holder(tmp_path / "cache")
