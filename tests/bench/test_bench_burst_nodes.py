@@ -11,6 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,18 @@ pytestmark = [
 ]
 
 
+@pytest.fixture
+def run_root() -> Iterator[Path]:
+    """The runs' live state, under a short path: the node daemon's control socket lives in the
+    node directory, and AF_UNIX paths are limited to 108 bytes (pytest's tmp_path is too deep)."""
+    root = Path(tempfile.mkdtemp(prefix="lsbt-", dir="/var/tmp"))
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-R", "-l", str(root)], capture_output=True)  # only if a run left one
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _leftovers(tag: str, run_root: Path) -> list[str]:
     left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
             if n.startswith((f"lsbl{tag}", f"lsbn{tag}x"))]
@@ -35,9 +50,8 @@ def _leftovers(tag: str, run_root: Path) -> list[str]:
     return left
 
 
-def test_burst_two_nodes_tiny(tmp_path: Path) -> None:
+def test_burst_two_nodes_tiny(tmp_path: Path, run_root: Path) -> None:
     out = tmp_path / "burst_nodes-tiny.json"
-    run_root = tmp_path / "run"
     env = {**os.environ, "LAYERSTORE_BENCH_CACHE": str(tmp_path / "cache"), "LAYERSTORE_BENCH_RUN_DIR": str(run_root)}
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "burst.py"), "--nodes", "2", "--per-node", "2",
                           "--size", "tiny", "--no-docs", "--output", str(out)],
@@ -77,10 +91,9 @@ def test_burst_two_nodes_tiny(tmp_path: Path) -> None:
     assert not any(run_root.glob("run-*"))
 
 
-def test_interrupted_burst_leaves_nothing(tmp_path: Path) -> None:
+def test_interrupted_burst_leaves_nothing(tmp_path: Path, run_root: Path) -> None:
     """Ctrl-C while the nodes' runners are up: the namespaces, veths, loop devices, mounts,
     cgroups and processes of the run are gone when it exits."""
-    run_root = tmp_path / "run"
     env = {**os.environ, "LAYERSTORE_BENCH_CACHE": str(tmp_path / "cache"), "LAYERSTORE_BENCH_RUN_DIR": str(run_root)}
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "burst.py"), "--nodes", "2", "--per-node", "1",
                           "--size", "tiny", "--no-docs", "--contenders", "lazy", "--output",
@@ -99,6 +112,10 @@ def test_interrupted_burst_leaves_nothing(tmp_path: Path) -> None:
         nodes = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                  if n.startswith(f"lsbn{tag}x")]
         assert len(nodes) == 2  # the run was really up
+        procs = [Path("/sys/fs/cgroup/memory") / f"lsburst-{tag}" / f"lazy-n{i}" / "cgroup.procs" for i in (0, 1)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(f.exists() and f.read_text().strip() for f in procs):
+            time.sleep(0.2)  # until both nodes' runners sit in their cgroups (their daemons starting)
         p.send_signal(signal.SIGINT)
         p.communicate(timeout=180)
     finally:
