@@ -34,6 +34,7 @@ from layerstore.store import PutStats, Store
 from .build import BuiltLayer, build_layer, push_layer
 from .compress import StoreSink
 from .tree import Data, Entry
+from .writer import PACK_TAILS
 
 Progress = Callable[[int], None]
 # (description, total bytes or None) -> a callable advancing that task by n bytes
@@ -232,14 +233,16 @@ def streams(source: Source, store: Store | None, push: bool) -> bool:
 
 def build_and_push(source: Source, *, store: Store | None = None, push: bool = True, output: Path | None = None,
                    parent: str | None = None, mtime_clamp: int | None = None, all_root: bool = False,
-                   progress: ProgressFactory | None = None, workdir: Path | None = None) -> list[LayerResult]:
+                   progress: ProgressFactory | None = None, workdir: Path | None = None,
+                   pack_tails: bool | int = PACK_TAILS) -> list[LayerResult]:
     """Build every layer of `source`, then write them to `output` (a file for a single-layer
     source, a directory of <blob-hex>.erofs files for an image) and push them to `store` (when
     given and `push`): chunks, then each layer's chunk map. Nothing is published unless every
     layer was built. `parent`: an earlier image of the same tree to build on (its `b3:` blob
     digest, or an image file whose chunk map is in `store`). `progress(description, total)`
     gives the callable to advance a task (reading a layer, pushing it). `workdir`: where the
-    images are built when there is no output (they are removed on return)."""
+    images are built when there is no output (they are removed on return). `pack_tails`: as for
+    `build_layer` (False: every file's data in whole blocks, which a DAX mount reads in place)."""
     if parent is not None and source.multi:
         raise ConfigError("--parent needs a single-layer source (a directory or a tar)")
     task = progress or _no_progress
@@ -252,8 +255,8 @@ def build_and_push(source: Source, *, store: Store | None = None, push: bool = T
             advance = task(f"{what}: reading", layer.size)
             entries = layer.entries(advance or _ignore)
             built.append(build_layer(entries, staging.path_for(i), mtime_clamp=mtime_clamp, all_root=all_root,
-                                     progress=None if layer.counts_input else advance, parent=par,
-                                     sink=StoreSink(store) if stream and store is not None else None))
+                                     pack_tails=pack_tails, progress=None if layer.counts_input else advance,
+                                     parent=par, sink=StoreSink(store) if stream and store is not None else None))
         published = staging.publish(built)
         for i, layer in enumerate(built):
             pushed = None

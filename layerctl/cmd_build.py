@@ -69,8 +69,13 @@ class ProgressBar:
 @click.option("--parent", default=None, metavar="DIGEST|FILE",
               help="Build on an earlier image of the same tree (its blob digest, or an image file whose chunk map "
                    "is in the store): unchanged files keep their chunks.")
+@click.option("--no-pack-tails", "no_pack_tails", is_flag=True,
+              help="Keep the data of every file of a block or more in whole blocks (no tail packed inline), so that "
+                   "a DAX mount reads it in place: for layers VMs map as pmem (--layer-device pmem). Images "
+                   "grow by up to a block a file.")
 def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, role: str | None, all_root: bool,
-              mtime: int | None, as_json: bool, config_out: Path | None, parent: str | None) -> None:
+              mtime: int | None, as_json: bool, config_out: Path | None, parent: str | None,
+              no_pack_tails: bool) -> None:
     """Build SRC into EROFS layer images.
 
     SRC is a directory, a tar file (plain, gzip or zstd; '-' reads stdin), oci:PATH[:REF] (an OCI
@@ -96,7 +101,8 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     try:
         with ProgressBar(not as_json) as bar:
             built = build_and_push(source, store=store, push=push, output=output, parent=parent, mtime_clamp=mtime,
-                                   all_root=all_root, progress=bar.task)
+                                   all_root=all_root, progress=bar.task,
+                                   **({"pack_tails": False} if no_pack_tails else {}))
         for r in built:
             layer = r.layer
             res: dict[str, Any] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -127,3 +130,36 @@ def test_usage_errors(tmp_path: Path, tree: Path, tree_tar: Path) -> None:
     assert_clean_failure(r, "is a directory")
     r = layerctl("build", str(tree_tar), "--push", "--store", str(tmp_path / "nostore"))
     assert_clean_failure(r, "layerctl store init")
+
+
+def _layouts(image: Path, names: list[str]) -> set[str]:
+    """dump.erofs's data layout number of each file (0: flat plain, 2: flat inline)."""
+    out = set()
+    for name in names:
+        dump = subprocess.run(["dump.erofs", f"--path=/{name}", str(image)], capture_output=True, text=True, check=True)
+        out.add(re.search(r"Layout: (\d+)", dump.stdout).group(1))  # type: ignore[union-attr]
+    return out
+
+
+@pytest.mark.root
+def test_no_pack_tails_keeps_every_file_in_whole_blocks(tmp_path: Path) -> None:
+    """--no-pack-tails (layers for DAX mounts): no multi-block file's tail is inline (a file under a block
+    stays inline, beside its inode), the tree reads back the same."""
+    src = tmp_path / "src"
+    src.mkdir()
+    names = ["tail100", "tail2000", "small"]
+    for name, size in zip(names, (4096 + 100, 8192 + 2000, 300), strict=True):
+        (src / name).write_bytes(os.urandom(size))
+    images = {}
+    for flag in ([], ["--no-pack-tails"]):
+        out = tmp_path / f"{len(flag)}.erofs"
+        r = layerctl("build", str(src), "--output", str(out), "--json", *flag)
+        assert r.code == 0, r.err
+        images[bool(flag)] = out
+    big = names[:2]
+    assert _layouts(images[False], big) == {"2"}  # the default packs short tails inline
+    assert _layouts(images[True], big) == {"0"}
+    with mounted_erofs(images[True]) as mnt:
+        assert snapshot_tree(mnt) == snapshot_tree(src)
+        for name in names:
+            assert (mnt / name).read_bytes() == (src / name).read_bytes()
