@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fuse_client.fanotify import abi
@@ -21,12 +21,14 @@ events = st.builds(
 ).map(lambda e: e if e.offset is None else abi.Event(e.mask, e.fd, e.pid, e.offset, e.offset % 1_000_000))
 
 
+@settings(max_examples=40)
 @given(st.lists(events, max_size=40))
 def test_events_round_trip(evs: list[abi.Event]) -> None:
     buf = b"".join(abi.encode_event(e) for e in evs)
     assert abi.parse_events(buf) == evs
 
 
+@settings(max_examples=40)
 @given(st.lists(events, min_size=1, max_size=5), st.data())
 def test_a_truncated_or_bent_buffer_is_a_parse_error_never_a_wrong_event(evs: list[abi.Event],
                                                                          data: st.DataObject) -> None:
@@ -41,6 +43,7 @@ def test_a_truncated_or_bent_buffer_is_a_parse_error_never_a_wrong_event(evs: li
     assert got == evs[:len(got)] and sum(len(abi.encode_event(e)) for e in got) == cut
 
 
+@settings(max_examples=40)
 @given(st.binary(max_size=300))
 def test_garbage_parses_or_raises_parse_error(buf: bytes) -> None:
     try:
@@ -68,6 +71,7 @@ def test_unknown_info_records_are_skipped_and_bad_lengths_refused() -> None:
         abi.parse_events(short_range)
 
 
+@settings(max_examples=40)
 @given(st.integers(-(1 << 31), (1 << 31) - 1), st.booleans(), st.integers(0, 255))
 def test_responses(fd: int, allow: bool, err: int) -> None:
     got = abi.decode_response(abi.response(fd, allow=allow, errno=err))
@@ -79,6 +83,7 @@ def test_deny_eio_is_fan_deny_errno() -> None:
     assert resp == abi.FAN_DENY | (5 << 24)
 
 
+@settings(max_examples=40)
 @given(st.integers(0, 1 << 40), st.integers(0, 1 << 30), st.integers(0, 1 << 40))
 def test_page_span_stays_inside_the_file(offset: int, count: int, size: int) -> None:
     span = abi.page_span(offset, count, size)

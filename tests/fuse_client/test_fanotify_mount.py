@@ -186,7 +186,7 @@ def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src
         for t in threads:
             t.start()
         try:
-            for _ in range(3):
+            for _ in range(2):  # (bench/daemon_restart.py: 100)
                 request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
                 before = sum(reads)
                 while sum(reads) < before + 16 and not errors:
