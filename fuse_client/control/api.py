@@ -126,6 +126,7 @@ class ControlAPI:
     async def get_stats(self, req: dict[str, Any]) -> Response:
         out = self.lazy.stats.to_json()
         out["data_path"] = "fuse" if self.attachments is None else "fanotify"
+        out["pid"] = os.getpid()
         if self.attachments is not None:
             out["fanotify"] = self.attachments.stats_json()
         return _json(out)

@@ -323,13 +323,10 @@ class FanotifyFrontEnd:
         self._thread.start()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Stop reading events; give the events in progress `grace` seconds to be answered (the
-        rest stay pending in the journal for the next daemon)."""
-        self._stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        if self._thread is not None:
-            await trio.to_thread.run_sync(self._thread.join)
+        """Stop serving others' events (new ones are journalled and left for the next daemon);
+        give the events in progress `grace` seconds to be answered (the rest stay pending in the
+        journal). The event thread keeps answering the daemon's own accesses until `close`."""
+        self._held = []
         if self._tasks:
             self._idle = trio.Event()
             with trio.move_on_after(grace):
@@ -337,6 +334,11 @@ class FanotifyFrontEnd:
         self._flush_touches()
 
     def close(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(10)
         for a in list(self.attached.values()):
             a.reader.close()
         self.journal.close()

@@ -226,3 +226,39 @@ def test_holder_and_daemon_killed_new_group_new_generation_right_bytes(backend: 
         assert new and new != old
         assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
     stop_holder(tmp_path / "cache")
+
+
+@needs_fanotify
+def test_daemon_upgrade_while_16_readers_read(backend: CountingBackend, src: Path, layer: BuiltLayer,
+                                              tmp_path: Path) -> None:
+    """`layerctl daemon-upgrade` (`fanotify.upgrade`): SIGTERM, the same arguments started again;
+    reads in the gap wait and complete, none fails, none is wrong."""
+    from fuse_client.fanotify.upgrade import upgrade
+
+    files = _files(src)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    reads = [0] * 16
+    new_pid = None
+    with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
+                                                                            tmp_path) as mnt:
+        threads = _readers(mnt, src, files, stop, errors, reads, 16)
+        for t in threads:
+            t.start()
+        try:
+            request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
+            res = upgrade(tmp_path / "cache", log=tmp_path / "upgraded.log")
+            new_pid = res["new_pid"]
+            assert res["old_pid"] == ds[-1].pid and res["data_path"] == "fanotify"
+            request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
+            before = sum(reads)
+            while sum(reads) < before + 32 and not errors:
+                threading.Event().wait(0.01)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+            if new_pid is not None:
+                os.kill(new_pid, 15)
+                os.waitpid(new_pid, 0)
+        assert not errors, errors[:3]

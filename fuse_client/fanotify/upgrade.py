@@ -1,0 +1,78 @@
+"""Replace the running node daemon of a cache directory by a new process (a new version, the same
+arguments) without failing any read (docs/fanotify.md, "Restart and upgrade"): SIGTERM the old
+one (it stops reading events, answers what it can within its grace period, leaves the rest in the
+in-flight journal, exits; the holder keeps the group, so reads of unfilled ranges wait), start
+the new one with the old one's arguments and environment, wait until it answers. Blocking; no trio.
+
+On the FUSE data path the same sequence works, but the old daemon's FUSE mount dies with it:
+layers mounted on it fail with ENOTCONN until the runtime shim remounts them (docs/fanotify.md,
+"The FUSE fallback across restarts").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from fuse_client.control import DaemonNotRunning, request_json
+
+from .handover import proc_start_time
+
+STOP_TIMEOUT = 60.0
+START_TIMEOUT = 60.0
+
+
+def _proc_list(pid: int, name: str) -> list[bytes]:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return [x for x in f.read().split(b"\0") if x]
+
+
+def upgrade(cache_dir: Path, *, log: Path | None = None, argv: list[str] | None = None) -> dict[str, Any]:
+    """Stop the daemon of `cache_dir` and start it again (with `argv`, default: the old one's).
+    Returns {old_pid, new_pid, data_path, gap_seconds}."""
+    old = request_json(cache_dir, "GET", "/stats")
+    pid = int(old["pid"])
+    start = proc_start_time(pid)
+    if argv is None:
+        argv = [os.fsdecode(a) for a in _proc_list(pid, "cmdline")]
+    env = dict(os.fsdecode(e).split("=", 1) for e in _proc_list(pid, "environ") if b"=" in e)
+    if log is None:
+        target = os.readlink(f"/proc/{pid}/fd/2")
+        log = Path(target) if target.startswith("/") and Path(target).is_file() else Path(os.devnull)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while proc_start_time(pid) == start and start is not None:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        new_pid = os.posix_spawn(argv[0], argv, env, setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out, 1),
+            (os.POSIX_SPAWN_DUP2, out, 2),
+        ])
+    finally:
+        os.close(out)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        with contextlib.suppress(ChildProcessError):
+            done, status = os.waitpid(new_pid, os.WNOHANG)
+            if done:
+                raise DaemonNotRunning(f"the new daemon exited at start ({status}); see {log}")
+        try:
+            got = request_json(cache_dir, "GET", "/stats", timeout=5)
+            if int(got.get("pid", 0)) == new_pid:
+                break
+        except (DaemonNotRunning, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise DaemonNotRunning(f"the new daemon did not answer within {START_TIMEOUT:.0f} s; see {log}")
+        time.sleep(0.02)
+    return {"old_pid": pid, "new_pid": new_pid, "data_path": got.get("data_path"),
+            "gap_seconds": round(time.monotonic() - t0, 3)}
