@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
                     ds[-1].kill9()
                     ds.append(start_daemon(backend.url, tmp / "cache", tmp / "mnt", "fanotify"))
                     gaps.append(time.monotonic() - k0)
-                    ds[-2].cleanup()
                     print(f"restart {i + 1}/{args.restarts}: gap {gaps[-1]:.2f} s, reads {sum(reads)}, "
                           f"failed {len(failed)}, wrong {len(wrong)}", flush=True)
                 before = sum(reads)

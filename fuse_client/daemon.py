@@ -177,6 +177,10 @@ class Daemon:
                 front.start()  # our own accesses are answered from here on
             cache = self.cache = await trio.to_thread.run_sync(
                 functools.partial(open_cache, cache_dir, cfg.budget(), stack))
+            if front is not None and front.group is not None:
+                # Data files opened now are opened after their marks: mapping them would raise
+                # events under the GIL (docs/fanotify.md). Files opened before any mark never do.
+                cache.disable_mapping()
             trace = self.trace = TraceRecorder() if cfg.record_trace else None
             await trio.to_thread.run_sync(clear_dead_mount, mountpoint)
             async with trio.open_nursery() as service:

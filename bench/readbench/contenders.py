@@ -12,7 +12,7 @@ from typing import Any
 
 from .mounts import daemon, erofs_mount
 from .probes import drop_caches, timed, tree_cached_bytes
-from .project import linux, pin, unpin
+from .project import linux, pin, request_json, unpin
 from .spec import PIN_HOLDER
 from .workloads import WORKLOADS
 
@@ -57,6 +57,8 @@ def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> 
     blob = im.blobs[tree]
     if kind == "promoted":
         return run_promoted(im, blob, fn, hot, out)
+    if kind in ("fanotify_warm", "fanotify_cold"):
+        return run_fanotify(im, blob, fn, hot, out, cold=kind == "fanotify_cold")
     cold = kind == "fuse_cold"
     cache = im.work / "cache-cold" if cold else im.warm_cache
     if cold:
@@ -106,4 +108,44 @@ def run_promoted(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, ou
             out["daemon_requests"] = c1["requests"] - c0["requests"]  # 0: the daemon is not on the path
         finally:
             unpin(im.warm_cache, blob, PIN_HOLDER)
+    return out
+
+
+def run_fanotify(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, out: dict[str, Any], *,
+                 cold: bool) -> dict[str, Any]:
+    """EROFS on the node cache's data file, attached (docs/fanotify.md: marked, metadata filled;
+    the daemon fills the rest on pre-content events), buffered; warm: the warm node cache (the
+    mark goes once the daemon sees the blob complete), cold: an empty one."""
+    from fuse_client.control import attach, detach
+
+    cache = im.work / "cache-cold-fan" if cold else im.warm_cache
+    if cold:
+        shutil.rmtree(cache, ignore_errors=True)
+    env = {**im.daemon_env, "LAYERSTORE_DATA_PATH": "fanotify"}
+    try:
+        with daemon(im.store, cache, im.work / "mnt-fuse", im.work / "daemon.log", env) as d:
+            t0 = time.perf_counter()
+            got = attach(cache, blob, PIN_HOLDER)
+            if got is None:
+                raise RuntimeError("the daemon does not serve the fanotify data path here")
+            image = Path(got["path"])
+            out["attach_s"] = time.perf_counter() - t0
+            try:
+                if hot:
+                    with erofs_mount(image, im.work) as m:
+                        fn(m)
+                with erofs_mount(image, im.work) as m:
+                    if not hot:
+                        drop_caches()
+                    c0 = d.counters(blob)
+                    out["seconds"], out["bytes"] = timed(fn, m, out)
+                    c1 = d.counters(blob)
+                    out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
+                out["fanotify"] = {k: c1[k] - c0[k] for k in c0}
+                out["fanotify"]["events"] = request_json(cache, "GET", "/stats")["fanotify"]["events"]
+            finally:
+                detach(cache, blob, PIN_HOLDER)
+    finally:
+        if cold:
+            shutil.rmtree(cache, ignore_errors=True)
     return out

@@ -28,12 +28,14 @@ GOALS = {  # (workload or "s3", contender or S3 link, minimum ratio)
     "warm_small": ("walk_hash", "fuse_warm", 0.9),
     "warm_small_dio": ("walk_hash", "fuse_warm_dio", 0.9),
     "warm_small_promoted": ("walk_hash", "promoted", 0.9),
+    "warm_seq_fanotify": ("seq", "fanotify_warm", 0.97),
+    "warm_small_fanotify": ("walk_hash", "fanotify_warm", 0.97),
     "cold_s3_loopback": ("s3", "loopback", 0.8),
 }
 S3_GOAL = 0.8  # each shaped link's goal (cold_s3_<rate>mbit)
 PIN_HOLDER = "bench-read"
 CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted", "fuse_cold",
-              "fuse_cold_dio"]
+              "fuse_cold_dio", "fanotify_warm", "fanotify_cold"]
 HOT_CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted"]
 HIT_PATH_KERNEL_BLOCKS = ((4096, 20000), (128 * 1024, 4000), (MiB, 1000))  # (read size, reads per pass)
 HIT_PATH_HANDLER_BLOCKS = ((4096, 100000), (128 * 1024, 20000), (MiB, 3000))

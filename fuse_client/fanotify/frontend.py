@@ -40,6 +40,7 @@ JOURNAL_NAME = "fanotify.inflight"
 READ_SIZE = 4096  # up to 85 pre-content events per read(2): a short window before they are journalled
 RESERVE_MARGIN = 1024  # fd numbers reserved beyond the predecessor's highest event fd (unknown events)
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
+UNMARK_CHECK = 32  # fast-path answers between checks whether an attached blob is complete
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Attached:
     reader: Reader
     marked: bool = True
     meta_pinned: bool = False
+    fast: int = 0  # events answered in the event thread
 
 
 def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
@@ -430,6 +432,11 @@ class FanotifyFrontEnd:
                     os.close(ev.fd)
                     st.fast_allowed += 1
                     self._touches.append((e, first, last))
+                    a.fast += 1
+                    if a.marked and a.fast % UNMARK_CHECK == 0 and self._token is not None:
+                        # (a blob attached complete never fills: see whether its mark can go)
+                        with contextlib.suppress(trio.RunFinishedError):
+                            self._token.run_sync_soon(self._unmark_if_complete, a)
                     return
         self.journal.record(ev.fd, key[0], key[1], off, count)
         slow.append((ev.fd, key[0], key[1], off, count))
