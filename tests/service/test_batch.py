@@ -8,7 +8,9 @@ not help."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -267,3 +269,36 @@ def test_a_service_without_batches_is_read_a_get_a_key() -> None:
     assert dict(b.load_many(KEYS)) == DATA
     assert dict(b.load_many(KEYS)) == DATA
     assert [r.method for r in seen] == ["POST"] + ["GET"] * 6  # asked once, then never again
+
+
+def _raw_batch(served: Served, token: str, body: bytes, length: int) -> int:
+    """A batch request whose Content-Length says `length`, with `body` after it; the status."""
+    u = urlsplit(served.url)
+    head = (f"POST {wire.BATCH} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=20.0) as s:
+        s.sendall(head + body)
+        answer = b""
+        while b"\r\n" not in answer:
+            part = s.recv(4096)
+            if not part:
+                break
+            answer += part
+    assert answer.startswith(b"HTTP/1.1 "), answer[:100]
+    return int(answer[9:12])
+
+
+def test_lying_request_lengths(served: Served, chunks: list[tuple[str, bytes]]) -> None:
+    body = json.dumps({"keys": [chunks[0][0]]}).encode()
+    assert _raw_batch(served, served.tokens["read"], body, 1 << 40) == 413  # refused before reading
+    assert _raw_batch(served, served.tokens["read"], body, len(body) + 100) == 408  # never comes: the deadline
+    assert _raw_batch(served, served.tokens["read"], body, len(body) - 5) == 400  # cut: not JSON
+
+
+def test_no_batch_got_a_500(served: Served) -> None:
+    """Runs last in this module: nothing above made the service fail (its own count)."""
+    text = httpx.get(served.url + "/metrics", timeout=20.0).text
+    five = [ln for ln in text.splitlines() if ln.startswith("layerstore_service_requests_total")
+            and 'status="5' in ln and not ln.endswith(" 0.0")]
+    assert five == []
+    assert any(wire.BATCH in ln for ln in text.splitlines() if ln.startswith("layerstore_service_requests_total"))
