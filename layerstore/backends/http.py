@@ -226,12 +226,12 @@ class HttpBackend(Backend):
         the service could not read for a moment (5xx, 429) and a service without batched reads
         fall back to `load`, with its retries."""
         for start in range(0, len(keys), READ_BATCH):
-            yield from self._window([validate(k) for k in keys[start : start + READ_BATCH]], max_size)
+            yield from self._window(list(keys[start : start + READ_BATCH]), max_size)
 
     def _window(self, window: list[str], max_size: int | None) -> Iterator[tuple[str, bytes | LayerstoreError]]:
         """`load_many` of at most READ_BATCH keys: the content keys in one batch, each key yielded
         in its turn once its answer is in (at the end, by `load` if the batch did not bring it)."""
-        batch = [k for k in dict.fromkeys(window) if wire.kind_of(k) in wire.CONTENT_KINDS]
+        batch = [k for k in dict.fromkeys(window) if _is_key(k) and wire.kind_of(k) in wire.CONTENT_KINDS]
         if len(batch) < 2 or not self.batched:
             batch = []
         last = {k: i for i, k in enumerate(window)}
@@ -478,6 +478,14 @@ class CoreAnswer:
         for part in self.raw.iter_stream():
             if part:
                 yield part
+
+
+def _is_key(key: str) -> bool:
+    try:
+        validate(key)
+    except LayerstoreError:
+        return False  # `load` says why, as that key's answer
+    return True
 
 
 class LargeReads(httpcore.NetworkBackend):

@@ -123,13 +123,13 @@ def test_the_node_scope_reads_batches(served: Served, chunks: list[tuple[str, by
 
 def test_load_many_is_load_item_by_item(served: Served, chunks: list[tuple[str, bytes]]) -> None:
     missing = keys.object_key("chunks", "b3:" + "cd" * 32)
-    asked = [chunks[0][0], missing, "tags/secret/app:v1", chunks[3][0], "tags/NotAName:v1"]
+    asked = [chunks[0][0], missing, "tags/secret/app:v1", chunks[3][0], "tags/NotAName:v1", "chunks/../x"]
     with HttpBackend(served.url, token=served.tokens["read"]) as b, served.local() as direct:
         got = dict(b.load_many(asked, max_size=MAX_CHUNK))
         assert got[chunks[0][0]] == chunks[0][1] and got[chunks[3][0]] == chunks[3][1]
         assert isinstance(got[missing], NotFound)
         assert isinstance(got["tags/secret/app:v1"], NotFound)  # private: as if it did not exist
-        assert isinstance(got["tags/NotAName:v1"], BadKey)
+        assert isinstance(got["tags/NotAName:v1"], BadKey) and isinstance(got["chunks/../x"], BadKey)
         assert set(got) == set(asked)
         want = dict(direct.backend.load_many(asked, max_size=MAX_CHUNK))  # the base class: a load each
         assert {k: type(v) if isinstance(v, Exception) else v for k, v in got.items() if k.startswith("chunks")} == {
