@@ -22,7 +22,7 @@ The Ceph cluster is started here through testkit.ceph_cluster (and stopped at th
 `--ceph-dir DIR` names one left running by `python testkit.ceph_cluster start DIR`.
 
     python bench/store_throughput.py [--size quick|full] [--size-mib N] [--repeat N] [--clients 1,8]
-                                     [--backends local,cephfs,s3,http,http-s3] [--daemon-mib N]
+                                     [--backends local,cephfs,s3,http,http-s3] [--daemon-mib N] [--batch N]
 
 With s3 and http-s3 among the backends (and root, for FUSE), `daemon_cold_read` also compares a
 node daemon (`layerctl daemon`) reading one layer cold, sequentially, straight from S3 against the
