@@ -40,6 +40,7 @@ JOURNAL_NAME = "fanotify.inflight"
 READ_SIZE = 4096  # up to 85 pre-content events per read(2): a short window before they are journalled
 RESERVE_MARGIN = 1024  # fd numbers reserved beyond the predecessor's highest event fd (unknown events)
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
+PUNCH_GRACE = 1.0  # seconds between an attached chunk becoming absent and its hole (eviction)
 UNMARK_CHECK = 32  # fast-path answers between checks whether an attached blob is complete
 
 
@@ -201,18 +202,23 @@ class FanotifyFrontEnd:
             except OSError as e:
                 log.warning("blob %s: cannot mark %s again: %s", blob, path, e.strerror)
 
-    def before_punch(self, blob: str) -> None:
+    def before_punch(self, blob: str) -> float | None:
         """`NodeCache.before_punch`: an attached blob's file is marked again before a hole is
-        punched in it; taking `_lock` waits for a presence check of the event thread in progress."""
+        punched in it; taking `_lock` waits for a presence check of the event thread in progress.
+        An eviction then waits `PUNCH_GRACE` before it punches: a read allowed just before its
+        chunks became absent has that long to copy them (docs/fanotify.md, a known limit)."""
         with self._lock:
             a = self.attached.get(blob)
-            if a is not None and not a.marked and self.group is not None:
+            if a is None:
+                return None
+            if not a.marked and self.group is not None:
                 try:
                     kernel.mark(self.group, a.path)
                     a.marked = True
                     self.stats.marks += 1
                 except OSError as e:
                     log.error("blob %s: cannot mark %s again before eviction: %s", blob, a.path, e.strerror)
+        return PUNCH_GRACE
 
     def _unmark_if_complete(self, a: Attached) -> None:
         if a.marked and self.group is not None and not a.entry.missing_bytes():

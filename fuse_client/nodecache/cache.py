@@ -102,7 +102,9 @@ class NodeCache:
         self.in_use: Callable[[], Mapping[str, float]] | None = None
         # Called with a blob on the trio thread before any hole is queued for its data file (a
         # front end that watches the files, fanotify, marks it again first: docs/fanotify.md).
-        self.before_punch: Callable[[str], None] | None = None
+        # It may return seconds to wait before an eviction punches (reads the front end allowed
+        # just before the chunks became absent finish their copy meanwhile).
+        self.before_punch: Callable[[str], float | None] | None = None
         self.map_files = True  # data files may be mapped (see `disable_mapping`)
 
     def close(self) -> None:
@@ -558,12 +560,15 @@ class NodeCache:
         if not taken:
             return 0, 0
         try:
-            self._pending.extend(ops)
+            delay = 0.0
             if self.before_punch is not None:
                 for blob in per_blob:
-                    self.before_punch(blob)
-            self._punches.extend(per_blob.items())
+                    delay = max(delay, self.before_punch(blob) or 0.0)
             with trio.CancelScope(shield=True):
+                if delay:
+                    await trio.sleep(delay)
+                self._pending.extend(ops)
+                self._punches.extend(per_blob.items())
                 await self.flush()
         finally:
             for key in taken:
