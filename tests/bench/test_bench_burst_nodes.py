@@ -96,7 +96,7 @@ def test_interrupted_burst_leaves_nothing(tmp_path: Path, run_root: Path) -> Non
     cgroups and processes of the run are gone when it exits."""
     env = {**os.environ, "LAYERSTORE_BENCH_CACHE": str(tmp_path / "cache"), "LAYERSTORE_BENCH_RUN_DIR": str(run_root)}
     p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "burst.py"), "--nodes", "2", "--per-node", "1",
-                          "--size", "tiny", "--no-docs", "--contenders", "lazy", "--output",
+                          "--size", "tiny", "--no-docs", "--contenders", "conventional", "--output",
                           str(tmp_path / "out.json")],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     tag = str(p.pid % 100000)
@@ -105,17 +105,18 @@ def test_interrupted_burst_leaves_nothing(tmp_path: Path, run_root: Path) -> Non
         assert p.stderr is not None
         for line in p.stderr:
             seen.append(line)
-            if "round 1/1: lazy" in line:  # the nodes' runners are being started
+            if "round 1/1: conventional" in line:  # the nodes' runners are being started
                 break
         else:
             pytest.fail("the bench ended before its burst: " + "".join(seen)[-2000:])
         nodes = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                  if n.startswith(f"lsbn{tag}x")]
         assert len(nodes) == 2  # the run was really up
-        procs = [Path("/sys/fs/cgroup/memory") / f"lsburst-{tag}" / f"lazy-n{i}" / "cgroup.procs" for i in (0, 1)]
+        cg = Path("/sys/fs/cgroup/memory") / f"lsburst-{tag}"
+        procs = [cg / f"conventional-n{i}" / "cgroup.procs" for i in (0, 1)]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(f.exists() and f.read_text().strip() for f in procs):
-            time.sleep(0.2)  # until both nodes' runners sit in their cgroups (their daemons starting)
+            time.sleep(0.2)  # until both nodes' runners sit in their cgroups
         p.send_signal(signal.SIGINT)
         p.communicate(timeout=180)
     finally:
