@@ -250,6 +250,21 @@ def is_mount_root(path: str | os.PathLike[str]) -> bool:
     return mine is not None and parent is not None and mine != parent
 
 
+def proc_start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot, /proc/PID/stat field 22) of a live, non-zombie
+    process, else None: with the pid, it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: fields resume after the last ')'
+    rest = stat_line[stat_line.rindex(b")") + 2 :].split()
+    if rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
 def fs_type(path: str | os.PathLike[str]) -> int | None:
     """statfs(2) f_type of the filesystem holding `path` (compare with *_MAGIC); None if unreadable."""
     buf = _Statfs()

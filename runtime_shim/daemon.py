@@ -43,18 +43,12 @@ def default_command(store: str, cache: Path, mountpoint: Path) -> list[str]:
 
 
 def proc_start_time(pid: int) -> int | None:
-    """The start time of a live (non-zombie) process, else None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # the command name may hold spaces and parentheses: fields resume after the last ')'
-    rest = stat[stat.rindex(b")") + 2 :].split()
-    if rest[0] in (b"Z", b"X"):
+    """The start time of a live (non-zombie) process, else None (a zombie child of this process,
+    a daemon it started, is reaped)."""
+    start = linux.proc_start_time(pid)
+    if start is None:
         _reap(pid)
-        return None
-    return int(rest[19])
+    return start
 
 
 def _reap(pid: int) -> None:

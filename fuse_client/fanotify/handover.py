@@ -31,16 +31,7 @@ def identity_path(cache_dir: Path) -> Path:
     return Path(cache_dir) / IDENTITY_NAME
 
 
-def proc_start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    rest = stat[stat.rindex(b")") + 2:].split()
-    if rest[0] in (b"Z", b"X"):
-        return None
-    return int(rest[19])
+proc_start_time = linux.proc_start_time
 
 
 def write_identity(cache_dir: Path, pid: int, group_id: str) -> None:
