@@ -113,6 +113,22 @@ class Reader:
             self.trace.record(e.blob, len(e.present), first, last)
         return data
 
+    def _noted(self, off: int, end: int) -> range:
+        """The chunks of [off, end) (not empty), recorded in the trace, with readahead started for
+        a data read that continues a stream: before the caller waits, so the fetches overlap."""
+        e = self.entry
+        cmap = e.cmap
+        first = cmap.index_at(off)
+        last = cmap.index_at(end - 1) + 1
+        if self.trace is not None:
+            self.trace.record(e.blob, len(e.present), first, last)
+        if not e.is_meta[first]:
+            w = e.streams.on_read(off, end, last, len(e.present), self.window, self.clock(),
+                                  cmap.chunks[first].length)
+            if w is not None:
+                self.fetcher.readahead(e, w[0], w[1])
+        return range(first, last)
+
     async def read_missing(self, off: int, size: int) -> bytes | memoryview:
         """The slow path, after `read_cached` said None: pin the range's chunks (eviction skips
         pinned chunks), fetch the missing ones (in parallel, single-flight), answer with a slice
@@ -120,21 +136,10 @@ class Reader:
         cache, nothing to read around them), unpin. `CorruptObject` / `StoreUnavailable` when
         the fetch fails."""
         e = self.entry
-        cmap = e.cmap
-        end = min(off + size, cmap.size)
+        end = min(off + size, e.cmap.size)
         if off >= end:
             return b""
-        first = cmap.index_at(off)
-        last = cmap.index_at(end - 1) + 1
-        idxs = range(first, last)
-        if self.trace is not None:
-            self.trace.record(e.blob, len(e.present), first, last)
-        if not e.is_meta[first]:
-            # Read ahead before this read waits: the fetches overlap.
-            w = e.streams.on_read(off, end, last, len(e.present), self.window, self.clock(),
-                                  cmap.chunks[first].length)
-            if w is not None:
-                self.fetcher.readahead(e, w[0], w[1])
+        idxs = self._noted(off, end)
         self.cache.pin(e, idxs)
         try:
             await self.fetcher.ensure(e, idxs)
@@ -147,7 +152,7 @@ class Reader:
                     raise self.read_error(off, end, err) from None
         finally:
             self.cache.unpin(e, idxs)
-        e.touch(first, last, self.clock())
+        e.touch(idxs.start, idxs.stop, self.clock())
         self.stats.misses += 1
         self.stats.served_bytes += len(data)
         return data
@@ -157,20 +162,10 @@ class Reader:
         parallel, single-flight, pinned meanwhile; readahead streams, counters and the trace kept
         as for a read) for a front end whose reader reads the data file itself (fanotify)."""
         e = self.entry
-        cmap = e.cmap
-        end = min(off + size, cmap.size)
+        end = min(off + size, e.cmap.size)
         if off >= end:
             return
-        first = cmap.index_at(off)
-        last = cmap.index_at(end - 1) + 1
-        idxs = range(first, last)
-        if self.trace is not None:
-            self.trace.record(e.blob, len(e.present), first, last)
-        if not e.is_meta[first]:
-            w = e.streams.on_read(off, end, last, len(e.present), self.window, self.clock(),
-                                  cmap.chunks[first].length)
-            if w is not None:
-                self.fetcher.readahead(e, w[0], w[1])
+        idxs = self._noted(off, end)
         missing = e.missing(idxs)
         if missing:
             self.cache.pin(e, idxs)
@@ -181,7 +176,7 @@ class Reader:
             self.stats.misses += 1
         else:
             self.stats.hits += 1
-        e.touch(first, last, self.clock())
+        e.touch(idxs.start, idxs.stop, self.clock())
         self.stats.served_bytes += end - off
 
     def read_error(self, off: int, end: int, err: OSError) -> CacheIOError:
