@@ -95,9 +95,14 @@ class ClusterMemory:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop sampling: one last sample, and each node's peak at least its own cgroup's kernel
+        peak (a burst shorter than the interval would otherwise go unseen)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self.sample_once()
+        for i, g in enumerate(self.groups):
+            self.peak_node[i] = max(self.peak_node[i], g.kernel_peak() or 0)
 
 
 def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
