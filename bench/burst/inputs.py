@@ -50,7 +50,7 @@ class Layer:
     facts: dict[str, int]
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "role": self.role, "tar_gz": str(self.tar_gz), **self.facts}
+        return {"name": self.name, "role": self.role, "tar_gz": self.tar_gz.name, **self.facts}  # (no machine path)
 
 
 def log(msg: str) -> None:
