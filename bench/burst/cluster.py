@@ -25,7 +25,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .netlink import LinkCounters, tbf_args, teardown_netns
+from .netlink import LinkCounters, qdisc_summary, tbf_args, teardown_netns
 
 BRIDGE = "lsbr0"
 MAX_NODES = 200
@@ -169,13 +169,7 @@ class ClusterLink:
         return parse_link_stats(self.ns("ip", "-s", "-j", "link", "show", check=False).stdout)
 
     def qdisc_stats(self) -> dict[str, object]:
-        out = self.ns("tc", "-s", "-j", "qdisc", "show", "dev", BRIDGE, check=False).stdout
-        try:
-            q = json.loads(out)[0]
-            return {"bytes": q.get("bytes"), "packets": q.get("packets"), "drops": q.get("drops"),
-                    "overlimits": q.get("overlimits")}
-        except (ValueError, IndexError, KeyError):
-            return {}
+        return qdisc_summary(self.ns("tc", "-s", "-j", "qdisc", "show", "dev", BRIDGE, check=False).stdout)
 
     # -- crash safety --------------------------------------------------------------------
     def _state_file(self) -> Path:

@@ -39,6 +39,17 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def qdisc_summary(tc_json: str) -> dict[str, object]:
+    """Bytes, packets, drops and overlimits of the first qdisc in `tc -s -j qdisc show` output ({}
+    when there is none)."""
+    try:
+        q = json.loads(tc_json)[0]
+        return {"bytes": q.get("bytes"), "packets": q.get("packets"), "drops": q.get("drops"),
+                "overlimits": q.get("overlimits")}
+    except (ValueError, IndexError, KeyError):
+        return {}
+
+
 def tbf_args(rate_mbit: float) -> list[str]:
     """tc arguments for a token bucket at `rate_mbit`. The bucket must hold what the rate sends in a
     few timer ticks (and at least a few full GSO frames), or the shaper falls short of its rate."""
@@ -121,13 +132,7 @@ class Link:
 
     def qdisc_stats(self) -> dict[str, object]:
         """Bytes and drops the store-side shaper saw (the download direction)."""
-        out = self.ns("tc", "-s", "-j", "qdisc", "show", "dev", self.store_if, check=False).stdout
-        try:
-            q = json.loads(out)[0]
-            return {"bytes": q.get("bytes"), "packets": q.get("packets"), "drops": q.get("drops"),
-                    "overlimits": q.get("overlimits")}
-        except (ValueError, IndexError, KeyError):
-            return {}
+        return qdisc_summary(self.ns("tc", "-s", "-j", "qdisc", "show", "dev", self.store_if, check=False).stdout)
 
     # -- crash safety --------------------------------------------------------------------
     def _state_file(self) -> Path:

@@ -13,23 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .report import LABELS, ORDER, update_docs
-
-
-def _mb(v: object) -> str:
-    return "–" if not isinstance(v, int | float) else f"{v / 1e6:,.1f}"
-
-
-def _s(v: object) -> str:
-    return "–" if not isinstance(v, int | float) else f"{v:.2f}"
-
-
-def _x(v: object) -> str:
-    return "–" if not isinstance(v, int | float) else f"{v:.2f}x"
-
-
-def _order(cs: dict[str, Any]) -> list[str]:
-    return [c for c in ORDER if c in cs] + [c for c in cs if c not in ORDER]
+from .report import LABELS, fmt_mb, fmt_s, fmt_x, in_order, update_docs
 
 
 def shape_markdown(label: str, sh: dict[str, Any]) -> list[str]:
@@ -41,7 +25,7 @@ def shape_markdown(label: str, sh: dict[str, Any]) -> list[str]:
              "mean / max (MB) | node disk writes, all nodes (MB) | per node, mean (MB) | peak memory, all "
              "nodes (MB) | busiest node (MB) | failed |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in _order(cs):
+    for name in in_order(cs):
         c = cs[name]
         if c.get("skipped"):
             lines.append(f"| {LABELS.get(name, name)} | skipped: {c['skipped']} |||||||||")
@@ -50,38 +34,39 @@ def shape_markdown(label: str, sh: dict[str, Any]) -> list[str]:
         fetched = [x["fetched_bytes"] for x in pn]
         writes = [x["disk_write_bytes"] for x in pn]
         lines.append(
-            f"| {LABELS.get(name, name)} | {_s(c.get('all_started_s'))} | {_s(c.get('all_finished_s'))} | "
-            f"{_mb(c.get('bytes_fetched'))} | {_mb(statistics.mean(fetched) if fetched else None)} / "
-            f"{_mb(max(fetched) if fetched else None)} | {_mb(c.get('disk_write_bytes'))} | "
-            f"{_mb(statistics.mean(writes) if writes else None)} | {_mb(c.get('mem_peak_bytes'))} | "
-            f"{_mb(c.get('mem_peak_node_max_bytes'))} | {c.get('failed')}/{c.get('sandboxes')} |")
+            f"| {LABELS.get(name, name)} | {fmt_s(c.get('all_started_s'))} | {fmt_s(c.get('all_finished_s'))} | "
+            f"{fmt_mb(c.get('bytes_fetched'))} | {fmt_mb(statistics.mean(fetched) if fetched else None)} / "
+            f"{fmt_mb(max(fetched) if fetched else None)} | {fmt_mb(c.get('disk_write_bytes'))} | "
+            f"{fmt_mb(statistics.mean(writes) if writes else None)} | {fmt_mb(c.get('mem_peak_bytes'))} | "
+            f"{fmt_mb(c.get('mem_peak_node_max_bytes'))} | {c.get('failed')}/{c.get('sandboxes')} |")
     lines += ["", "Node disk writes by owner, summed over the nodes (MB; layer data: node cache chunks, or "
               "tar.gz + extracted; rest: ext4 journal and metadata, rewrites, files deleted):", "",
               "| contender | written | layer data | cache index | uppers | runc + shim state | rest | "
               "written by the daemon / puller |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in _order(cs):
+    for name in in_order(cs):
         d = cs[name].get("disk_split")
         if d:
-            lines.append(f"| {LABELS.get(name, name)} | {_mb(d['disk_written'])} | {_mb(d['layer_data'])} | "
-                         f"{_mb(d['cache_index'])} | {_mb(d['uppers'])} | {_mb(d['state'])} | {_mb(d['rest'])} | "
-                         f"{_mb(d['process_written'])} |")
+            lines.append(f"| {LABELS.get(name, name)} | {fmt_mb(d['disk_written'])} | {fmt_mb(d['layer_data'])} | "
+                         f"{fmt_mb(d['cache_index'])} | {fmt_mb(d['uppers'])} | {fmt_mb(d['state'])} | "
+                         f"{fmt_mb(d['rest'])} | "
+                         f"{fmt_mb(d['process_written'])} |")
     lines += ["", "| contender | all-started speed-up | all-finished speed-up | store bytes | disk writes | "
               "disk writes without uppers | peak memory |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in _order(cs):
+    for name in in_order(cs):
         r = cs[name].get("ratios")
         if r:
-            lines.append(f"| {LABELS.get(name, name)} | {_x(r.get('all_started_speedup'))} | "
-                         f"{_x(r.get('all_finished_speedup'))} | {_x(r.get('store_bytes_ratio'))} | "
-                         f"{_x(r.get('disk_write_ratio'))} | {_x(r.get('disk_write_ratio_no_uppers'))} | "
-                         f"{_x(r.get('mem_peak_ratio'))} |")
+            lines.append(f"| {LABELS.get(name, name)} | {fmt_x(r.get('all_started_speedup'))} | "
+                         f"{fmt_x(r.get('all_finished_speedup'))} | {fmt_x(r.get('store_bytes_ratio'))} | "
+                         f"{fmt_x(r.get('disk_write_ratio'))} | {fmt_x(r.get('disk_write_ratio_no_uppers'))} | "
+                         f"{fmt_x(r.get('mem_peak_ratio'))} |")
     goals = sh.get("goals")
     if goals:
         lines += ["", "Issue 19's goals for lazy: " + "; ".join(
-            f"{k} {_x(g['value'])} (target {g['target']}: "
+            f"{k} {fmt_x(g['value'])} (target {g['target']}: "
             f"{'met' if g['met'] else '**missed**' if g['met'] is False else 'n/a'})" for k, g in goals.items())
             + "."]
     phases = []
-    for name in _order(cs):
+    for name in in_order(cs):
         c = cs[name]
         if c.get("phases_median_s"):
             phases.append(f"- {LABELS.get(name, name)}: " + ", ".join(

@@ -28,7 +28,7 @@ from . import cgroups, inputs, metrics, spec
 from .cephstore import StoreProcess
 from .cluster import ClusterLink
 from .nodedisk import NodeDisk
-from .orchestrate import REPO, Bench, Options, cleanup_stale_runs, cpu_seconds, delta, sandbox_cgroups, stop_runner
+from .orchestrate import REPO, Bench, Options, cpu_seconds, delta, sandbox_cgroups, stop_runner
 
 NODE_DISK_GIB = 8
 NODE_DISK_INODES = 400_000
@@ -200,14 +200,7 @@ class ClusterBench(Bench):
 
     # -- link, store, disks --------------------------------------------------------------------
     def _up(self) -> None:
-        import shutil
-
-        cleanup_stale_runs(self.run_dir.parent)
-        cgroups.remove_stale()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cleanup.push("run dir", lambda: shutil.rmtree(self.run_dir, ignore_errors=True))
-        self.cleanup.push("cgroups", lambda: [cgroups.remove_everywhere(n) for n in (f"lsburst-{os.getpid()}",
-                                                                                   "lsburst-sandboxes")])
+        self._open_run()
         self.clink = ClusterLink(self.run_dir.parent, rate_mbit=self.opts.rate_mbit)
         self.clink.setup()
         self.link = self.clink  # type: ignore[assignment] - the set-up code needs ns_argv/store_addr/counters

@@ -182,13 +182,18 @@ class Bench:
         os.replace(tmp, self.opts.output)
 
     # -- link, store, node disk ------------------------------------------------------------
-    def _up(self) -> None:
+    def _open_run(self) -> None:
+        """Clear what killed runs left, make this run's directory, and have the clean-up remove it
+        and this run's cgroups."""
         cleanup_stale_runs(self.run_dir.parent)
         cgroups.remove_stale()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cleanup.push("run dir", lambda: shutil.rmtree(self.run_dir, ignore_errors=True))
         self.cleanup.push("cgroups", lambda: [cgroups.remove_everywhere(n) for n in (f"lsburst-{os.getpid()}",
                                                                                    "lsburst-sandboxes")])
+
+    def _up(self) -> None:
+        self._open_run()
         self.link = Link(self.run_dir.parent, rate_mbit=self.opts.rate_mbit)
         self.link.setup()
         self.cleanup.push("link", self.link.teardown)

@@ -35,21 +35,25 @@ LABELS = {
 }
 
 
-def _mb(v: object) -> str:
+def fmt_mb(v: object) -> str:
     return "–" if not isinstance(v, int | float) else f"{v / 1e6:,.1f}"
 
 
-def _s(v: object) -> str:
+def fmt_s(v: object) -> str:
     return "–" if not isinstance(v, int | float) else f"{v:.2f}"
 
 
-def _x(v: object) -> str:
+def fmt_x(v: object) -> str:
     return "–" if not isinstance(v, int | float) else f"{v:.2f}x"
 
 
-def contenders_in_order(results: dict[str, Any]) -> list[str]:
-    cs = results.get("contenders", {})
+def in_order(cs: dict[str, Any]) -> list[str]:
+    """The contenders of `cs` in the report's order (unknown ones last)."""
     return [c for c in ORDER if c in cs] + [c for c in cs if c not in ORDER]
+
+
+def contenders_in_order(results: dict[str, Any]) -> list[str]:
+    return in_order(results.get("contenders", {}))
 
 
 def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> str:
@@ -77,9 +81,10 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
             lines.append(f"| {LABELS.get(name, name)} | skipped: {c['skipped']} ||||||||")
             continue
         lines.append(
-            f"| {LABELS.get(name, name)} | {_s(c.get('all_started_s'))} | {_s(c.get('all_finished_s'))} "
-            f"| {_mb(c.get('bytes_fetched'))} | {_mb(rs.get('read_bytes'))} | {_mb(c.get('disk_write_bytes'))} "
-            f"| {_mb(c.get('mem_peak_bytes'))} | {_mb(c.get('mem_peak_anon_bytes'))} "
+            f"| {LABELS.get(name, name)} | {fmt_s(c.get('all_started_s'))} | {fmt_s(c.get('all_finished_s'))} "
+            f"| {fmt_mb(c.get('bytes_fetched'))} | {fmt_mb(rs.get('read_bytes'))} "
+            f"| {fmt_mb(c.get('disk_write_bytes'))} "
+            f"| {fmt_mb(c.get('mem_peak_bytes'))} | {fmt_mb(c.get('mem_peak_anon_bytes'))} "
             f"| {c.get('failed', 0)}/{c.get('sandboxes', 0)} |")
     lines += ["", "Ratios against the conventional path (speed-ups: conventional time / contender time; "
               "bytes and memory: contender / conventional):", "",
@@ -91,10 +96,10 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
         r = c.get("ratios")
         if c.get("skipped") or not r:
             continue
-        lines.append(f"| {LABELS.get(name, name)} | {_x(r.get('all_started_speedup'))} "
-                     f"| {_x(r.get('all_finished_speedup'))} | {_x(r.get('disk_write_ratio'))} "
-                     f"| {_x(r.get('bytes_fetched_ratio'))} | {_x(r.get('mem_peak_ratio'))} "
-                     f"| {_x(r.get('fetched_over_read'))} |")
+        lines.append(f"| {LABELS.get(name, name)} | {fmt_x(r.get('all_started_speedup'))} "
+                     f"| {fmt_x(r.get('all_finished_speedup'))} | {fmt_x(r.get('disk_write_ratio'))} "
+                     f"| {fmt_x(r.get('bytes_fetched_ratio'))} | {fmt_x(r.get('mem_peak_ratio'))} "
+                     f"| {fmt_x(r.get('fetched_over_read'))} |")
     goals = results.get("goals") or {}
     if goals:
         variants = [v for v in ORDER if v in goals] + [v for v in goals if v not in ORDER]
@@ -111,7 +116,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
                 g = goals[v].get(k, {})
                 target = g.get("target", target)
                 mark = {True: " (met)", False: " (**missed**)", None: ""}[g.get("met")]
-                cells.append(f"{_x(g.get('value'))}{mark}")
+                cells.append(f"{fmt_x(g.get('value'))}{mark}")
             lines.append(f"| {names[k]} | {target} | " + " | ".join(cells) + " |")
     gc = results.get("goals_containerd") or {}
     if gc:
@@ -125,19 +130,19 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
         for k, label in names.items():
             g = gc.get(k, {})
             mark = {True: " (met)", False: " (**missed**)", None: ""}[g.get("met")]
-            lines.append(f"| {label} | {_x(g.get('value'))}{mark} | {g.get('target', '')} |")
+            lines.append(f"| {label} | {fmt_x(g.get('value'))}{mark} | {g.get('target', '')} |")
     lines += _load_lines(results)
     lines += _disk_lines(results)
     if rs:
         lines += ["", f"What the tasks read (union over the burst, 4 KiB pages, measured with readahead off): "
-                  f"{_mb(rs.get('read_bytes'))} MB of {_mb(rs.get('content_bytes'))} MB of file data "
+                  f"{fmt_mb(rs.get('read_bytes'))} MB of {fmt_mb(rs.get('content_bytes'))} MB of file data "
                   f"({100 * (rs.get('read_fraction') or 0):.1f}%).", "",
                   "| layer | files | content (MB) | files read | read (MB) | read % |",
                   "|---|---:|---:|---:|---:|---:|"]
         for layer, v in (rs.get("layers") or {}).items():
             pct = 100 * v["read_bytes"] / v["content_bytes"] if v.get("content_bytes") else 0
-            lines.append(f"| {layer} | {v['files']} | {_mb(v['content_bytes'])} | {v['files_read']} "
-                         f"| {_mb(v['read_bytes'])} | {pct:.1f}% |")
+            lines.append(f"| {layer} | {v['files']} | {fmt_mb(v['content_bytes'])} | {v['files_read']} "
+                         f"| {fmt_mb(v['read_bytes'])} | {pct:.1f}% |")
     phases = [(n, cs[n].get("phases_median_s")) for n in contenders_in_order(results)
               if not cs[n].get("skipped") and cs[n].get("phases_median_s")]
     if phases:
@@ -192,8 +197,9 @@ def _disk_lines(results: dict[str, Any]) -> list[str]:
         written = c.get("disk_write_bytes") or 0
         rest = written - layers - index - state - uppers
         procs = b.get("daemon_write_bytes", b.get("agent_write_bytes"))
-        rows.append(f"| {LABELS.get(name, name)} | {_mb(written)} | {_mb(layers)} | {_mb(index)} | {_mb(uppers)} "
-                    f"| {_mb(state)} | {_mb(rest)} | {_mb(procs)} |")
+        rows.append(f"| {LABELS.get(name, name)} | {fmt_mb(written)} | {fmt_mb(layers)} | {fmt_mb(index)} "
+                    f"| {fmt_mb(uppers)} "
+                    f"| {fmt_mb(state)} | {fmt_mb(rest)} | {fmt_mb(procs)} |")
     if not rows:
         return []
     return ["", "Where the node disk writes went (median round; MB allocated at the end of the burst, uppers "

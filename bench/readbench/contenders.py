@@ -95,20 +95,28 @@ def run_promoted(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, ou
         if image is None:
             raise RuntimeError(f"blob {blob} is not complete in the warm cache")
         try:
-            if hot:
-                with erofs_mount(image, im.work) as m:
-                    fn(m)
-            with erofs_mount(image, im.work) as m:
-                if not hot:
-                    drop_caches()
-                c0 = d.counters(blob)
-                out["seconds"], out["bytes"] = timed(fn, m, out)
-                c1 = d.counters(blob)
-                out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
+            c0, c1 = _measure_mounted(image, im, d, blob, fn, hot, out)
             out["daemon_requests"] = c1["requests"] - c0["requests"]  # 0: the daemon is not on the path
         finally:
             unpin(im.warm_cache, blob, PIN_HOLDER)
     return out
+
+
+def _measure_mounted(image: Path, im: Images, d: Any, blob: str, fn: Callable[[Path], int], hot: bool,
+                     out: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    """EROFS on `image` (mounted once first to warm it when `hot`, else with caches dropped): `fn`
+    timed into `out` with the page cache it left; the daemon's counters for `blob` before and after."""
+    if hot:
+        with erofs_mount(image, im.work) as m:
+            fn(m)
+    with erofs_mount(image, im.work) as m:
+        if not hot:
+            drop_caches()
+        c0 = d.counters(blob)
+        out["seconds"], out["bytes"] = timed(fn, m, out)
+        c1 = d.counters(blob)
+        out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
+    return c0, c1
 
 
 def run_fanotify(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, out: dict[str, Any], *,
@@ -131,16 +139,7 @@ def run_fanotify(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, ou
             image = Path(got["path"])
             out["attach_s"] = time.perf_counter() - t0
             try:
-                if hot:
-                    with erofs_mount(image, im.work) as m:
-                        fn(m)
-                with erofs_mount(image, im.work) as m:
-                    if not hot:
-                        drop_caches()
-                    c0 = d.counters(blob)
-                    out["seconds"], out["bytes"] = timed(fn, m, out)
-                    c1 = d.counters(blob)
-                    out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(image)}
+                c0, c1 = _measure_mounted(image, im, d, blob, fn, hot, out)
                 out["fanotify"] = {k: c1[k] - c0[k] for k in c0}
                 out["fanotify"]["events"] = request_json(cache, "GET", "/stats")["fanotify"]["events"]
             finally:
