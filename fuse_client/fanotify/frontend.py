@@ -221,7 +221,7 @@ class FanotifyFrontEnd:
         return PUNCH_GRACE
 
     def _unmark_if_complete(self, a: Attached) -> None:
-        if a.marked and self.group is not None and not a.entry.missing_bytes():
+        if a.marked and self.group is not None and a.entry.complete():
             with self._lock:
                 try:
                     kernel.unmark(self.group, a.path)

@@ -122,6 +122,10 @@ class BlobEntry:
         return sum(chunks[i].length for i, (p, u) in enumerate(zip(self.present, self.unverified, strict=True))
                    if p or u)
 
+    def complete(self) -> bool:
+        """Every chunk present (one scan of the bytearray in C: cheap enough per read event)."""
+        return 0 not in self.present
+
     def missing_bytes(self) -> int:
         chunks = self.cmap.chunks
         return sum(chunks[i].length for i, p in enumerate(self.present) if not p)
