@@ -246,6 +246,16 @@ class Store:
         """The verified payload of a chunk."""
         return chunkobj.decode(self._load("chunks", chunk), chunk)
 
+    def get_chunk_frame(self, chunk: str) -> tuple[bytes, memoryview | None]:
+        """The verified payload of a chunk and, when the store keeps it zstd-compressed, its zstd
+        frame as stored (the one just decompressed to that payload); None for a raw chunk. For a
+        node cache that keeps chunks compressed."""
+        obj = self._load("chunks", chunk)
+        payload = chunkobj.decode(obj, chunk)
+        if chunkobj.HEADER.unpack_from(obj)[2] != chunkobj.COMP_ZSTD:
+            return payload, None
+        return payload, memoryview(obj)[chunkobj.HEADER_SIZE:]
+
     def _load(self, kind: str, ident: str) -> bytes:
         """The object of `kind` named `ident`, refused by the backend if it is larger than any
         such object can be (or not a plain object)."""
