@@ -3,10 +3,17 @@
 - Single-flight: one `Flight` per chunk position, registered in `NodeCache.busy`; every reader of
   that position waits for it. A fetched payload is written to every position of the blob that has
   the same digest, so a chunk is fetched once per blob even when files repeat.
-- Bounded concurrency: a `PriorityLimiter` of `concurrency` slots orders flights demand-first;
-  prefetch additionally holds one of `prefetch_concurrency` tokens (default: three quarters of
-  the slots), so it never occupies more than that many slots, and a demand reader joining a
-  queued prefetch flight raises its priority.
+- The node's cap on store requests in flight: a `PriorityLimiter` of `concurrency` slots, one
+  per store request (a chunk map, a chunk GET, a batched read), urgent before background (chunk
+  maps, metadata and readers' misses before readahead and prefetch; background gets only what
+  urgent work leaves: see `limiter`); prefetch additionally holds one of `prefetch_concurrency`
+  tokens per request it makes, so a long prefetch never has more than that many queued or in
+  flight, and a reader joining a prefetch flight, queued or running, raises its priority.
+- Batched reads: where several chunks of a blob are wanted at once (a read spanning chunks,
+  metadata before a mount, readahead windows, prefetch) and the store's backend reads several
+  objects a request (`Backend.reads_in_batches`: the HTTP service), up to `batch` chunks go in
+  one request (`Backend.load_many`), still one `Flight` per chunk: each is verified, written and
+  committed as its object arrives, and fails alone (a corrupt object fails only its readers).
 - Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Recovered chunks (committed before this process opened the cache, not re-hashed since: see
@@ -29,23 +36,27 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
+from layerstore import chunkobj
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
 from layerstore.retry import RetryPolicy, Schedule
+from layerstore.store import MAX_OBJECT_SIZE
 
+from . import frames
 from .cache import NodeCache
 from .entry import BlobEntry, Flight
 from .errors import CacheIOError
-from .limiter import DEMAND, PREFETCH, PriorityLimiter
+from .limiter import DEMAND, PREFETCH, PriorityLimiter, default_background
 from .stats import Stats
 
 log = logging.getLogger("layerstore.fuse.fetch")
 
-DEFAULT_CONCURRENCY = 16
+DEFAULT_CONCURRENCY = 16  # store requests in flight per node (docs/fuse-client.md, "Fairness")
+DEFAULT_BATCH = 16  # chunks one batched read asks for (the http backend's READ_BATCH)
 DEFAULT_DEADLINE = 10.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
@@ -60,21 +71,43 @@ class ChunkSource(Protocol):
     def get_chunk_map(self, blob: str) -> ChunkMap: ...
 
 
+class Request:
+    """One store request and the slot it holds: a chunk map, one chunk's flight, or a batch of
+    flights (its priority is the highest of theirs)."""
+
+    __slots__ = ("priority", "flights")
+
+    def __init__(self, priority: int, flights: list[Flight]) -> None:
+        self.priority = priority
+        self.flights = flights
+
+
 class Fetcher:
     def __init__(self, store: ChunkSource, cache: NodeCache, stats: Stats, *, nursery: trio.Nursery,
                  concurrency: int = DEFAULT_CONCURRENCY, prefetch_concurrency: int | None = None,
+                 background_busy: int | None = None, batch: int = DEFAULT_BATCH, priorities: bool = True,
                  deadline: float = DEFAULT_DEADLINE) -> None:
+        """`concurrency`: the node's cap on store requests in flight; `prefetch_concurrency`:
+        of which background may hold (default three quarters); `background_busy`: how many
+        background requests may be in flight while urgent ones wait or run (default an eighth);
+        `batch`: chunks a batched read asks for (1: none); `priorities=False`: one FIFO queue
+        for everything (a benchmark's baseline, never the daemon's)."""
         self.store = store
         self.cache = cache
         self.stats = stats
         self.deadline = deadline
+        self.batch = max(1, batch)
         self._nursery = nursery
-        self._slots = PriorityLimiter(concurrency)
+        background = prefetch_concurrency or default_background(concurrency)
+        self.slots = PriorityLimiter(concurrency, background=background, background_busy=background_busy,
+                                     fifo=not priorities)
+        # Worker threads for store calls: as many as slots, so a thread abandoned by a cancelled
+        # flight (it finishes in the background) still counts against the cap.
         self._threads = trio.CapacityLimiter(concurrency)
-        # Prefetch and readahead may hold three quarters of the slots: a sequential reader of a
-        # cold blob needs many fetches in flight (GET latency x bandwidth), and a demand fetch
-        # still finds a free slot at once or gets the next one (demand goes first).
-        self._prefetch = trio.CapacityLimiter(prefetch_concurrency or max(1, concurrency * 3 // 4))
+        # Prefetch and readahead: at most `background` requests queued or in flight, each holding
+        # a token (a prefetch of a whole blob does not queue thousands of flights at once).
+        self._prefetch = trio.CapacityLimiter(background if priorities else concurrency)
+        self._requests: dict[Flight, Request] = {}
         # Every retry of a chunk map or a chunk waits 50 ms doubling to 1 s, until the deadline
         # (of the lookup, or of the read the chunk is for).
         self.retry = RetryPolicy(first=BACKOFF_MIN, cap=BACKOFF_MAX, deadline=deadline, jitter=False)
@@ -109,8 +142,9 @@ class Fetcher:
         try:
             while True:
                 try:
-                    cmap = await trio.to_thread.run_sync(self.store.get_chunk_map, blob, abandon_on_cancel=True,
-                                                         limiter=self._threads)
+                    async with self.slots.hold(Request(DEMAND, [fl])):
+                        cmap = await trio.to_thread.run_sync(self.store.get_chunk_map, blob, abandon_on_cancel=True,
+                                                             limiter=self._threads)
                     break
                 except (NotFound, CorruptObject):
                     raise  # the store's final word on this blob
@@ -141,6 +175,7 @@ class Fetcher:
             return
         if deadline is None:
             deadline = trio.current_time() + self.deadline
+        self._launch(entry, missing, priority)
         if len(missing) == 1:
             await self._ensure_one(entry, missing[0], priority, deadline)
             return
@@ -181,9 +216,10 @@ class Fetcher:
         key = (entry.blob, idx)
         fl = self.cache.busy.get(key)
         if fl is None:
-            fl = self._launch(entry, idx, priority)
+            self._launch(entry, [idx], priority)
+            fl = self.cache.busy[key]
         elif priority < fl.priority:
-            fl.priority = priority
+            self._raise_priority(fl, priority)
         with trio.move_on_at(deadline):
             await fl.done.wait()
         if not fl.done.is_set():
@@ -191,22 +227,62 @@ class Fetcher:
         if fl.error is not None and fl.kind == "fetch":
             raise _copy(fl.error)
 
-    def _launch(self, entry: BlobEntry, idx: int, priority: int) -> Flight:
-        blob, busy = entry.blob, self.cache.busy
-        digest = entry.cmap.chunks[idx].digest
-        positions = [i for i in entry.positions(digest)
-                     if i == idx or (not entry.present[i] and (blob, i) not in busy)]
-        fl = Flight(priority, "fetch")
-        for i in positions:
-            busy[(blob, i)] = fl
-        self._nursery.start_soon(self._fly, entry, positions, digest, fl)
-        return fl
+    def _raise_priority(self, fl: Flight, priority: int) -> None:
+        """A reader joined a flight of lower priority: the flight, and the request it is in
+        (queued or running), count as the reader's from now on."""
+        fl.priority = priority
+        req = self._requests.get(fl)
+        if req is not None and priority < req.priority:
+            req.priority = priority
+            self.slots.reprioritized(req)
 
-    async def _fly(self, entry: BlobEntry, positions: list[int], digest: str, fl: Flight) -> None:
+    def _launch(self, entry: BlobEntry, idxs: Sequence[int], priority: int) -> None:
+        """A flight for each chunk of `idxs` neither present nor in flight (one per digest: its
+        other absent, idle positions are written too), in requests: batches of up to `batch`
+        chunks when the backend reads in batches, else one a chunk."""
+        blob, busy, present = entry.blob, self.cache.busy, entry.present
+        flights: list[tuple[Flight, list[int], str]] = []
+        for idx in idxs:
+            if present[idx] or (blob, idx) in busy:
+                continue
+            digest = entry.cmap.chunks[idx].digest
+            positions = [i for i in entry.positions(digest)
+                         if i == idx or (not present[i] and (blob, i) not in busy)]
+            fl = Flight(priority, "fetch")
+            for i in positions:
+                busy[(blob, i)] = fl
+            flights.append((fl, positions, digest))
+        if not flights:
+            return
+        size = self.batch if len(flights) > 1 and self._batching() else 1
+        # Recovered chunks are re-hashed locally first (`_fly`), never batched.
+        batched = [f for f in flights if size > 1 and not any(entry.unverified[i] for i in f[1])]
+        single = [f for f in flights if size == 1 or any(entry.unverified[i] for i in f[1])]
+        groups = [batched[k:k + size] for k in range(0, len(batched), size)]
+        single += [g[0] for g in groups if len(g) == 1]
+        for fl, positions, digest in single:
+            req = self._requests[fl] = Request(priority, [fl])
+            self._nursery.start_soon(self._fly, entry, positions, digest, fl, req)
+        for group in groups:
+            if len(group) == 1:
+                continue
+            req = Request(priority, [f[0] for f in group])
+            for fl, _p, _d in group:
+                self._requests[fl] = req
+            self._nursery.start_soon(self._fly_batch, entry, group, req)
+
+    def _batching(self) -> bool:
+        if self.batch < 2:
+            return False
+        backend = getattr(self.store, "backend", None)
+        return backend is not None and bool(getattr(backend, "reads_in_batches", False)) \
+            and hasattr(self.store, "chunk_key")
+
+    async def _fly(self, entry: BlobEntry, positions: list[int], digest: str, fl: Flight, req: Request) -> None:
         blob = entry.blob
         ref = entry.cmap.chunks[positions[0]]
         try:
-            async with self._slots.hold(fl):
+            async with self.slots.hold(req):
                 t0 = time.perf_counter()
                 prio = fl.priority
                 if any(entry.unverified[i] for i in positions):
@@ -223,46 +299,126 @@ class Fetcher:
                 # then never writes to a closed entry (`BlobEntry.io_lock`).
                 await trio.to_thread.run_sync(self._get_and_write, entry, positions, digest, ref.length,
                                               abandon_on_cancel=True, limiter=self._threads)
-                self.cache.commit(entry, positions)
-                self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other")).observe(time.perf_counter() - t0)
-                bs = self.stats.blob(blob, entry.size)
-                bs.fetched_bytes += ref.length
-                bs.fetches += 1
-        except CacheIOError as e:  # the cache's own disk failed: report, never serve
+                self._fetched(entry, positions, prio, t0)
+        except Exception as e:
+            fl.error = self._failed(blob, positions[0], digest, e)
+        finally:
+            self._land(blob, positions, fl)
+
+    def _failed(self, blob: str, idx: int, digest: str, e: Exception) -> LayerstoreError:
+        """Count and log one chunk's failure; the error its readers see."""
+        if isinstance(e, CacheIOError):  # the cache's own disk failed: report, never serve
             self.cache.write_failed(e.errno_value)
             self.stats.cache_write_failures += 1
-            log.error("blob %s chunk %d: %s", blob, positions[0], e)
-            fl.error = e
-        except CorruptObject as e:
+            log.error("blob %s chunk %d: %s", blob, idx, e)
+            return e
+        if isinstance(e, CorruptObject):
             self.stats.corrupt_chunks += 1
-            log.error("corrupt chunk: blob %s chunk %d (%s) failed verification, not served: %s",
-                      blob, positions[0], digest, e)
-            fl.error = e
-        except LayerstoreError as e:
-            self._store_error(f"blob {blob} chunk {positions[0]}", e)
-            fl.error = e
-        except Exception as e:  # the cache's own disk failed: report, never serve
-            log.exception("blob %s chunk %d: cannot write to the cache", blob, positions[0])
-            fl.error = StoreUnavailable(f"blob {blob} chunk {positions[0]}: cache write failed: {e}")
+            log.error("corrupt chunk: blob %s chunk %d (%s) failed verification, not served: %s", blob, idx, digest, e)
+            return e
+        if isinstance(e, LayerstoreError):
+            self._store_error(f"blob {blob} chunk {idx}", e)
+            return e
+        log.error("blob %s chunk %d: cannot write to the cache: %s", blob, idx, e)
+        return StoreUnavailable(f"blob {blob} chunk {idx}: cache write failed: {e}")
+
+    def _land(self, blob: str, positions: list[int], fl: Flight) -> None:
+        """The flight is over (done or failed): no longer busy, its waiters woken."""
+        busy = self.cache.busy
+        for i in positions:
+            if busy.get((blob, i)) is fl:
+                del busy[(blob, i)]
+        self._requests.pop(fl, None)
+        fl.done.set()
+
+    def _fetched(self, entry: BlobEntry, positions: list[int], prio: int, t0: float) -> None:
+        self.cache.commit(entry, positions)
+        self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other")).observe(time.perf_counter() - t0)
+        bs = self.stats.blob(entry.blob, entry.size)
+        bs.fetched_bytes += entry.cmap.chunks[positions[0]].length
+        bs.fetches += 1
+
+    async def _fly_batch(self, entry: BlobEntry, group: list[tuple[Flight, list[int], str]], req: Request) -> None:
+        """One batched read for several flights; each flight lands as its object arrives
+        (verified, written, committed on the trio thread), or fails alone."""
+        blob = entry.blob
+        left = {id(fl): (fl, positions, digest) for fl, positions, digest in group}
+        try:
+            async with self.slots.hold(req):
+                t0 = time.perf_counter()
+                prio = req.priority
+                token = trio.lowlevel.current_trio_token()
+
+                def land(fl: Flight, outcome: Exception | None) -> None:  # on the trio thread
+                    item = left.pop(id(fl), None)
+                    if item is None:
+                        return
+                    _fl, positions, digest = item
+                    try:
+                        if outcome is None:
+                            self._fetched(entry, positions, prio, t0)
+                    except Exception as e:  # noqa: BLE001 - the cache's commit: that chunk's failure
+                        outcome = e
+                    if outcome is not None:
+                        fl.error = self._failed(blob, positions[0], digest, outcome)
+                    self._land(blob, positions, fl)
+
+                await trio.to_thread.run_sync(self._load_many_and_write, entry, group, land, token,
+                                              abandon_on_cancel=True, limiter=self._threads)
+        except Exception as e:
+            for fl, positions, digest in list(left.values()):
+                left.pop(id(fl))
+                fl.error = self._failed(blob, positions[0], digest, e)
+                self._land(blob, positions, fl)
         finally:
-            busy = self.cache.busy
-            for i in positions:
-                if busy.get((blob, i)) is fl:
-                    del busy[(blob, i)]
-            fl.done.set()
+            for fl, positions, _digest in list(left.values()):  # cancelled: the waiters retry
+                fl.error = StoreUnavailable(f"blob {blob} chunk {positions[0]}: fetch cancelled")
+                self._land(blob, positions, fl)
+
+    def _load_many_and_write(self, entry: BlobEntry, group: list[tuple[Flight, list[int], str]],
+                             land: object, token: trio.lowlevel.TrioToken) -> None:
+        """Worker thread: one `load_many` of the group's chunk objects; each is verified and
+        decompressed (`chunkobj.decode`), checked against the chunk map's length and written at
+        its positions as it arrives, then handed to `land` on the trio thread."""
+        store: Any = self.store
+        by_key = {store.chunk_key(digest): (fl, positions, digest) for fl, positions, digest in group}
+        try:
+            answers = store.backend.load_many(list(by_key), max_size=MAX_OBJECT_SIZE["chunks"])
+            for key, value in answers:
+                fl, positions, digest = by_key[key]
+                outcome: Exception | None = None
+                try:
+                    if isinstance(value, Exception):
+                        raise value
+                    payload = chunkobj.decode(value, digest)
+                    length = entry.cmap.chunks[positions[0]].length
+                    if len(payload) != length:
+                        raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
+                    _write(entry, positions, payload, frames.frame_of(value) if entry.stored is not None else None)
+                except LayerstoreError as e:
+                    outcome = e
+                trio.from_thread.run_sync(land, fl, outcome, trio_token=token)  # type: ignore[arg-type]
+        except trio.RunFinishedError:
+            return
+        except LayerstoreError:
+            raise
+        except Exception as e:  # a backend's unexpected failure: the store is not answering properly
+            raise _as_store_error(e) from None
 
     def _get_and_write(self, entry: BlobEntry, positions: list[int], digest: str, length: int) -> None:
         """Worker thread: the chunk from the store (verified), written at every position. Touches
         no shared state: `entry.fd` and the chunk map are immutable while the entry lives."""
         try:
-            payload = self.store.get_chunk(digest)
+            # A zstd node cache keeps the store's verified frame (`frames`); a plain one the payload.
+            get_frame = getattr(self.store, "get_chunk_frame", None) if entry.stored is not None else None
+            payload, frame = get_frame(digest) if get_frame is not None else (self.store.get_chunk(digest), None)
         except LayerstoreError:
             raise
         except Exception as e:  # a backend's unexpected failure: the store is not answering properly
             raise _as_store_error(e) from None
         if len(payload) != length:
             raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
-        _write(entry, positions, payload)
+        _write(entry, positions, payload, frame)
 
     def _store_error(self, what: str, err: LayerstoreError) -> None:
         self.stats.store_errors += 1
@@ -289,10 +445,15 @@ class Fetcher:
         self._nursery.start_soon(self.prefetch, entry, idxs)
 
     async def prefetch(self, entry: BlobEntry, idxs: Sequence[int]) -> tuple[int, int]:
-        """Fetch chunks in the given order below demand priority. Returns (done, failed)."""
-        done = failed = 0
+        """Fetch chunks in the given order below demand priority. Returns (done, failed).
 
-        async def one(i: int, token: object) -> None:
+        One prefetch token per store request: a batch of up to `batch` chunks where the backend
+        reads in batches, else one chunk. A reader that needs one of these chunks meanwhile
+        joins its flight (and raises it, with its whole request, to urgent)."""
+        done = failed = 0
+        size = self.batch if self._batching() else 1
+
+        async def one(i: int) -> None:
             nonlocal done, failed
             try:
                 await self._ensure_one(entry, i, PREFETCH, trio.current_time() + self.deadline)
@@ -300,22 +461,40 @@ class Fetcher:
             except LayerstoreError as e:
                 failed += 1
                 log.debug("prefetch of blob %s chunk %d failed: %s", entry.blob, i, e)
+
+        async def request(group: list[int], token: object) -> None:
+            try:
+                async with trio.open_nursery() as inner:
+                    for i in group:
+                        inner.start_soon(one, i)
             finally:
                 self._prefetch.release_on_behalf_of(token)
 
+        todo = [i for i in idxs if not entry.present[i]]
         async with trio.open_nursery() as nursery:
-            for i in idxs:
-                if entry.present[i]:
-                    continue
+            k = 0
+            while k < len(todo):
                 token = object()
                 await self._prefetch.acquire_on_behalf_of(token)
-                nursery.start_soon(one, i, token)
+                # What is still missing once a token is free: earlier requests may have fetched
+                # some of it (repeated digests), readers others.
+                group: list[int] = []
+                while k < len(todo) and len(group) < size:
+                    if not entry.present[todo[k]]:
+                        group.append(todo[k])
+                    k += 1
+                if not group:
+                    self._prefetch.release_on_behalf_of(token)
+                    continue
+                self._launch(entry, group, PREFETCH)
+                nursery.start_soon(request, group, token)
         return done, failed
 
 
-def _write(entry: BlobEntry, positions: list[int], payload: bytes) -> None:
+def _write(entry: BlobEntry, positions: list[int], payload: bytes,
+           frame: bytes | memoryview | None = None) -> None:
     try:
-        entry.write_sync(positions, payload)
+        entry.write_sync(positions, payload, frame)
     except OSError as e:
         raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}", e.errno) from None
 

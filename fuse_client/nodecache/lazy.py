@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from layerstore.errors import BadInput, LayerstoreError
 
 from .cache import NodeCache
 from .entry import BlobEntry
-from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
+from .fetcher import DEFAULT_BATCH, DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
 from .reader import DEFAULT_READAHEAD, MetadataHook, Reader
 from .stats import Stats
 from .trace import TraceRecorder
@@ -36,9 +37,12 @@ class LazyCache:
     def __init__(self, cache: NodeCache, store: ChunkSource, *, nursery: trio.Nursery, stats: Stats | None = None,
                  trace: TraceRecorder | None = None, concurrency: int = DEFAULT_CONCURRENCY,
                  deadline: float = DEFAULT_DEADLINE, readahead: int = DEFAULT_READAHEAD,
-                 guard: Callable[[str], Awaitable[None]] | None = None) -> None:
+                 guard: Callable[[str], Awaitable[None]] | None = None, batch: int | None = None) -> None:
         """`nursery`: where fetches run (a reader giving up must not cancel a fetch that others
-        wait for); `readahead`: the largest window of a sequential stream, in chunks (0: none);
+        wait for); `concurrency`: the node's cap on store requests in flight; `batch`: chunks
+        one batched read asks for where the store reads in batches (default
+        `LAYERSTORE_FETCH_BATCH`, else 16; 1: one request a chunk);
+        `readahead`: the largest window of a sequential stream, in chunks (0: none);
         `guard(blob)`: awaited before the cache relies on a blob for a lookup, a prefetch or a pin
         (the node lease's `NodeLease.guard`: docs/gc.md, the node side); reads of open files skip it."""
         self.cache = cache
@@ -46,7 +50,10 @@ class LazyCache:
         self.stats = stats if stats is not None else Stats(gauges=cache.gauges)
         self.trace = trace
         self.readahead = readahead
-        self.fetcher = Fetcher(store, cache, self.stats, nursery=nursery, concurrency=concurrency, deadline=deadline)
+        if batch is None:
+            batch = fetch_batch_from_env()
+        self.fetcher = Fetcher(store, cache, self.stats, nursery=nursery, concurrency=concurrency, deadline=deadline,
+                               batch=batch)
 
     # -- blobs ---------------------------------------------------------------------------------
     async def entry(self, blob: str) -> BlobEntry:
@@ -129,6 +136,16 @@ class LazyCache:
                 log.error("pinned blob %s: %d chunk(s) changed on disk since they were verified; fetching them again",
                           blob, len(bad))
                 await self.fetcher.prefetch(entry, bad)
+
+
+def fetch_batch_from_env() -> int:
+    """`LAYERSTORE_FETCH_BATCH` (chunks a batched read asks for; 1 turns batching off), else 16."""
+    raw = os.environ.get("LAYERSTORE_FETCH_BATCH", "")
+    try:
+        return max(1, int(raw)) if raw.strip() else DEFAULT_BATCH
+    except ValueError:
+        log.warning("LAYERSTORE_FETCH_BATCH=%r is not a number: batches of %d", raw, DEFAULT_BATCH)
+        return DEFAULT_BATCH
 
 
 def prefetch_order(cmap: ChunkMap, metadata: list[int], *, chunks: list[Any] | None = None,

@@ -17,7 +17,9 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
   The garbage collector keeps objects younger than its grace period by this time.
 - `load_many(keys, max_size=)`: several whole objects, each `(key, bytes)` or `(key, the
   LayerstoreError a load of it raised)`, in the order given; one request for many where the
-  backend has it (HTTP: the service's batched read), else one `load` each.
+  backend has it (HTTP: the service's batched read), else one `load` each. `reads_in_batches`
+  says which: callers that would rather spread single loads over threads (the node daemon's
+  fetcher) batch only where it is True.
 - `delete_many(keys)`: remove many objects, in batches where the backend has them (S3
   DeleteObjects); a key that is already gone is not an error. Returns how many were removed.
 - `replace_if(key, data, expected)`: compare-and-swap of a mutable object (a tag): replace it
@@ -100,6 +102,13 @@ class Backend(ABC):
                 yield key, self.load(key, max_size=max_size)
             except LayerstoreError as e:
                 yield key, e
+
+    @property
+    def reads_in_batches(self) -> bool:
+        """Does `load_many` read several objects a request here? True for a backend that
+        overrides it, unless it says it turned batching off (`batched = False`: an HTTP service
+        without batched reads)."""
+        return type(self).load_many is not Backend.load_many and bool(getattr(self, "batched", True))
 
     def delete_many(self, keys: Iterable[str]) -> int:
         """Remove every object of `keys` that exists; returns how many this call removed."""

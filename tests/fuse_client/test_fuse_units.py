@@ -52,8 +52,9 @@ async def test_limiter_serves_by_priority_then_arrival_and_boosts() -> None:
             nursery.start_soon(waiter, name)
             await trio.testing.wait_all_tasks_blocked()
         owners["p3"].priority = DEMAND  # a demand reader joined p3's flight
+        lim.reprioritized(owners["p3"])
         assert lim.waiting == 4 and lim.in_use == 1
-        lim.release()
+        lim.release(holder)
     assert order == ["d1", "p3", "p1", "p2"]
     assert lim.in_use == 0
 
@@ -61,11 +62,12 @@ async def test_limiter_serves_by_priority_then_arrival_and_boosts() -> None:
 @pytest.mark.trio
 async def test_limiter_cancelled_waiter_gives_its_slot_back() -> None:
     lim = PriorityLimiter(1)
-    await lim.acquire(Owner(0))
+    first = Owner(0)
+    await lim.acquire(first)
     with trio.move_on_after(0.01):
         await lim.acquire(Owner(0))
     assert lim.waiting == 0
-    lim.release()
+    lim.release(first)
     assert lim.in_use == 0
     with pytest.raises(ValueError):
         PriorityLimiter(0)
