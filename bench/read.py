@@ -16,6 +16,14 @@ Contenders (EROFS is mounted with mount(2), file-backed, no loop device; `_dio`:
 - `promoted` ("layerstore warm, promoted"): the same warm node cache, the blob pinned through the
   daemon (`fuse_client.control.pin`) and EROFS mounted file-backed, buffered, on the pinned cache
   data file, as the runtime shim does for complete blobs: no FUSE hop at all;
+- `fanotify_warm`, `fanotify_partial`, `fanotify_cold` (docs/fanotify.md): EROFS mounted buffered
+  on the node cache's data file, attached (marked, metadata filled), the daemon started with
+  LAYERSTORE_DATA_PATH=fanotify and filling missing chunks on pre-content events. warm: the warm
+  cache (complete: the mark goes after the first events); partial: every chunk but the blob's last
+  data chunk (the mark stays, every read raises an event answered from the cache, until the
+  workload reaches that chunk); cold: an empty cache and the local store, as `fuse_cold`.
+  Goals: warm and partial at least 0.97x of erofs_local, cold daemon CPU per GB fetched at most
+  half of fuse_cold's (`cold_cpu_<workload>`), the same from S3 (`cold_cpu_s3_<link>`);
 - `source`: the plain directory the images were built from;
 - `erofsfuse` (erofs-utils): reported as unavailable (see UNAVAILABLE).
 
@@ -40,7 +48,8 @@ alone, called without a kernel (the daemon's Python share).
 
 S3 (`--s3`, default on): cold sequential read of an image in an S3 store on a local Ceph RGW
 (testkit.ceph_cluster) against the store's own parallel GET bandwidth (16 threads, the daemon's
-fetch concurrency), both measured in every round; first over loopback (RGW, the OSD and the
+fetch concurrency), both measured in every round, and the same cold read on the fanotify path (daemon CPU per GB
+against the FUSE path's); first over loopback (RGW, the OSD and the
 daemon share the 2 CPUs, no network limit), then over a shaped link, as a store is reached on a
 real node: RGW in a network namespace behind a veth pair with a tbf rate limit
 (bench/burst/netlink.py, bench/burst/cephstore.py), at each rate of `--s3-rates` (default 1 and
@@ -89,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated subset of " + ",".join(spec.CONTENDERS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
     ap.add_argument("--hot", action=argparse.BooleanOptionalAction, default=True, help="the all-in-page-cache section")
+    ap.add_argument("--hit-path", action=argparse.BooleanOptionalAction, default=True,
+                    help="the cost of one FUSE request on the cache-hit path")
     ap.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for the daemon (e.g. for profiling)")
     ap.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class Images:
     blobs: dict[str, str]
     warm_cache: Path
     daemon_env: dict[str, str]
+    partial: dict[str, list[int]] = field(default_factory=dict)  # blob -> the chunks a partly cached cache holds
 
 
 def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> dict[str, Any]:
@@ -57,8 +58,8 @@ def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> 
     blob = im.blobs[tree]
     if kind == "promoted":
         return run_promoted(im, blob, fn, hot, out)
-    if kind in ("fanotify_warm", "fanotify_cold"):
-        return run_fanotify(im, blob, fn, hot, out, cold=kind == "fanotify_cold")
+    if kind.startswith("fanotify_"):
+        return run_fanotify(im, blob, fn, hot, out, state=kind.removeprefix("fanotify_"))
     cold = kind == "fuse_cold"
     cache = im.work / "cache-cold" if cold else im.warm_cache
     if cold:
@@ -120,18 +121,24 @@ def _measure_mounted(image: Path, im: Images, d: Any, blob: str, fn: Callable[[P
 
 
 def run_fanotify(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, out: dict[str, Any], *,
-                 cold: bool) -> dict[str, Any]:
+                 state: str) -> dict[str, Any]:
     """EROFS on the node cache's data file, attached (docs/fanotify.md: marked, metadata filled;
-    the daemon fills the rest on pre-content events), buffered; warm: the warm node cache (the
-    mark goes once the daemon sees the blob complete), cold: an empty one."""
+    the daemon fills the rest on pre-content events), buffered. `state`: warm (the warm node
+    cache: the mark goes once the daemon sees the blob complete), partial (every chunk but the
+    blob's last data chunk, fetched into a fresh cache before the mount: the mark stays, so every
+    read raises an event answered from the cache, until the workload reaches that chunk), cold
+    (an empty cache: every chunk fetched on events)."""
     from fuse_client.control import attach, detach
 
-    cache = im.work / "cache-cold-fan" if cold else im.warm_cache
-    if cold:
+    cache = im.warm_cache if state == "warm" else im.work / f"cache-{state}-fan"
+    if state != "warm":
         shutil.rmtree(cache, ignore_errors=True)
     env = {**im.daemon_env, "LAYERSTORE_DATA_PATH": "fanotify"}
     try:
         with daemon(im.store, cache, im.work / "mnt-fuse", im.work / "daemon.log", env) as d:
+            if state == "partial":
+                request_json(cache, "POST", "/prefetch", {"blob": blob, "chunks": im.partial[blob], "wait": True},
+                             timeout=None)
             t0 = time.perf_counter()
             got = attach(cache, blob, PIN_HOLDER)
             if got is None:
@@ -139,12 +146,15 @@ def run_fanotify(im: Images, blob: str, fn: Callable[[Path], int], hot: bool, ou
             image = Path(got["path"])
             out["attach_s"] = time.perf_counter() - t0
             try:
+                f0 = request_json(cache, "GET", "/stats")["fanotify"]
                 c0, c1 = _measure_mounted(image, im, d, blob, fn, hot, out)
+                f1 = request_json(cache, "GET", "/stats")["fanotify"]
                 out["fanotify"] = {k: c1[k] - c0[k] for k in c0}
-                out["fanotify"]["events"] = request_json(cache, "GET", "/stats")["fanotify"]["events"]
+                out["fanotify"].update({k: f1[k] - f0[k] for k in ("events", "fast_allowed", "filled", "denied")})
+                out["fanotify"]["marked_at_end"] = bool(f1["attached"].get(blob, {}).get("marked"))
             finally:
                 detach(cache, blob, PIN_HOLDER)
     finally:
-        if cold:
+        if state != "warm":
             shutil.rmtree(cache, ignore_errors=True)
     return out

@@ -64,7 +64,8 @@ def daemon(store: str, cache: Path, mnt: Path, log: Path, env: dict[str, str] | 
         end = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {proc.returncode}; see {log}")
+                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+                raise RuntimeError(f"daemon exited with {proc.returncode}; {log} ends with:\n" + "\n".join(tail))
             if linux.is_mount(mnt):
                 with contextlib.suppress(DaemonNotRunning, OSError):
                     request_json(cache, "GET", "/stats", timeout=5)

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import spec
 from .probes import read_ahead_of
-from .spec import GOALS, REFERENCE, S3_GOAL, SMALL_SOURCE, UNAVAILABLE, MiB
+from .spec import COLD_CPU_GOAL, GOALS, REFERENCE, S3_GOAL, SMALL_SOURCE, UNAVAILABLE, MiB
 
 Raw = dict[str, dict[str, list[dict[str, Any]]]]  # workload -> contender -> one sample per round
 
@@ -28,6 +28,9 @@ NOTES = [
     "process's utime+stime during the run (10 ms ticks); main thread: schedstat of the trio thread",
     "reader_thread_ms / daemon_main_thread_ms: time on a CPU and time runnable but waiting for one "
     "(schedstat): on a shared machine every FUSE round trip adds two wake-ups that may wait",
+    "fanotify: events the daemon saw during the run (fast_allowed: answered in its event thread, every "
+    "chunk present; filled: after a fetch), its CPU per GB fetched; marked_at_end: the blob still marked "
+    "(partial: the last data chunk not reached, or reached late)",
     "page_cache_MiB after the run: erofs = EROFS's own page cache (all files), backing = the image file "
     "or the FUSE blob file, node_cache_file = the node cache's data file of the blob",
 ]
@@ -55,7 +58,33 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
                                  for k in samples[0]["memory"]}
     if "fuse" in samples[0]:
         out["fuse"] = summarize_fuse([s["fuse"] for s in samples])
+    if "fanotify" in samples[0]:
+        out["fanotify"] = summarize_fanotify([s["fanotify"] for s in samples])
     return out
+
+
+def summarize_fanotify(f: list[dict[str, Any]]) -> dict[str, Any]:
+    """The daemon's side of a fanotify run: events (answered in the event thread, after a fill,
+    denied), bytes fetched, its CPU time (and per GB fetched: the cold goal)."""
+    fetched = statistics.median(x["fetched"] for x in f)
+    cpu = statistics.median(x["cpu_s"] for x in f)
+    return {
+        **{k: statistics.median(x[k] for x in f) for k in ("events", "fast_allowed", "filled", "denied")},
+        "marked_at_end": [x["marked_at_end"] for x in f],
+        "fetched_MiB": round(fetched / MiB, 1),
+        "daemon_cpu_s": round(cpu, 3),
+        "daemon_cpu_s_per_GB_fetched": round(cpu / fetched * 1e9, 3) if fetched else None,
+    }
+
+
+def cold_cpu_per_gb(r: dict[str, Any]) -> float | None:
+    """The daemon's CPU seconds per GB fetched of a cold contender's summary (FUSE or fanotify)."""
+    if "fuse" in r:
+        f = r["fuse"]
+        return f["daemon_cpu_s"] / (f["fetched_MiB"] * MiB) * 1e9 if f["fetched_MiB"] else None
+    if "fanotify" in r:
+        return r["fanotify"]["daemon_cpu_s_per_GB_fetched"]
+    return None
 
 
 def summarize_fuse(f: list[dict[str, Any]]) -> dict[str, Any]:
@@ -98,8 +127,23 @@ def figures(rw: Raw) -> tuple[dict[str, Any], dict[str, Any]]:
     return res, {w: ratios(res[w], rw[w]) for w in res}
 
 
-def goals(ratio: dict[str, Any], s3: dict[str, Any] | None, s3_rates: list[float]) -> dict[str, Any]:
+def goals(ratio: dict[str, Any], s3: dict[str, Any] | None, s3_rates: list[float],
+          results: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for w, per in (results or {}).items():  # cold: the daemon's CPU per GB fetched, fanotify vs FUSE
+        fuse, fan = per.get("fuse_cold"), per.get("fanotify_cold")
+        a, b = (cold_cpu_per_gb(fuse), cold_cpu_per_gb(fan)) if fuse and fan else (None, None)
+        if a and b is not None:
+            out[f"cold_cpu_{w}"] = {"need_at_most": COLD_CPU_GOAL, "fuse_cpu_s_per_GB": round(a, 3),
+                                    "fanotify_cpu_s_per_GB": round(b, 3), "fraction": round(b / a, 3),
+                                    "met": b / a <= COLD_CPU_GOAL}
+    for label, link in (s3 or {}).get("links", {}).items():
+        cpu = link["cpu_s_per_GB_median"]
+        if "fanotify_cold_cpu_s_per_GB" in cpu:
+            a, b = cpu["cold_cpu_s_per_GB"]["daemon"], cpu["fanotify_cold_cpu_s_per_GB"]["daemon"]
+            out[f"cold_cpu_s3_{label}"] = {"need_at_most": COLD_CPU_GOAL, "fuse_cpu_s_per_GB": a,
+                                           "fanotify_cpu_s_per_GB": b, "fraction": round(b / a, 3) if a else None,
+                                           "met": bool(a) and b / a <= COLD_CPU_GOAL}
     goal_table = dict(GOALS)
     for rate in s3_rates:
         goal_table[f"cold_s3_{rate:g}mbit"] = ("s3", f"{rate:g}mbit", S3_GOAL)

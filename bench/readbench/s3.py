@@ -45,6 +45,42 @@ def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path, ceph_pids
     return out
 
 
+def cold_s3_read_fanotify(url: str, env: dict[str, str], blob: str, work: Path, ceph_pids: dict[str, int],
+                          link: Any = None) -> dict[str, Any]:
+    """The same cold read on the fanotify data path (docs/fanotify.md): a fresh daemon with
+    LAYERSTORE_DATA_PATH=fanotify and an empty cache, EROFS mounted buffered on the attached cache
+    file, every chunk fetched on pre-content events."""
+    from fuse_client.control import attach, detach
+
+    cache = work / "cache-s3-fan"
+    shutil.rmtree(cache, ignore_errors=True)
+    try:
+        with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log",
+                    {**env, "LAYERSTORE_DATA_PATH": "fanotify"}) as d:
+            got = attach(cache, blob, "bench-read-s3")
+            if got is None:
+                raise RuntimeError("the daemon does not serve the fanotify data path here")
+            try:
+                with erofs_mount(Path(got["path"]), work) as m:
+                    drop_caches()
+                    meter = CpuMeter(ceph_pids, d.pid)
+                    c0, m0 = d.counters(blob), meter.sample()
+                    l0 = link.counters() if link is not None else None
+                    secs, nbytes = timed(seq_read, m)
+                    c1, m1 = d.counters(blob), meter.sample()
+                    l1 = link.counters() if link is not None else None
+            finally:
+                detach(cache, blob, "bench-read-s3")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    out = {"fanotify_cold_s3_MBps": nbytes / secs / 1e6,
+           "fanotify_fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6,
+           "fanotify_cold_cpu_s_per_GB": CpuMeter.per_gb(m0, m1, nbytes)}
+    if l0 is not None and l1 is not None:
+        out["fanotify_cold_link_MB"] = (l1.rx_bytes - l0.rx_bytes) / 1e6
+    return out
+
+
 def s3_rounds(label: str, url: str, env: dict[str, str], layer: Any, ceph_pids: dict[str, int], reps: int,
               work: Path, link: Any = None) -> dict[str, Any]:
     """`reps` rounds, each: the store's own parallel GET rate (16 threads, the daemon's fetch
@@ -75,14 +111,19 @@ def s3_rounds(label: str, url: str, env: dict[str, str], layer: Any, ceph_pids: 
                 get_chunk_bps, _, _ = get_pass(store.get_chunk, digests)
                 r = {"parallel_get_MBps": get_bps / 1e6, "parallel_get_chunk_MBps": get_chunk_bps / 1e6,
                      "get_cpu_s_per_GB": get_cpu,
-                     **cold_s3_read(url, env, layer.blob, work, ceph_pids, link)}
+                     **cold_s3_read(url, env, layer.blob, work, ceph_pids, link),
+                     **cold_s3_read_fanotify(url, env, layer.blob, work, ceph_pids, link)}
                 if link is not None:
                     r["get_link_MB"] = get_link
                 r["ratio"] = r["fuse_cold_s3_MBps"] / r["parallel_get_MBps"]
+                r["fanotify_ratio"] = r["fanotify_cold_s3_MBps"] / r["parallel_get_MBps"]
                 rounds.append(r)
                 print(f"s3 {label}: parallel GET {r['parallel_get_MBps']:.0f} MB/s "
                       f"(GET+verify {r['parallel_get_chunk_MBps']:.0f}); "
-                      f"fuse_cold_s3 seq {r['fuse_cold_s3_MBps']:.0f} MB/s ({r['ratio']:.2f}x); "
+                      f"fuse_cold_s3 seq {r['fuse_cold_s3_MBps']:.0f} MB/s ({r['ratio']:.2f}x, daemon "
+                      f"{r['cold_cpu_s_per_GB']['daemon']:.2f} CPU s/GB); fanotify_cold_s3 "
+                      f"{r['fanotify_cold_s3_MBps']:.0f} MB/s ({r['fanotify_ratio']:.2f}x, daemon "
+                      f"{r['fanotify_cold_cpu_s_per_GB']['daemon']:.2f} CPU s/GB); "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         os.environ.clear()
@@ -94,10 +135,10 @@ def summarize_s3(label: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "link": label,
         "rounds": [{k: ({kk: round(vv, 2) for kk, vv in v.items()} if isinstance(v, dict)
-                        else round(v, 3 if k == "ratio" else 1)) for k, v in r.items()} for r in rounds],
+                        else round(v, 3 if k.endswith("ratio") else 1)) for k, v in r.items()} for r in rounds],
         "cpu_s_per_GB_median": {
             phase: {k: round(statistics.median(r[phase][k] for r in rounds), 2) for k in rounds[0][phase]}
-            for phase in ("get_cpu_s_per_GB", "cold_cpu_s_per_GB")},
+            for phase in ("get_cpu_s_per_GB", "cold_cpu_s_per_GB", "fanotify_cold_cpu_s_per_GB")},
         "parallel_get_MBps_best": round(max(r["parallel_get_MBps"] for r in rounds), 1),
         "parallel_get_MBps_median": round(statistics.median(r["parallel_get_MBps"] for r in rounds), 1),
         "fuse_cold_s3_MBps_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds), 1),
@@ -105,6 +146,9 @@ def summarize_s3(label: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "ratio_best": round(max(r["fuse_cold_s3_MBps"] for r in rounds)
                             / max(r["parallel_get_MBps"] for r in rounds), 3),
         "ratio_paired_median": round(statistics.median(r["ratio"] for r in rounds), 3),
+        "fanotify_cold_s3_MBps_best": round(max(r["fanotify_cold_s3_MBps"] for r in rounds), 1),
+        "fanotify_cold_s3_MBps_median": round(statistics.median(r["fanotify_cold_s3_MBps"] for r in rounds), 1),
+        "fanotify_ratio_paired_median": round(statistics.median(r["fanotify_ratio"] for r in rounds), 3),
         "loadavg_at_end": os.getloadavg(),
     }
 

@@ -39,8 +39,10 @@ def build_images(work: Path, trees: dict[str, Path], store_url: str) -> dict[str
             t0 = time.perf_counter()
             layer = build_layer(dir_entries(src, all_root=True), work / f"{name}.erofs", all_root=True)
             push_layer(store, layer)
+            last_data = max(i for i, r in enumerate(layer.refs) if not r.metadata)
             images[name] = {"blob": layer.blob, "size": layer.size, "chunks": len(layer.refs),
                             "metadata_chunks": sum(r.metadata for r in layer.refs), **tree_stats(src),
+                            "partial_chunks": [i for i in range(len(layer.refs)) if i != last_data],
                             "build_and_push_s": round(time.perf_counter() - t0, 2)}
             print(f"image {name}: {layer.size / MiB:.1f} MiB, {len(layer.refs)} chunks, {images[name]['files']} files",
                   flush=True)
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     images = build_images(work, trees, store_url)
     env = dict(kv.split("=", 1) for kv in args.daemon_env)
     im = Images(store_url, work, trees, {n: work / f"{n}.erofs" for n in trees},
-                {n: v["blob"] for n, v in images.items()}, work / "cache-warm", env)
+                {n: v["blob"] for n, v in images.items()}, work / "cache-warm", env,
+                {v["blob"]: v.pop("partial_chunks") for v in images.values()})
     fill_warm_cache(im)
 
     hot_contenders = [c for c in HOT_CONTENDERS if c in args.contenders] if args.hot else []
@@ -94,14 +97,17 @@ def run(args: argparse.Namespace, work: Path) -> int:
     hot_results, hot_ratio = report.figures(raw_hot) if hot_contenders else ({}, {})
 
     # The cost per FUSE request on the cache-hit path.
-    big = images["big"]
-    with daemon(store_url, im.warm_cache, work / "mnt-hit", work / "daemon.log", env) as d:
-        hit_kernel = hit_path_kernel(d, big["blob"], big["size"])
-    hit_handler = hit_path_handler(store_url, im.warm_cache, big["blob"], big["size"])
-    report.print_hit_path(hit_kernel, hit_handler)
+    hit_kernel: list[dict[str, Any]] = []
+    hit_handler: list[dict[str, Any]] = []
+    if args.hit_path:
+        big = images["big"]
+        with daemon(store_url, im.warm_cache, work / "mnt-hit", work / "daemon.log", env) as d:
+            hit_kernel = hit_path_kernel(d, big["blob"], big["size"])
+        hit_handler = hit_path_handler(store_url, im.warm_cache, big["blob"], big["size"])
+        report.print_hit_path(hit_kernel, hit_handler)
 
     s3 = run_s3(args, work) if args.s3 else None
-    goals = report.goals(ratio, s3, args.s3_rates if args.s3 else [])
+    goals = report.goals(ratio, s3, args.s3_rates if args.s3 else [], results)
     doc = report.document(args, work, env=env, images=images, results=results, ratio=ratio,
                           hot_results=hot_results, hot_ratio=hot_ratio, hit_kernel=hit_kernel,
                           hit_handler=hit_handler, s3=s3, goal_met=goals, load_start=load_start,

@@ -30,12 +30,17 @@ GOALS = {  # (workload or "s3", contender or S3 link, minimum ratio)
     "warm_small_promoted": ("walk_hash", "promoted", 0.9),
     "warm_seq_fanotify": ("seq", "fanotify_warm", 0.97),
     "warm_small_fanotify": ("walk_hash", "fanotify_warm", 0.97),
+    "warm_seq_fanotify_partial": ("seq", "fanotify_partial", 0.97),
+    "warm_small_fanotify_partial": ("walk_hash", "fanotify_partial", 0.97),
     "cold_s3_loopback": ("s3", "loopback", 0.8),
 }
 S3_GOAL = 0.8  # each shaped link's goal (cold_s3_<rate>mbit)
+# The daemon's CPU per GB fetched on a cold read: fanotify at most this fraction of FUSE's (issue 18),
+# from the local store (fuse_cold vs fanotify_cold, per workload) and from S3 (each link).
+COLD_CPU_GOAL = 0.5
 PIN_HOLDER = "bench-read"
 CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted", "fuse_cold",
-              "fuse_cold_dio", "fanotify_warm", "fanotify_cold"]
+              "fuse_cold_dio", "fanotify_warm", "fanotify_partial", "fanotify_cold"]
 HOT_CONTENDERS = ["source", "erofs_local", "erofs_local_dio", "fuse_warm", "fuse_warm_dio", "promoted"]
 HIT_PATH_KERNEL_BLOCKS = ((4096, 20000), (128 * 1024, 4000), (MiB, 1000))  # (read size, reads per pass)
 HIT_PATH_HANDLER_BLOCKS = ((4096, 100000), (128 * 1024, 20000), (MiB, 3000))
