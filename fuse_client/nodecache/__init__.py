@@ -13,7 +13,9 @@ It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the
 - maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `verify`, `evict`, `gc_unused`,
   `pin_blob` / `unpin_blob` / `holders` (durable pins), `pin` / `unpin` (a reader's chunks),
   `gauges`; `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
-- errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`.
+- errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`, `NoPlainImage`.
+- formats (`frames`, fixed per cache directory by `cachedir`): `plain`, or `zstd` (chunks kept as
+  the store's verified frames, decompressed and re-hashed on a read; no direct mounts, no fanotify).
 - in use (`inuse`): `NodeLease`, the lease that reports the node's blobs to the store's
   collector (`LazyCache(guard=NodeLease.guard)`, `rotate`, `release`; docs/gc.md, the node side).
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from .cache import NodeCache, check_holder
     from .cachedir import INDEX_DIR, LOCK_NAME, is_cache_dir, lock_cache_dir, open_cache
     from .entry import BlobEntry
-    from .errors import BlobIncomplete, BlobPinned, CacheBusy, CacheIOError
+    from .errors import BlobIncomplete, BlobPinned, CacheBusy, CacheIOError, NoPlainImage
     from .eviction import DEFAULT_HIGH, DEFAULT_LOW, Budget
     from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
     from .lazy import LazyCache, prefetch_order
@@ -44,6 +46,7 @@ _WHERE = {
     "open_cache": "cachedir",
     "BlobEntry": "entry",
     "BlobIncomplete": "errors", "BlobPinned": "errors", "CacheBusy": "errors", "CacheIOError": "errors",
+    "NoPlainImage": "errors",
     "DEFAULT_HIGH": "eviction", "DEFAULT_LOW": "eviction", "Budget": "eviction",
     "DEFAULT_CONCURRENCY": "fetcher", "DEFAULT_DEADLINE": "fetcher", "ChunkSource": "fetcher", "Fetcher": "fetcher",
     "LazyCache": "lazy", "prefetch_order": "lazy",
@@ -54,7 +57,8 @@ _WHERE = {
 
 __all__ = ["BlobEntry", "BlobIncomplete", "BlobPinned", "Budget", "CacheBusy", "CacheIOError", "ChunkSource",
            "DEFAULT_CONCURRENCY", "DEFAULT_DEADLINE", "DEFAULT_HIGH", "DEFAULT_LOW", "DEFAULT_READAHEAD", "Fetcher",
-           "INDEX_DIR", "LOCK_NAME", "LazyCache", "NodeCache", "Reader", "Stats", "TraceRecorder", "check_holder",
+           "INDEX_DIR", "LOCK_NAME", "LazyCache", "NoPlainImage", "NodeCache", "Reader", "Stats", "TraceRecorder",
+           "check_holder",
            "is_cache_dir", "lock_cache_dir", "open_cache", "parse_trace", "prefetch_order", "write_trace"]
 
 

@@ -38,9 +38,10 @@ from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import BadInput, ConfigError
 
+from . import frames
 from . import index as ci
 from .entry import BlobEntry, Flight
-from .errors import BlobIncomplete, BlobPinned, CacheIOError
+from .errors import BlobIncomplete, BlobPinned, CacheIOError, NoPlainImage
 from .eviction import Budget, Candidate, choose_victims
 from .files import BlobFiles
 from .limiter import DEMAND
@@ -66,8 +67,14 @@ def check_holder(holder: object) -> str:
 
 class NodeCache:
     def __init__(self, root: Path, files: BlobFiles, index: ci.CacheIndex, *, budget: Budget | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, cache_format: str = frames.PLAIN,
+                 lru_bytes: int = frames.DEFAULT_LRU_BYTES) -> None:
         self.root = Path(root)
+        # How chunks are stored (`frames`): fixed for the directory's life (`cachedir`).
+        self.format = cache_format
+        self.compressed = cache_format == frames.ZSTD
+        # Decompressed chunks of a zstd cache (trio thread only); None in a plain cache.
+        self.lru: frames.ChunkLRU | None = frames.ChunkLRU(lru_bytes) if self.compressed else None
         self.files = files
         self.index = index
         self.budget = budget
@@ -124,11 +131,49 @@ class NodeCache:
         entry = self.entries.get(cmap.blob)
         if entry is not None:
             return entry
-        entry = BlobEntry(cmap, self.files.open(cmap.blob, cmap.size))
-        entry.mappable = self.map_files
+        entry = self.new_entry(cmap, self.files.open(cmap.blob, cmap.size))
         self.entries[cmap.blob] = entry
         self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
         return entry
+
+    def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
+        entry = BlobEntry(cmap, fd, compressed=self.compressed)
+        entry.mappable = self.map_files and not self.compressed
+        return entry
+
+    # -- a zstd cache's chunks (`frames`) -------------------------------------------------------
+    def chunk_bytes(self, entry: BlobEntry, i: int) -> bytes:
+        """Trio thread, inline (the read hot path of a zstd cache): present chunk i's plain
+        bytes, from the LRU or read, decompressed and re-hashed (then kept in the LRU). A chunk
+        whose stored bytes do not match is dropped at once (`discard_corrupt`) and
+        `frames.StoredChunkCorrupt` raised: the caller fetches it again or fails the read."""
+        lru = self.lru
+        assert lru is not None and entry.stored is not None
+        key = (entry.blob, i)
+        data = lru.get(key)
+        if data is None:
+            try:
+                data = frames.read_stored(entry.fd, entry.cmap.chunks[i], entry.stored[i], entry.blob, i)
+            except frames.StoredChunkCorrupt as e:
+                self.discard_corrupt(entry, i, str(e))
+                raise
+            lru.put(key, data)
+        return data
+
+    def discard_corrupt(self, entry: BlobEntry, i: int, why: str) -> None:
+        """Trio thread, no await: a present chunk whose stored bytes turned out wrong on a read is
+        no longer served; its record's deletion is queued (no punch: a fetch of it writes the
+        verified bytes over the same range, and its record is queued after this deletion; a
+        crash before that leaves unrecorded bytes, which recovery punches)."""
+        if not entry.present[i]:
+            return
+        entry.present[i] = 0
+        self.usage -= entry.cmap.chunks[i].length
+        self.corrupt_cached_chunks += 1
+        if self.lru is not None:
+            self.lru.discard((entry.blob, i))
+        log.error("cache: %s; dropped, fetched again on the next read", why)
+        self._enqueue([ci.DelChunk(entry.blob, i)])
 
     def disable_mapping(self) -> None:
         """Serve every read with pread, never a mapping of the data files (a front end that
@@ -162,6 +207,9 @@ class NodeCache:
         of the blob are committed (the data synced before them), so the file is the image,
         durably; from then on eviction, `verify` and recovery leave the file's bytes alone."""
         check_holder(holder)
+        if self.compressed:
+            raise NoPlainImage(f"blob {blob}: the node cache {self.root} keeps chunks compressed (format zstd): "
+                               f"it has no plain image file to mount directly; mount the daemon's file of the blob")
         e = self.entries.get(blob)
         if e is None:
             raise BlobIncomplete(f"blob {blob} is not in the node cache", None)
@@ -321,7 +369,7 @@ class NodeCache:
                 entry.present[i] = 1
                 self.usage += chunks[i].length
             entry.last_use[i] = now
-            ops.append(ci.PutChunk(entry.blob, i, now))
+            ops.append(ci.PutChunk(entry.blob, i, now, entry.stored[i] if entry.stored is not None else 0))
         self._enqueue(ops)
         if self.budget is not None and (self._episode or self.usage > self.budget.high):
             self._evict_kick.set()
@@ -710,6 +758,10 @@ class NodeCache:
             "cache_write_failures": self.write_failures,
             "cache_disk_full": self.disk_full,
         }
+        if self.lru is not None:
+            g["cache_decompressed_lru_bytes"] = self.lru.size
+            g["cache_decompressed_lru_hits"] = self.lru.hits
+            g["cache_decompressed_lru_misses"] = self.lru.misses
         if self.budget is not None:
             g["cache_budget_bytes"] = self.budget.size
             g["cache_high_watermark_bytes"] = self.budget.high
@@ -732,7 +784,8 @@ class NodeCache:
                           "complete": held == e.size, "pinned_by": sorted(self.pins.get(blob, ()))})
         pins = [{"blob": blob, "holder": h, "since": since, "path": str(self.files.path(blob).absolute())}
                 for blob, holders in sorted(self.pins.items()) for h, since in sorted(holders.items())]
-        return {"used_bytes": self.usage, "disk_bytes": disk, "pinned_bytes": self.pinned_bytes(), "pins": pins,
+        return {"format": self.format, "used_bytes": self.usage, "disk_bytes": disk,
+                "pinned_bytes": self.pinned_bytes(), "pins": pins,
                 "unverified_bytes": unverified, "verified_chunks": self.verified_chunks,
                 "corrupt_cached_chunks": self.corrupt_cached_chunks, "write_failures": self.write_failures,
                 "disk_full": self.disk_full,
@@ -752,6 +805,9 @@ def _rehash(entry: BlobEntry, idxs: Sequence[int]) -> list[int]:
         ref = chunks[i]
         try:
             data = entry.read_sync(ref.offset, ref.end)
+        except frames.StoredChunkCorrupt:  # a zstd cache's frame that does not decode to the digest
+            wrong.append(i)
+            continue
         except OSError as e:
             if e.errno == errno.EBADF:
                 raise

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import threading
+from array import array
 from collections.abc import Container, Iterable, Sequence
 
 import trio
@@ -21,6 +22,7 @@ import trio
 from layerstore.chunkmap import ChunkMap
 from layerstore.fileio import pwrite_all
 
+from . import frames
 from .readahead import Streams
 
 log = logging.getLogger("layerstore.fuse.cache")
@@ -54,9 +56,9 @@ class BlobEntry:
 
     __slots__ = ("blob", "cmap", "fd", "present", "unverified", "last_use", "pins", "open_count", "metadata",
                  "is_meta", "use_dirty", "streams", "_positions", "view", "mapped",
-                 "_map", "_map_failed", "io_lock", "closed", "mappable")
+                 "_map", "_map_failed", "io_lock", "closed", "mappable", "stored")
 
-    def __init__(self, cmap: ChunkMap, fd: int) -> None:
+    def __init__(self, cmap: ChunkMap, fd: int, *, compressed: bool = False) -> None:
         n = len(cmap.chunks)
         self.blob = cmap.blob
         self.cmap = cmap
@@ -84,7 +86,10 @@ class BlobEntry:
         # False: never mapped (`NodeCache.disable_mapping`): with a fanotify pre-content mark on
         # the file, mmap(2) and page faults raise an event while CPython holds the GIL, and the
         # daemon's own event thread could never answer it.
-        self.mappable = True
+        self.mappable = not compressed
+        # A zstd cache (`frames`): the stored length of each written chunk (its frame, or its
+        # plain length when kept raw), set when it is written or recovered; None in a plain cache.
+        self.stored: array[int] | None = array("I", bytes(4 * n)) if compressed else None
 
     @property
     def size(self) -> int:
@@ -176,22 +181,37 @@ class BlobEntry:
         return v[off:end]
 
     def read_sync(self, off: int, end: int) -> bytes:
-        """Any thread: bytes [off, end) of the data file by pread; EBADF once the entry is
-        closed (its descriptor may have been reused)."""
+        """Any thread: the blob's bytes [off, end); EBADF once the entry is closed (its
+        descriptor may have been reused). A plain cache: a pread of the data file. A zstd cache:
+        [off, end) must lie in written chunks; each is read, decompressed and checked against its
+        digest (`frames.StoredChunkCorrupt`, an EIO, if it does not match)."""
         with self.io_lock:
             if self.closed:
                 raise OSError(errno.EBADF, "the cache is closed")
-            return os.pread(self.fd, end - off, off)
+            if self.stored is None:
+                return os.pread(self.fd, end - off, off)
+            cmap, stored = self.cmap, self.stored
+            parts = []
+            for i in cmap.span(off, end - off):
+                ref = cmap.chunks[i]
+                data = frames.read_stored(self.fd, ref, stored[i], self.blob, i)
+                parts.append(memoryview(data)[max(off, ref.offset) - ref.offset:min(end, ref.end) - ref.offset])
+            return b"".join(parts)
 
-    def write_sync(self, positions: Sequence[int], payload: bytes) -> None:
+    def write_sync(self, positions: Sequence[int], payload: bytes | memoryview,
+                   frame: bytes | memoryview | None = None) -> None:
         """Worker thread: put a chunk's bytes at each position (not yet servable: the cache's
-        `commit` makes them so)."""
+        `commit` makes them so). A zstd cache writes `frame` (the store's verified zstd frame of
+        `payload`) when it is smaller than the payload, else the payload (`frames.to_store`)."""
         chunks = self.cmap.chunks
+        data = payload if self.stored is None else frames.to_store(payload, frame)
         with self.io_lock:
             if self.closed:
                 raise OSError(errno.EBADF, "the cache is closed")
             for i in positions:
-                pwrite_all(self.fd, payload, chunks[i].offset)
+                pwrite_all(self.fd, data, chunks[i].offset)
+                if self.stored is not None:  # the position is the caller's flight's: nobody reads this yet
+                    self.stored[i] = len(data)
 
     def release_pages(self) -> None:
         """Unmap the pages reads touched (they stay in the page cache, reclaimable as usual).

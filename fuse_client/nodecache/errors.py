@@ -37,6 +37,14 @@ class BlobPinned(LayerstoreError):
     http_status = 409
 
 
+class NoPlainImage(LayerstoreError):
+    """A pin (a direct mount) of a blob in a zstd node cache: its data file holds compressed
+    chunks, not the image; the blob is read through the daemon's file instead."""
+
+    exit_code = 3
+    http_status = 409
+
+
 class CacheIOError(LayerstoreError):
     """The node cache's own disk failed (not the store); `errno_value` is the OS error's errno
     when there was one (ENOSPC: the disk is full)."""

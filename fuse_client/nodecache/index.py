@@ -3,6 +3,7 @@ each was last used, and the chunk map of every blob the node has seen.
 
     db "maps"    blob (32 raw bytes)            -> encoded chunk map (self-checking, see chunkmap)
     db "chunks"  blob (32 raw) + index (u32 BE) -> last use (f64, seconds since the epoch)
+                                                [+ stored length (u32), in a zstd cache: `frames`]
     db "pins"    blob (32 raw) + holder (utf-8)  -> pinned since (f64, seconds since the epoch)
     db "meta"    b"format"                      -> b"1"
 
@@ -34,14 +35,18 @@ from layerstore.errors import CorruptObject
 FORMAT = b"1"
 _IDX = struct.Struct(">I")
 _USE = struct.Struct("<d")
+_STORED = struct.Struct("<I")
 DEFAULT_MAP_SIZE = 8 << 30  # address space only; the file grows as records are added
 
 
 @dataclass(frozen=True, slots=True)
 class PutChunk:
+    """`stored`: the bytes a zstd cache wrote for the chunk (0 in a plain cache: not recorded)."""
+
     blob: str
     index: int
     last_use: float
+    stored: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +146,7 @@ class CacheIndex:
             for key, val in txn.cursor(db=self._chunks):
                 key = bytes(key)
                 blob = digestmod.from_raw(key[:32])
-                out.setdefault(blob, {})[_IDX.unpack(key[32:])[0]] = _USE.unpack(bytes(val))[0]
+                out.setdefault(blob, {})[_IDX.unpack(key[32:])[0]] = _USE.unpack_from(bytes(val))[0]
         return out
 
     def pins(self) -> dict[str, dict[str, float]]:
@@ -150,7 +155,18 @@ class CacheIndex:
         with self.env.begin() as txn:
             for key, val in txn.cursor(db=self._pins):
                 key = bytes(key)
-                out.setdefault(digestmod.from_raw(key[:32]), {})[key[32:].decode()] = _USE.unpack(bytes(val))[0]
+                out.setdefault(digestmod.from_raw(key[:32]), {})[key[32:].decode()] = _USE.unpack_from(bytes(val))[0]
+        return out
+
+    def stored_lengths(self) -> dict[str, dict[int, int]]:
+        """The stored length of every committed chunk that has one (a zstd cache): blob -> {index: length}."""
+        out: dict[str, dict[int, int]] = {}
+        with self.env.begin() as txn:
+            for key, val in txn.cursor(db=self._chunks):
+                if len(val) == _USE.size + _STORED.size:
+                    key = bytes(key)
+                    out.setdefault(digestmod.from_raw(key[:32]), {})[_IDX.unpack(key[32:])[0]] = \
+                        _STORED.unpack(bytes(val)[_USE.size:])[0]
         return out
 
     def committed_of(self, blob: str) -> dict[int, float]:
@@ -163,7 +179,7 @@ class CacheIndex:
                     key = bytes(key)
                     if key[:32] != raw:
                         break
-                    out[_IDX.unpack(key[32:])[0]] = _USE.unpack(bytes(val))[0]
+                    out[_IDX.unpack(key[32:])[0]] = _USE.unpack_from(bytes(val))[0]
         return out
 
     # -- the one writer ------------------------------------------------------------------
@@ -171,13 +187,17 @@ class CacheIndex:
         with self.env.begin(write=True) as txn:
             for op in ops:
                 if isinstance(op, PutChunk):
-                    txn.put(chunk_key(op.blob, op.index), _USE.pack(op.last_use), db=self._chunks)
+                    val = _USE.pack(op.last_use)
+                    if op.stored:
+                        val += _STORED.pack(op.stored)
+                    txn.put(chunk_key(op.blob, op.index), val, db=self._chunks)
                 elif isinstance(op, DelChunk):
                     txn.delete(chunk_key(op.blob, op.index), db=self._chunks)
                 elif isinstance(op, Touch):
                     key = chunk_key(op.blob, op.index)
-                    if txn.get(key, db=self._chunks) is not None:
-                        txn.put(key, _USE.pack(op.last_use), db=self._chunks)
+                    old = txn.get(key, db=self._chunks)
+                    if old is not None:  # (a stored length after the time stays)
+                        txn.put(key, _USE.pack(op.last_use) + bytes(old)[_USE.size:], db=self._chunks)
                 elif isinstance(op, PutMap):
                     txn.put(digestmod.raw_of(op.blob), op.data, db=self._maps)
                 elif isinstance(op, PutPin):

@@ -20,6 +20,7 @@ from .cache import NodeCache
 from .entry import BlobEntry
 from .errors import CacheIOError
 from .fetcher import Fetcher
+from .frames import StoredChunkCorrupt
 from .stats import BlobStats
 from .trace import TraceRecorder
 
@@ -88,7 +89,11 @@ class Reader:
         if e.present.find(0, first, last) >= 0:
             return None
         data: bytes | memoryview | None = None
-        if e.streams.run_to(off) >= MAP_STREAM_MIN:
+        if e.stored is not None:  # a zstd cache: the LRU, else one pread of each frame, decompressed
+            data = self.read_frames(off, end, first, last)
+            if data is None:
+                return None  # a stored frame was wrong: dropped; `read_missing` fetches it again
+        elif e.streams.run_to(off) >= MAP_STREAM_MIN:
             data = e.mapped_range(off, end)
         if data is None:
             try:
@@ -144,7 +149,13 @@ class Reader:
         try:
             await self.fetcher.ensure(e, idxs)
             # Present now, and nothing awaits before the reply.
-            data: bytes | memoryview | None = e.mapped_range(off, end)
+            data: bytes | memoryview | None
+            if e.stored is not None:
+                data = self.read_frames(off, end, idxs.start, idxs.stop)
+                if data is None:
+                    raise CacheIOError(f"blob {e.blob}: a chunk just written at {off}+{end - off} reads back wrong")
+            else:
+                data = e.mapped_range(off, end)
             if data is None:
                 try:
                     data = os.pread(e.fd, end - off, off)
@@ -178,6 +189,30 @@ class Reader:
             self.stats.hits += 1
         e.touch(idxs.start, idxs.stop, self.clock())
         self.stats.served_bytes += end - off
+
+    def read_frames(self, off: int, end: int, first: int, last: int) -> bytes | memoryview | None:
+        """A zstd cache: bytes [off, end) of present chunks [first, last), each from the cache's
+        LRU or decompressed and checked (`NodeCache.chunk_bytes`); None if one of them was wrong
+        (it is dropped: no longer present)."""
+        e = self.entry
+        chunks = e.cmap.chunks
+        try:
+            if last - first == 1:
+                ref = chunks[first]
+                data = self.cache.chunk_bytes(e, first)
+                if off == ref.offset and end == ref.end:
+                    return data
+                return memoryview(data)[off - ref.offset:end - ref.offset]
+            parts = []
+            for i in range(first, last):
+                ref = chunks[i]
+                parts.append(memoryview(self.cache.chunk_bytes(e, i))[max(off, ref.offset) - ref.offset:
+                                                                       min(end, ref.end) - ref.offset])
+            return b"".join(parts)
+        except StoredChunkCorrupt:
+            return None
+        except OSError as err:
+            raise self.read_error(off, end, err) from None
 
     def read_error(self, off: int, end: int, err: OSError) -> CacheIOError:
         log.error("blob %s: reading the cache at %d+%d: %s", self.entry.blob, off, end - off, err)

@@ -14,7 +14,6 @@ from layerstore.errors import CorruptObject
 
 from . import index as ci
 from .cache import NodeCache
-from .entry import BlobEntry
 from .files import BlobFiles, punch_hole
 
 log = logging.getLogger("layerstore.fuse.cache")
@@ -28,6 +27,7 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
     cache = NodeCache(root, files, index, **kw)  # type: ignore[arg-type]
     files.ensure_reserve()
     committed = index.committed()
+    stored = index.stored_lengths() if cache.compressed else {}
     pins = cache.pins = index.pins()
     ops: list[ci.Op] = []
     dropped = punched = kept = 0
@@ -42,16 +42,21 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
             committed.pop(blob, None)
             continue
         recs = committed.pop(blob, {})
+        lengths = stored.get(blob, {})
         fd = files.open(blob, cmap.size)
-        entry = BlobEntry(cmap, fd)
+        entry = cache.new_entry(cmap, fd)
         extents = list(data_extents(fd, cmap.size))
         starts = [s for s, _ in extents]
         for idx, last_use in recs.items():
             ref = cmap.chunks[idx] if idx < len(cmap.chunks) else None
-            if ref is None or not covered(extents, starts, ref.offset, ref.end):
+            # A zstd cache's chunk occupies its stored length from its offset (its frame).
+            n = lengths.get(idx, 0) if entry.stored is not None else (ref.length if ref is not None else 0)
+            if ref is None or not 0 < n <= ref.length or not covered(extents, starts, ref.offset, ref.offset + n):
                 ops.append(ci.DelChunk(blob, idx))
                 dropped += 1
                 continue
+            if entry.stored is not None:
+                entry.stored[idx] = n
             entry.unverified[idx] = 1
             entry.last_use[idx] = last_use
             cache.usage += ref.length

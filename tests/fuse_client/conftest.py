@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from testkit.fuse_helpers import CountingBackend
+from testkit.nodecache_formats import cache_format  # noqa: F401  (a fixture: both cache formats)
 
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store

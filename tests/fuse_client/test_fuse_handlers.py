@@ -16,10 +16,12 @@ import pyfuse3
 import pytest
 import trio
 from testkit.fuse_helpers import CountingBackend
+from testkit.nodecache_formats import compressible
 
 import fuse_client.nodecache.reader as readermod
 from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
 from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder, open_cache
+from fuse_client.nodecache.cachedir import recorded_format
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.limiter import PREFETCH
 from fuse_client.nodecache.recovery import recover
@@ -45,7 +47,7 @@ def put_blob(store: Store, data: bytes, chunk: int = CHUNK, meta: tuple[int, ...
 
 @pytest.fixture
 def data() -> bytes:
-    return random.Random(7).randbytes(20 * CHUNK + 1234)
+    return compressible(7, 20 * CHUNK + 1234)
 
 
 class Rig:
@@ -170,6 +172,7 @@ async def test_nothing_is_writable(store: Store, data: bytes, tmp_path: Path) ->
 
 # -- the read path --------------------------------------------------------------------------------
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_read_fetches_then_hits(store: Store, backend: CountingBackend, data: bytes, tmp_path: Path) -> None:
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
@@ -210,6 +213,7 @@ async def test_metadata_chunks_fetched_at_open(store: Store, backend: CountingBa
 
 
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_single_flight_64_readers(store: Store, backend: CountingBackend, data: bytes, tmp_path: Path) -> None:
     # Identical content at several positions: fetched once per blob as well.
     dup = random.Random(3).randbytes(CHUNK)
@@ -239,6 +243,7 @@ async def test_single_flight_64_readers(store: Store, backend: CountingBackend, 
 
 # -- failures ------------------------------------------------------------------------------------
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_corrupt_chunk_is_eio_counted_logged_and_retried(store: Store, backend: CountingBackend, data: bytes,
                                                                tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                                ) -> None:
@@ -330,6 +335,7 @@ async def test_demand_overtakes_queued_prefetch(store: Store, data: bytes, tmp_p
 
 
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_budget_eviction_lru_and_pins(store: Store, data: bytes, tmp_path: Path) -> None:
     cmap = put_blob(store, data, meta=(0,))
     budget = Budget(8 * CHUNK, 0.75, 0.5)
@@ -369,6 +375,7 @@ async def test_trace_records_first_access_order(store: Store, data: bytes, tmp_p
 
 
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_restart_keeps_cache_and_serves_without_store(store: Store, backend: CountingBackend, data: bytes,
                                                             tmp_path: Path) -> None:
     cmap = put_blob(store, data)
@@ -387,6 +394,7 @@ async def test_restart_keeps_cache_and_serves_without_store(store: Store, backen
         assert r.cache.verified_chunks == len(cmap.chunks)
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_recovery_punches_uncommitted_and_drops_unbacked(store: Store, data: bytes, tmp_path: Path) -> None:
     """What a crash can leave behind: bytes without a record (killed between write and commit)
     and a record whose bytes are gone (e.g. lost on power failure): recovery fixes both."""
@@ -410,7 +418,7 @@ def test_recovery_punches_uncommitted_and_drops_unbacked(store: Store, data: byt
     with contextlib.ExitStack() as stack:
         index = CacheIndex(tmp_path / "cache" / INDEX_DIR)
         stack.callback(index.close)
-        cache = recover(tmp_path / "cache", files, index)
+        cache = recover(tmp_path / "cache", files, index, cache_format=recorded_format(tmp_path / "cache"))
         stack.callback(cache.close)
         entry = cache.get(cmap.blob)
         assert entry is not None
@@ -428,6 +436,7 @@ def test_prefetch_priority_constant_is_below_demand() -> None:
 
 
 @pytest.mark.trio
+@pytest.mark.usefixtures("cache_format")
 async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, tmp_path: Path) -> None:
     cmap = put_blob(store, data)
     barrier = threading.Barrier(4, timeout=10)

@@ -9,13 +9,13 @@ import contextlib
 import errno
 import logging
 import os
-import random
 from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
 from testkit.fuse_helpers import CountingBackend
+from testkit.nodecache_formats import compressible
 
 from fuse_client.nodecache import BlobIncomplete
 from fuse_client.nodecache.files import BlobFiles
@@ -28,7 +28,7 @@ from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob, rig
 
 @pytest.fixture
 def data() -> bytes:
-    return random.Random(12).randbytes(12 * CHUNK + 777)
+    return compressible(12, 12 * CHUNK + 777)
 
 
 def _fill(store: Store, cache_dir: Path, blob: str, size: int, *, pin: str | None = None) -> None:
@@ -52,6 +52,7 @@ def _corrupt(cache_dir: Path, blob: str, offset: int) -> None:
         os.close(fd)
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_a_chunk_corrupted_on_disk_is_refetched_after_a_restart_never_served(
         store: Store, backend: CountingBackend, data: bytes, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cmap = put_blob(store, data)
@@ -78,6 +79,7 @@ def test_a_chunk_corrupted_on_disk_is_refetched_after_a_restart_never_served(
     trio.run(go)
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_a_corrupted_chunk_with_the_store_down_is_eio(store: Store, backend: CountingBackend, data: bytes,
                                                       tmp_path: Path) -> None:
     cmap = put_blob(store, data)
@@ -148,6 +150,7 @@ def test_a_pinned_blob_is_reverified_and_repaired_after_a_restart(store: Store, 
     trio.run(go)
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_recovered_chunks_count_in_usage_ls_eviction_and_verify(store: Store, data: bytes, tmp_path: Path) -> None:
     cmap = put_blob(store, data)
     cache_dir = tmp_path / "cache"
@@ -169,11 +172,13 @@ def test_recovered_chunks_count_in_usage_ls_eviction_and_verify(store: Store, da
             n, b = await r.cache.evict_to(0)
             assert (n, b) == (len(cmap.chunks) - 1, len(data) - CHUNK)
             assert r.cache.usage == 0 and r.cache.ls()["unverified_bytes"] == 0
-        assert BlobFiles(cache_dir).allocated_bytes(cmap.blob) <= 4096  # the partial block of the last chunk
+        # The partial block of the last chunk (ext4 may keep two blocks there after a small frame's write).
+        assert BlobFiles(cache_dir).allocated_bytes(cmap.blob) <= 8192
 
     trio.run(go)
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_the_read_hot_path_tests_presence_only(store: Store, data: bytes, tmp_path: Path) -> None:
     """Unverified chunks are not present: `read_cached` says "missing" for them (no extra test
     on the hot path), and `read_missing` verifies."""
