@@ -61,6 +61,7 @@ from .nodecache import (
     open_cache,
     write_trace,
 )
+from .nodecache.cachedir import cache_format
 from .nodecache.files import BlobFiles
 from .nodecache.inuse import NodeLease, interval_from_env
 
@@ -72,12 +73,17 @@ DEFAULT_DATA_PATH = "fuse"  # fanotify is opt-in for now (module docstring)
 HOLDER_CHECK = 1.0  # seconds between checks that the fanotify holder lives
 
 
-def choose_data_path(where: Path, wanted: str | None = None) -> str:
+def choose_data_path(where: Path, wanted: str | None = None, fmt: str = "plain") -> str:
     """"fanotify" or "fuse": `wanted`, else $LAYERSTORE_DATA_PATH, else "fuse" ("auto": fanotify when
-    the kernel gives pre-content events on files in `where`)."""
+    the kernel gives pre-content events on files in `where`). A cache of format `fmt` other than
+    plain is always FUSE: the kernel would read its compressed data files as the image."""
     want = (wanted or os.environ.get(DATA_PATH_ENV) or DEFAULT_DATA_PATH).strip().lower()
     if want not in ("auto", "fanotify", "fuse"):
         raise ConfigError(f"{DATA_PATH_ENV}={want!r}: expected auto, fanotify or fuse")
+    if want != "fuse" and fmt != "plain":
+        log.warning("data path: FUSE, not fanotify: the node cache %s keeps chunks compressed (format %s), and "
+                    "the fanotify path mounts its data files as plain images", where, fmt)
+        return "fuse"
     if want == "fuse":
         return "fuse"
     why = fan_kernel.probe(where)
@@ -105,6 +111,7 @@ class DaemonConfig:
     allow_other: bool = True
     control_group: str | None = None  # a group whose members may use the control socket (else root only)
     data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else fuse
+    cache_format: str | None = None  # of a new cache: "plain" | "zstd"; None: $LAYERSTORE_CACHE_FORMAT, else plain
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
 
     def budget(self) -> Budget:
@@ -179,7 +186,7 @@ class Daemon:
                 front.premark(list(previous))  # before recovery may punch anything
                 front.start()  # our own accesses are answered from here on
             cache = self.cache = await trio.to_thread.run_sync(
-                functools.partial(open_cache, cache_dir, cfg.budget(), stack))
+                functools.partial(open_cache, cache_dir, cfg.budget(), stack, cache_format=cfg.cache_format))
             if front is not None and front.group is not None:
                 # Data files opened now are opened after their marks: mapping them would raise
                 # events under the GIL (docs/fanotify.md). Files opened before any mark never do.
@@ -232,7 +239,8 @@ class Daemon:
         """The fanotify front end if that is the data path; with the holder's group if a holder
         keeps one (a restart or an upgrade), else without a group yet (made on the first attach)."""
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if choose_data_path(cache_dir, self.config.data_path) != "fanotify":
+        if choose_data_path(cache_dir, self.config.data_path, cache_format(cache_dir, self.config.cache_format)) \
+                != "fanotify":
             return None
         front = FanotifyFrontEnd(cache_dir, data_file=BlobFiles(cache_dir).path,
                                  acquire=functools.partial(fan_group.acquire, cache_dir))
@@ -249,7 +257,7 @@ class Daemon:
             if front.group is None:
                 continue
             try:
-                await trio.to_thread.run_sync(fan_group.ensure_holder, front.cache_dir, front.group, front.group_id)
+                await trio.to_thread.run_sync(front.keep_holder)  # (and this daemon's claim on it)
             except OSError as e:
                 log.error("cannot start a new fanotify holder: %s", e)
 

@@ -53,11 +53,14 @@ def parse_size(text: str) -> int:
               help="Chunks fetched ahead of a sequential reader (default 16; 0 disables).")
 @click.option("--control-group", default=None, metavar="GROUP",
               help="A group whose members may use the control socket (mode 0660); default: root only (0600).")
+@click.option("--cache-format", default=None, type=click.Choice(["plain", "zstd"]),
+              help="How a new cache stores chunks: plain, or zstd (compressed as fetched; read through FUSE "
+                   "only). Fixed when the cache is created. Default: $LAYERSTORE_CACHE_FORMAT, else plain.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_size: str | None,
                high_watermark: float | None, low_watermark: float | None, record_trace: Path | None,
                fetch_deadline: float | None, fetch_concurrency: int | None, readahead: int | None,
-               control_group: str | None, log_level: str) -> None:
+               control_group: str | None, cache_format: str | None, log_level: str) -> None:
     """Serve every blob of the store read-only at MOUNTPOINT/blobs/<digest>, lazily, through
     the node cache. Runs in the foreground until SIGTERM or SIGINT; ready once mounted."""
     from fuse_client.daemon import DaemonConfig, run
@@ -67,7 +70,7 @@ def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_s
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DaemonConfig(cache_dir=cache_dir, mountpoint=mountpoint,
                        cache_size=parse_size(cache_size) if cache_size else None,
-                       record_trace=record_trace, control_group=control_group)
+                       record_trace=record_trace, control_group=control_group, cache_format=cache_format)
     if high_watermark is not None:
         cfg.high_watermark = high_watermark
     if low_watermark is not None:
