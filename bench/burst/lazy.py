@@ -239,8 +239,11 @@ class LayerstoreNode:
     def facts(self) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             self.stats = _layerctl_json("stats", "--cache", str(self.node_dir / "cache"), "--json")
+        from fuse_client.nodecache.cachedir import recorded_format  # plain, or zstd ($LAYERSTORE_CACHE_FORMAT)
+
         return {"daemon_start_s": self.daemon_start_s, "daemon_stats": self.stats, "launcher": self.launcher,
-                "daemon_args": self.daemon_args, "disk_breakdown": self.disk_breakdown()}
+                "daemon_args": self.daemon_args, "cache_format": recorded_format(self.node_dir / "cache"),
+                "disk_breakdown": self.disk_breakdown()}
 
     def disk_breakdown(self) -> dict[str, int]:
         """Bytes on the node disk by owner, read at the end of the burst (before teardown): the
