@@ -106,7 +106,7 @@ class Fetcher:
         self._threads = trio.CapacityLimiter(concurrency)
         # Prefetch and readahead: at most `background` requests queued or in flight, each holding
         # a token (a prefetch of a whole blob does not queue thousands of flights at once).
-        self._prefetch = trio.CapacityLimiter(background if priorities else concurrency)
+        self.prefetch_tokens = trio.CapacityLimiter(background if priorities else concurrency)
         self._requests: dict[Flight, Request] = {}
         # Every retry of a chunk map or a chunk waits 50 ms doubling to 1 s, until the deadline
         # (of the lookup, or of the read the chunk is for).
@@ -468,14 +468,14 @@ class Fetcher:
                     for i in group:
                         inner.start_soon(one, i)
             finally:
-                self._prefetch.release_on_behalf_of(token)
+                self.prefetch_tokens.release_on_behalf_of(token)
 
         todo = [i for i in idxs if not entry.present[i]]
         async with trio.open_nursery() as nursery:
             k = 0
             while k < len(todo):
                 token = object()
-                await self._prefetch.acquire_on_behalf_of(token)
+                await self.prefetch_tokens.acquire_on_behalf_of(token)
                 # What is still missing once a token is free: earlier requests may have fetched
                 # some of it (repeated digests), readers others.
                 group: list[int] = []
@@ -484,7 +484,7 @@ class Fetcher:
                         group.append(todo[k])
                     k += 1
                 if not group:
-                    self._prefetch.release_on_behalf_of(token)
+                    self.prefetch_tokens.release_on_behalf_of(token)
                     continue
                 self._launch(entry, group, PREFETCH)
                 nursery.start_soon(request, group, token)
