@@ -139,3 +139,26 @@ def page_span(offset: int, count: int, size: int) -> tuple[int, int] | None:
     if count <= 0 or offset >= size:
         return None
     return offset, min(size, offset + count)
+
+
+# fd numbers of the events of one read(2): the kernel gives each event fd the lowest free number
+# of the reader's table, so they are the lowest free numbers at the time of the read.
+
+def events_per_read(read_size: int) -> int:
+    """At most how many events one `read(2)` of `read_size` bytes returns."""
+    return max(1, read_size // METADATA.size)
+
+
+def unknown_fd_bound(high: int, open_fds: int, read_size: int) -> int:
+    """An upper bound of the fd number any event of the next `read(2)` of `read_size` bytes can
+    get, with `open_fds` fds open in the reader: at least `events_per_read` numbers are free
+    below `open_fds + events_per_read`, and each event gets the lowest free one. `high`: a bound
+    promised already (not lowered by this)."""
+    return max(high, open_fds + events_per_read(read_size))
+
+
+def count_marks(fdinfo: bytes) -> int:
+    """The marks of a fanotify group, from its /proc/PID/fdinfo/FD text (one `fanotify ino:`,
+    `fanotify mnt_id:` or `fanotify sdev:` line each)."""
+    return sum(1 for line in fdinfo.splitlines()
+               if line.startswith((b"fanotify ino:", b"fanotify mnt_id:", b"fanotify sdev:")))

@@ -18,7 +18,9 @@ import errno
 import json
 import logging
 import os
+import resource
 import select
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,15 +32,21 @@ import trio
 from fuse_client.nodecache import BlobEntry, LazyCache, Reader
 from layerstore.errors import BadInput, LayerstoreError
 
-from . import abi, kernel
+from . import abi, handover, kernel
+from . import group as group_mod
 from .journal import InflightJournal, Pending
 
 log = logging.getLogger("layerstore.fanotify")
 
-ATTACHED_NAME = "fanotify-attached.json"
-JOURNAL_NAME = "fanotify.inflight"
+ATTACHED_NAME = handover.ATTACHED_NAME
+JOURNAL_NAME = group_mod.JOURNAL_NAME
 READ_SIZE = 4096  # up to 85 pre-content events per read(2): a short window before they are journalled
-RESERVE_MARGIN = 1024  # fd numbers reserved beyond the predecessor's highest event fd (unknown events)
+# fd numbers a successor reserves beyond the bound the journal header promises (`abi.unknown_fd_bound`,
+# refreshed every FD_COUNT_EVERY reads): room for fds other threads open meanwhile. An event whose fd
+# is above the promise plus this margin is denied (EIO) at once, never held.
+RESERVE_MARGIN = 1024
+FD_COUNT_EVERY = 16
+STREAM_GAP = 8 << 20  # a miss this close after the last fill, every chunk between present: the same stream
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
 PUNCH_GRACE = 1.0  # seconds between an attached chunk becoming absent and its hole (eviction)
 UNMARK_CHECK = 32  # fast-path answers between checks whether an attached blob is complete
@@ -55,6 +63,9 @@ class FrontStats:
     denied: int = 0
     leftovers_answered: int = 0  # events a dead daemon had read, answered by this one
     unknown_answered: int = 0  # ... read and not journalled (it died reading them): allowed after a full fill
+    fd_bound_denied: int = 0  # events whose fd number was beyond what a successor would reserve: EIO
+    attach_failures: int = 0  # attaches that failed (the shim then mounts that blob over FUSE)
+    reverified_chunks: int = 0  # recovered chunks of attached blobs re-hashed in the background
     marks: int = 0
     unmarks: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -62,7 +73,8 @@ class FrontStats:
     def to_json(self) -> dict[str, int]:
         return {"events": self.events, "own_events": self.own_events, "fast_allowed": self.fast_allowed,
                 "filled": self.filled, "denied": self.denied, "leftovers_answered": self.leftovers_answered,
-                "unknown_answered": self.unknown_answered,
+                "unknown_answered": self.unknown_answered, "fd_bound_denied": self.fd_bound_denied,
+                "attach_failures": self.attach_failures, "reverified_chunks": self.reverified_chunks,
                 "marks": self.marks, "unmarks": self.unmarks}
 
 
@@ -76,15 +88,25 @@ class Attached:
     marked: bool = True
     meta_pinned: bool = False
     fast: int = 0  # events answered in the event thread
+    fill_end: int = 0  # where the last fill ended (a sequential reader's next miss continues it)
+    verifying: bool = False
 
 
-def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
-    """blob -> holders, as the last daemon persisted them ({} if none or unreadable)."""
-    try:
-        data = json.loads((Path(cache_dir) / ATTACHED_NAME).read_text())
-        return {str(b): [str(h) for h in hs] for b, hs in data.get("blobs", {}).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}
+def stream_start(a: Attached, lo: int) -> int:
+    """Where a fill of a miss at `lo` starts: at the end of the blob's last fill when the reader
+    went on from there through present chunks (answered in the event thread, unseen by the
+    library's readahead streams), so the library sees one contiguous stream and reads ahead;
+    else `lo`."""
+    end = a.fill_end
+    if not 0 < lo - end <= STREAM_GAP:
+        return lo
+    cmap = a.entry.cmap
+    if a.entry.missing(range(cmap.index_at(end), cmap.index_at(lo - 1) + 1)):
+        return lo
+    return end
+
+
+load_attachments = handover.load_attachments
 
 
 class FanotifyFrontEnd:
@@ -122,7 +144,9 @@ class FanotifyFrontEnd:
         self._leftovers: list[Pending] = []
         self._reserved: list[int] = []
         self._unknown_batch = False  # the predecessor died while reading a batch of events
-        self._high = 0  # highest event fd number seen (ours, or the predecessor's)
+        self._high = 0  # the fd bound promised in the journal header (`abi.unknown_fd_bound`)
+        self.attach_failed: dict[str, str] = {}  # blob -> why its last attach failed (served over FUSE)
+        self._claim: tuple[socket.socket, int] | None = None  # this daemon's claim on the holder
 
     @property
     def generation(self) -> str:
@@ -139,7 +163,10 @@ class FanotifyFrontEnd:
         self._unknown_batch, high = self.journal.header()
         high = max([high, *(p.fd for p in self._leftovers)])
         if self._unknown_batch:
-            self._reserve_numbers(range(3, high + RESERVE_MARGIN + 1))
+            # (capped: this daemon never holds an event fd beyond the journal, nor beyond its fd limit)
+            nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            cap = min(high + RESERVE_MARGIN, self.journal.slots - 1, nofile - 256)
+            self._reserve_numbers(range(3, cap + 1))
         else:
             self._reserve_numbers([p.fd for p in self._leftovers])
         self._high = high
@@ -187,7 +214,23 @@ class FanotifyFrontEnd:
         out["generation"] = self.generation
         out["attached"] = {b: {"holders": sorted(a.holders), "marked": a.marked}
                            for b, a in sorted(self.attached.items())}
+        # Blobs whose attach failed: the shim mounts those over FUSE (docs/fanotify.md, "Attach failures").
+        out["attach_failed"] = dict(sorted(self.attach_failed.items()))
         return out
+
+    def keep_holder(self) -> None:
+        """Blocking (a worker thread, every few seconds): a holder keeps this group (a new one is
+        started with this daemon's copy if it died) and holds this daemon's claim (an open
+        connection: a holder with no claim, no mark and no attachment exits on its own)."""
+        if self.group is None:
+            return
+        group_mod.ensure_holder(self.cache_dir, self.group, self.group_id)
+        ident = handover.read_identity(self.cache_dir)
+        if ident is None or (self._claim is not None and self._claim[1] == ident[0]):
+            return
+        if self._claim is not None:
+            self._claim[0].close()
+        self._claim = handover.claim(self.cache_dir)
 
     # -- marks ---------------------------------------------------------------------------------
     def premark(self, blobs: list[str]) -> None:
@@ -235,9 +278,22 @@ class FanotifyFrontEnd:
     # -- attachments (the shim's seam) -----------------------------------------------------------
     async def attach(self, blob: str, holder: str) -> dict[str, Any]:
         """Mark the blob's data file, fill its metadata, persist the attachment; the shim then
-        mounts EROFS on `path`. Idempotent per holder."""
+        mounts EROFS on `path`. Idempotent per holder. A failure is loud: an ERROR line, counted,
+        and the blob listed with the reason under `attach_failed` in the stats until an attach of
+        it succeeds (the shim mounts it over FUSE meanwhile)."""
         if not holder or len(holder) > 256:
             raise BadInput("a holder is a non-empty string of at most 256 characters")
+        try:
+            got = await self._attach(blob, holder)
+        except Exception as e:
+            self.stats.attach_failures += 1
+            self.attach_failed[blob] = f"{type(e).__name__}: {e}"[:500]
+            log.error("blob %s: attach for %s failed (%s): its layer is served over FUSE", blob, holder, e)
+            raise
+        self.attach_failed.pop(blob, None)
+        return got
+
+    async def _attach(self, blob: str, holder: str) -> dict[str, Any]:
         assert self.lazy is not None
         if self.group is None:
             async with self._group_lock:
@@ -274,11 +330,36 @@ class FanotifyFrontEnd:
             if not a.holders:
                 self._forget(a)
             raise
+        if a.entry.unverified_idxs() and not a.verifying and self.nursery is not None:
+            # Recovered chunks (a restart) are not served until re-hashed: an event on one waits for
+            # its hash. Hash them all now, in the background, so reads soon take the fast path.
+            a.verifying = True
+            self.nursery.start_soon(self._reverify, a)
         if holder not in a.holders:
             a.holders.add(holder)
             await self._persist()
         return {"blob": blob, "holder": holder, "path": str(a.path), "generation": self.generation,
                 "data_path": "fanotify"}
+
+    async def _reverify(self, a: Attached) -> None:
+        """Re-hash the recovered chunks of an attached blob (as `LazyCache.verify_pinned` does for
+        pinned ones); a chunk that fails loses its record (its range raises events again: the
+        mark is back before any punch) and is fetched again."""
+        assert self.lazy is not None
+        try:
+            before = len(a.entry.unverified_idxs())
+            bad = await self.lazy.cache.verify_all_unverified(a.entry)
+            self.stats.reverified_chunks += before
+            if bad:
+                log.error("attached blob %s: %d recovered chunk(s) changed on disk since they were verified; "
+                          "fetching them again", a.entry.blob, len(bad))
+                with contextlib.suppress(LayerstoreError):
+                    await self.lazy.ensure(a.entry, bad)
+        except LayerstoreError as e:
+            log.error("attached blob %s: re-hashing its recovered chunks: %s (events verify them one by one)",
+                      a.entry.blob, e)
+        finally:
+            a.verifying = False
 
     async def detach(self, blob: str, holder: str) -> dict[str, Any]:
         a = self.attached.get(blob)
@@ -350,17 +431,36 @@ class FanotifyFrontEnd:
         for a in list(self.attached.values()):
             a.reader.close()
         self.journal.close()
+        if self._claim is not None:
+            self._claim[0].close()
+            self._claim = None
         if self.group is not None:
             os.close(self.group)
             self.group = None
         os.close(self._wake_r)
         os.close(self._wake_w)
 
+    @property
+    def fd_bound(self) -> int:
+        """The bound of event fd numbers the journal header promises a successor."""
+        return self._high
+
+    def fd_limit(self) -> int:
+        """The highest event fd number this daemon holds on to (above it: denied at once)."""
+        return min(self._high + RESERVE_MARGIN, self.journal.slots - 1)
+
+    def promise_bound(self) -> None:
+        """The fd bound the journal header promises a successor (`abi.unknown_fd_bound` over the
+        fds open now; never below the predecessor's while its numbers are reserved)."""
+        floor = self._high if self._reserved else 0
+        self._high = abi.unknown_fd_bound(floor, kernel.open_fds(), READ_SIZE)
+
     def _event_loop(self) -> None:
         assert self.group is not None
         poller = select.poll()
         poller.register(self.group, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
+        reads = 0
         while not self._stopping:
             try:
                 ready = poller.poll()
@@ -370,6 +470,9 @@ class FanotifyFrontEnd:
                 return
             if not any(fd == self.group for fd, _ in ready):
                 continue
+            if reads % FD_COUNT_EVERY == 0:
+                self.promise_bound()
+            reads += 1
             self.journal.begin_batch(self._high)
             try:
                 buf = os.read(self.group, READ_SIZE)
@@ -379,18 +482,7 @@ class FanotifyFrontEnd:
             except OSError as e:
                 log.error("reading fanotify events: %s", e)
                 return
-            try:
-                events = abi.parse_events(buf)
-            except abi.ParseError as e:  # cannot answer what cannot be parsed: say so loudly
-                log.critical("unparseable fanotify events (%s): their readers wait for a restart", e)
-                continue
-            slow: list[tuple[int, int, int, int, int]] = []
-            for ev in events:
-                self._one_event(ev, slow)
-            high = max((ev.fd for ev in events), default=0)
-            if high > self._high:
-                self._high = high
-            self.journal.end_batch(self._high)
+            slow = self.process_batch(buf)
             if slow:
                 assert self._token is not None
                 try:
@@ -401,6 +493,38 @@ class FanotifyFrontEnd:
                 with contextlib.suppress(trio.RunFinishedError):
                     assert self._token is not None
                     self._token.run_sync_soon(self._flush_touches)
+
+    def process_batch(self, buf: bytes) -> list[tuple[int, int, int, int, int]]:
+        """One `read(2)` of events (the journal's batch flag is set): each answered at once or
+        journalled; returns the journalled ones (fd, dev, ino, offset, count) for the trio thread.
+        Clears the batch flag once every event is answered or journalled."""
+        slow: list[tuple[int, int, int, int, int]] = []
+        try:
+            events = abi.parse_events(buf)
+        except abi.ParseError as e:  # cannot answer what cannot be parsed: say so loudly
+            log.critical("unparseable fanotify events (%s): their readers wait for a restart", e)
+            return slow  # (the batch flag stays: a successor treats its events as unknown)
+        limit = self.fd_limit()
+        for ev in events:
+            if ev.fd > limit:
+                self._deny_beyond_bound(ev, limit)
+            else:
+                self._one_event(ev, slow)
+        self.journal.end_batch(self._high)
+        return slow
+
+    def _deny_beyond_bound(self, ev: abi.Event, limit: int) -> None:
+        """An event fd above what a successor would reserve (or beyond the journal): holding it
+        could let a successor's own event get its number (an answer is matched by number), so it
+        is answered now: EIO for a permission event (never zeros), and its fd closed."""
+        self.stats.events += 1
+        if ev.is_permission:
+            self.stats.fd_bound_denied += 1
+            self._answer(ev.fd, allow=False, err=errno.EIO)
+            log.error("fanotify event fd %d above the bound %d (too many open fds): denied with EIO", ev.fd, limit)
+        with contextlib.suppress(OSError):
+            os.close(ev.fd)
+        self.promise_bound()
 
     def _one_event(self, ev: abi.Event, slow: list[tuple[int, int, int, int, int]]) -> None:
         st = self.stats
@@ -482,7 +606,9 @@ class FanotifyFrontEnd:
             else:
                 span = abi.page_span(off, count, a.entry.size)
                 if span is not None:
-                    await a.reader.fill(span[0], span[1] - span[0])
+                    lo = stream_start(a, span[0])
+                    a.fill_end = span[1]
+                    await a.reader.fill(lo, span[1] - lo)
                 allow = True
         except trio.Cancelled:
             if not leftover:

@@ -3,8 +3,10 @@ the holder's identity file (`CACHE/fanotify.holder`: pid and start time), what t
 mounts name as their generation (docs/fanotify.md, "If the holder dies too").
 
 Protocol (one request per connection, peer must be root): the client sends one byte, `G` (give me
-the group: the answer is `{"pid": P}` with the group fd attached) or `Q` (quit: the holder
-answers `{"pid": P}` and exits, closing its copy of the group).
+the group: the answer is `{"pid": P}` with the group fd attached), `Q` (quit: the holder
+answers `{"pid": P}` and exits, closing its copy of the group) or `C` (claim: the holder answers
+`{"pid": P}` and keeps the connection; a daemon keeps it open while it runs, and its end tells
+the holder that daemon is gone).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fuse_client import linux
 
 SOCKET_NAME = "fanotify.sock"
 IDENTITY_NAME = "fanotify.holder"
+ATTACHED_NAME = "fanotify-attached.json"  # blob -> holders, persisted by the daemon (frontend)
 MAX_ANSWER = 4096
 
 
@@ -58,6 +61,15 @@ def holder_generation(cache_dir: Path) -> str | None:
     mounts made on the group name as their generation (a new group is a new generation)."""
     ident = read_identity(cache_dir)
     return None if ident is None else f"fanotify:{ident[1]}"
+
+
+def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
+    """blob -> holders, as the last daemon persisted them ({} if none or unreadable)."""
+    try:
+        data = json.loads((Path(cache_dir) / ATTACHED_NAME).read_text())
+        return {str(b): [str(h) for h in hs] for b, hs in data.get("blobs", {}).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def send_fd(conn: socket.socket, payload: bytes, fd: int) -> None:
@@ -102,6 +114,21 @@ def fetch_group(cache_dir: Path) -> tuple[int, int, str] | None:
         if fd is not None:
             return fd, int(ans.get("pid", 0)), str(ans["group"])  # type: ignore[call-overload]
     return None
+
+
+def claim(cache_dir: Path) -> tuple[socket.socket, int] | None:
+    """A claim on the live holder (the connection, to keep open while this daemon runs; the
+    holder's pid), None if none answers."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(5)
+        s.connect(os.fspath(socket_path(cache_dir)))
+        s.sendall(b"C")
+        ans = json.loads(s.recv(MAX_ANSWER) or b"{}")
+        return s, int(ans["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        s.close()
+        return None
 
 
 def quit_holder(cache_dir: Path) -> int | None:

@@ -84,6 +84,17 @@ def probe(where: str | os.PathLike[str] | None = None) -> str | None:
         os.close(group)
 
 
+def open_fds() -> int:
+    """How many fds this process has open (an over-count by one: the listing's own)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def group_marks(group: int) -> int:
+    """How many marks the group `group` (an fd of this process) holds (its fdinfo's mark lines)."""
+    with open(f"/proc/self/fdinfo/{group}", "rb") as f:
+        return abi.count_marks(f.read())
+
+
 def fd_path(fd: int) -> Path | None:
     """What an event fd refers to (its /proc link), None if unreadable."""
     with contextlib.suppress(OSError):

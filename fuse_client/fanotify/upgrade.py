@@ -24,6 +24,16 @@ from .handover import proc_start_time
 
 STOP_TIMEOUT = 60.0
 START_TIMEOUT = 60.0
+MARKER_NAME = "daemon-upgrade"  # "pid start_time" of an upgrade in progress (the shim's watch waits)
+
+
+def upgrading(cache_dir: Path) -> bool:
+    """Whether a live `upgrade` is replacing this cache's daemon (its marker names a live process)."""
+    try:
+        pid, start = (int(x) for x in (Path(cache_dir) / MARKER_NAME).read_text().split())
+    except (OSError, ValueError):
+        return False
+    return proc_start_time(pid) == start
 
 
 def _proc_list(pid: int, name: str) -> list[bytes]:
@@ -43,6 +53,17 @@ def upgrade(cache_dir: Path, *, log: Path | None = None, argv: list[str] | None 
     if log is None:
         target = os.readlink(f"/proc/{pid}/fd/2")
         log = Path(target) if target.startswith("/") and Path(target).is_file() else Path(os.devnull)
+    marker = Path(cache_dir) / MARKER_NAME
+    marker.write_text(f"{os.getpid()} {proc_start_time(os.getpid())}\n")
+    try:
+        return _replace(cache_dir, pid, start, argv, env, log)
+    finally:
+        with contextlib.suppress(OSError):
+            marker.unlink()
+
+
+def _replace(cache_dir: Path, pid: int, start: int | None, argv: list[str], env: dict[str, str],
+             log: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT

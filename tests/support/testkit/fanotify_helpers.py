@@ -8,20 +8,24 @@ accesses without a fill, so whatever reads a mount must not be the daemon.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from fuse_client.control import attach, detach
-from fuse_client.fanotify import handover, kernel
+from fuse_client.control import DaemonNotRunning, attach, detach, request_json
+from fuse_client.fanotify import abi, handover, kernel
 from fuse_client.linux import mount_erofs, umount
 
-from .fuse_helpers import DaemonProcess, force_unmount
+from .fuse_helpers import LAYERCTL, READY_TIMEOUT, DaemonProcess, force_unmount, wait_until
 
 FANOTIFY_WHY = kernel.probe("/var/tmp") if os.geteuid() == 0 else "not root"
 needs_fanotify = pytest.mark.skipif(FANOTIFY_WHY is not None, reason=f"no fanotify pre-content events: {FANOTIFY_WHY}")
@@ -101,3 +105,80 @@ def read_uncached(path: Path) -> bytes:
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+def holder_marks(cache_dir: Path) -> int:
+    """The marks of the group the cache's live holder keeps (read from its fdinfo), -1 if none."""
+    ident = handover.read_identity(cache_dir)
+    if ident is None:
+        return -1
+    for fd in os.listdir(f"/proc/{ident[0]}/fd"):
+        with contextlib.suppress(OSError):
+            if "fanotify" in os.readlink(f"/proc/{ident[0]}/fd/{fd}"):
+                with open(f"/proc/{ident[0]}/fdinfo/{fd}", "rb") as f:
+                    return abi.count_marks(f.read())
+    return -1
+
+
+class NotifySocket:
+    """A stand-in for systemd's notify socket (a datagram socket the daemon's `$NOTIFY_SOCKET` names):
+    receives `FDSTORE=1` messages and keeps the fds they carry, as the manager's fd store would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(os.fspath(path))
+        self.stored: dict[str, int] = {}  # FDNAME -> fd
+
+    def receive(self, timeout: float = 30.0) -> tuple[str, int]:
+        """The next stored fd: (its name, the fd)."""
+        self.sock.settimeout(timeout)
+        fds = array.array("i")
+        msg, anc, _flags, _addr = self.sock.recvmsg(4096, socket.CMSG_SPACE(4 * fds.itemsize))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+        assert fields.get("FDSTORE") == "1" and len(fds) == 1, (msg, list(fds))
+        name = fields["FDNAME"]
+        self.stored[name] = fds[0]
+        return name, fds[0]
+
+    def close(self) -> None:
+        for fd in self.stored.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.sock.close()
+
+
+# Runs `layerctl daemon` the way systemd starts a unit with a non-empty fd store: the stored fd at 3,
+# LISTEN_FDS / LISTEN_FDNAMES / LISTEN_PID (= the daemon's own pid) in its environment.
+_LISTEN_WRAPPER = (
+    "import os, sys\n"
+    "fd = int(sys.argv[1])\n"
+    "if fd != 3:\n"
+    "    os.dup2(fd, 3)\n"
+    "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1', LISTEN_FDNAMES=sys.argv[2])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n")
+
+
+def start_daemon_from_fd_store(store_url: str, cache_dir: Path, mountpoint: Path, fd: int, name: str,
+                               log: Path) -> subprocess.Popen[bytes]:
+    """A fanotify daemon handed the stored group `fd` as systemd would; returns once it answers."""
+    env = {**os.environ, "LAYERSTORE_DATA_PATH": "fanotify"}
+    env.pop("LAYERSTORE_STORE", None)
+    with open(log, "ab") as logf:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LISTEN_WRAPPER, str(fd), name, LAYERCTL, "daemon", "--store", store_url,
+             "--cache", str(cache_dir), "--mountpoint", str(mountpoint)],
+            stdout=logf, stderr=subprocess.STDOUT, env=env, pass_fds=(fd,))
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        with contextlib.suppress(OSError, DaemonNotRunning):
+            return request_json(cache_dir, "GET", "/stats", timeout=5)["pid"] == proc.pid
+        return False
+
+    wait_until(ready, READY_TIMEOUT, "the daemon to answer")
+    return proc
