@@ -5,12 +5,23 @@ The daemon is identified by pid *and* start time (/proc/<pid>/stat field 22), so
 never mistaken for it; it is healthy when its FUSE mountpoint answers (after kill -9 every access
 fails with ENOTCONN). It runs in its own session with its output in NODE/daemon.log, so it
 outlives the `layerctl` that started it. Only the recorded pid is ever signalled.
+
+On the fanotify data path (LAYERSTORE_DATA_PATH=fanotify|auto in the shim's environment) a small
+**watch** process (`python -m runtime_shim.daemon watch NODE_DIR`, NODE/watch.pid) waits on
+pidfds of the daemon and of the fanotify holder between shim calls (docs/fanotify.md, "Every
+process of ours killed"): when the daemon dies it adopts a daemon that answers in its place (an
+upgrade) or starts a new one at once (reads on attached layers wait meanwhile); when the holder
+died too, it first makes a new group with every attached file marked again (`regroup`), which
+ends the time holes could read as zeros, and only then starts the daemon. It exits when the
+shim stops the daemon (it is stopped first) or the record is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -19,13 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fuse_client import linux
+from layerstore.errors import LayerstoreError
 
 from .errors import DaemonError
+from .lock import NodeLock
 from .paths import NodePaths
-from .state import DaemonRecord
+from .state import DaemonRecord, NodeState
+
+log = logging.getLogger("layerstore.shim.watch")
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 20.0
+WATCH_INTERVAL = 1.0  # seconds between the watch's looks at the record (pidfds wake it at once)
+WATCH_ENV = "LAYERSTORE_DAEMON_WATCH"  # "0": no watch process
 
 DaemonCommand = Callable[[str, Path, Path], list[str]]
 
@@ -78,6 +95,76 @@ class DaemonSupervisor:
     def __init__(self, paths: NodePaths, command: DaemonCommand = default_command) -> None:
         self.paths = paths
         self.command = command
+        self.watching_self = False  # this object is the watch process's own
+
+    # -- the watch (module doc) --------------------------------------------------------------
+    @property
+    def watch_file(self) -> Path:
+        return self.paths.root / "watch.pid"
+
+    def watch_pid(self) -> int | None:
+        """The live watch process of this node, else None."""
+        try:
+            pid, start = (int(x) for x in self.watch_file.read_text().split())
+        except (OSError, ValueError):
+            return None
+        return pid if proc_start_time(pid) == start else None
+
+    def ensure_watch(self) -> None:
+        """Start the watch process unless it runs, this is it, or the data path is FUSE only."""
+        if self.watching_self or os.environ.get(WATCH_ENV) == "0" or self.watch_pid() is not None:
+            return
+        if os.environ.get("LAYERSTORE_DATA_PATH", "fuse").strip().lower() not in ("fanotify", "auto"):
+            return
+        argv = [sys.executable, "-m", "runtime_shim.daemon", "watch", str(self.paths.root)]
+        log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            pid = os.posix_spawn(argv[0], argv, os.environ, setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, log_fd, 1),
+                (os.POSIX_SPAWN_DUP2, log_fd, 2),
+            ])
+        except OSError:
+            return  # (the shim's own calls still restart the daemon)
+        finally:
+            os.close(log_fd)
+        start = None
+        while start is None and linux.proc_start_time(pid) is not None:
+            start = proc_start_time(pid)
+        if start is not None:
+            tmp = self.watch_file.with_suffix(".tmp")
+            tmp.write_text(f"{pid} {start}\n")
+            os.replace(tmp, self.watch_file)
+
+    def stop_watch(self) -> None:
+        pid = self.watch_pid()
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while proc_start_time(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with contextlib.suppress(OSError):
+            self.watch_file.unlink()
+
+    def adopt(self, rec: DaemonRecord) -> DaemonRecord | None:
+        """The record of a healthy daemon that answers on this node's control socket in place of
+        the recorded one (`layerctl daemon-upgrade` started it), else None."""
+        from fuse_client.control import request_json  # (imports no trio)
+
+        try:
+            pid = int(request_json(self.paths.cache, "GET", "/stats", timeout=5)["pid"])
+        except (LayerstoreError, OSError, KeyError, TypeError, ValueError):
+            return None
+        start = proc_start_time(pid)
+        if start is None or not linux.is_mount(self.paths.fuse) or linux.is_dead(self.paths.fuse):
+            return None
+        try:
+            argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            argv = list(rec.argv)
+        return DaemonRecord(pid, start, rec.store, rec.mountpoint, rec.cache, argv)
 
     def health(self, rec: DaemonRecord | None) -> DaemonHealth:
         alive = rec is not None and is_alive(rec)
@@ -122,13 +209,17 @@ class DaemonSupervisor:
                 raise DaemonError(f"the node daemon exited during start-up; see {self.paths.daemon_log}: "
                                   f"{self.log_tail()}")
             if linux.is_mount(self.paths.fuse) and not linux.is_dead(self.paths.fuse):
+                self.ensure_watch()
                 return DaemonRecord(pid, start_time, store, str(self.paths.fuse), str(self.paths.cache), argv)
             time.sleep(0.01)
         self.stop(DaemonRecord(pid, start_time or 0, store, str(self.paths.fuse), str(self.paths.cache), argv))
         raise DaemonError(f"the node daemon did not mount {self.paths.fuse} within {READY_TIMEOUT:.0f} s")
 
     def stop(self, rec: DaemonRecord | None) -> None:
-        """SIGTERM the recorded daemon (SIGKILL if it lingers) and detach its mount."""
+        """SIGTERM the recorded daemon (SIGKILL if it lingers) and detach its mount; the watch
+        first (it would start the daemon again)."""
+        if not self.watching_self:
+            self.stop_watch()
         if rec is not None and is_alive(rec):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rec.pid, signal.SIGTERM)
@@ -160,3 +251,90 @@ class DaemonSupervisor:
             return "(no log)"
         tail = [ln for ln in text.splitlines() if ln.strip()][-lines:]
         return " | ".join(tail) or "(empty log)"
+
+
+def _pidfd(pid: int, start: int | None) -> int | None:
+    """A pidfd of the live process (pid, start time), None if it is gone."""
+    if start is None:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    if proc_start_time(pid) != start:
+        os.close(fd)
+        return None
+    return fd
+
+
+def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
+    """The watch process's loop (module doc). Returns when the shim stopped the daemon (no record)
+    or the node directory is gone; SIGTERM ends it."""
+    from fuse_client.fanotify import group, handover
+    from fuse_client.fanotify.upgrade import upgrading
+    from fuse_client.nodecache.files import BlobFiles
+
+    paths = NodePaths(root)
+    sup = DaemonSupervisor(paths)
+    sup.watching_self = True
+    state = NodeState(paths.state)
+    data_file = BlobFiles(paths.cache).path
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while paths.root.is_dir():
+            with state.read() as t:
+                rec = t.daemon()
+            if rec is None:
+                return 0
+            ident = handover.read_identity(paths.cache)
+            fds = [fd for fd in (_pidfd(rec.pid, rec.start_time if is_alive(rec) else None),
+                                 _pidfd(ident[0], handover.proc_start_time(ident[0])) if ident else None)
+                   if fd is not None]
+            daemon_up = is_alive(rec)
+            if daemon_up:
+                try:
+                    select.select(fds, [], [], interval)  # a pidfd is readable once its process exited
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                continue
+            for fd in fds:
+                os.close(fd)
+            if upgrading(paths.cache):
+                time.sleep(interval)  # `layerctl daemon-upgrade` starts the next one: adopted after
+                continue
+            t0 = time.monotonic()
+            if ident is None:
+                # Holder and daemon gone: the group died. Mark the attached files on a new one now,
+                # before the (slow) daemon start: that ends the time holes read as zeros.
+                gid = group.regroup(paths.cache, data_file)
+                if gid is not None:
+                    log.warning("holder and daemon dead: new fanotify group %s, attached files marked again "
+                                "%.3f s after noticing", gid, time.monotonic() - t0)
+            try:
+                with NodeLock(paths.lock):
+                    with state.read() as t:
+                        cur = t.daemon()
+                    if cur is None or is_alive(cur):
+                        continue
+                    new = sup.adopt(cur)
+                    if new is None:
+                        sup.stop(cur)
+                        new = sup.start(cur.store)
+                        log.warning("node daemon %d died: started %d (%.2f s)", cur.pid, new.pid,
+                                    time.monotonic() - t0)
+                    with state.write() as t:
+                        t.put_daemon(new)
+            except DaemonError as e:
+                log.error("the watch cannot start the node daemon: %s; trying again", e)
+                time.sleep(5 * interval)
+    finally:
+        state.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "watch":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s watch %(levelname)s %(message)s")
+        sys.exit(watch(Path(sys.argv[2])))
+    sys.exit("usage: python -m runtime_shim.daemon watch NODE_DIR")
