@@ -8,11 +8,15 @@ no I/O, nothing about chunks).
   is always served before any queued background one.
 - Background holds at most `background` slots (default three quarters), so an urgent request
   finds a slot free at once unless urgent work itself fills the rest; and while urgent requests
-  wait or are in flight (*pressure*), a new background request starts only while fewer than
-  `background_busy` background ones are in flight. So an urgent request shares the store with at
-  most `background` background requests that were already running when it came, and that number
-  falls to `background_busy` as they end: on a slow store it is the link they share that the
-  urgent request waits on, not a slot.
+  wait or are in flight (*pressure*), or while a burst of them goes on (`burst` urgent requests
+  granted within the last `linger` seconds: sandboxes reading between short pauses), a new
+  background request starts only while fewer than `background_busy` background ones are in
+  flight. (Without the burst rule, background refilled its slots in every pause between
+  readers' misses, and the next misses shared the store with all of them again.) A lone
+  sequential reader's first misses are no burst: its readahead is not held back.
+- So an urgent request shares the store with at most `background` background requests that were
+  already running when it came, and that number falls to `background_busy` as they end: on a
+  slow store it is the link they share that the urgent request waits on, not a slot.
 - A priority may rise while its owner waits or holds a slot (a reader joins a queued or running
   prefetch): `reprioritized(owner)`. A waiter is then ordered as urgent and counts as pressure; a
   holder stops counting as background (it is what a reader waits for), without adding pressure
@@ -22,6 +26,7 @@ no I/O, nothing about chunks).
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Protocol
@@ -32,6 +37,8 @@ DEMAND = 0
 PREFETCH = 1
 
 URGENT, BACKGROUND, JOINED = 0, 1, 2  # a holder's class for the counts
+BURST = 4  # urgent requests granted within LINGER seconds: a burst of readers
+LINGER = 1.0
 
 
 class HasPriority(Protocol):
@@ -58,7 +65,7 @@ def default_background_busy(slots: int) -> int:
 
 class PriorityLimiter:
     def __init__(self, slots: int, *, background: int | None = None, background_busy: int | None = None,
-                 fifo: bool = False) -> None:
+                 fifo: bool = False, burst: int = BURST, linger: float = LINGER) -> None:
         """`fifo`: no classes at all (arrival order, background may take every slot): the
         baseline of bench/fetch_fairness.py, never the daemon's."""
         if slots < 1:
@@ -74,6 +81,9 @@ class PriorityLimiter:
         self._counts = [0, 0, 0]  # holders per class
         self._urgent_waiting = 0
         self._seq = itertools.count()
+        self.burst = burst
+        self.linger = linger
+        self._urgent_grants: deque[float] = deque(maxlen=max(1, burst))  # when the last `burst` were granted
         self.peak = 0  # most slots ever held at once
         self.background_passed = 0  # background grants made while an urgent request waited (0 unless fifo)
 
@@ -93,6 +103,13 @@ class PriorityLimiter:
     def pressure(self) -> int:
         """Urgent requests waiting for a slot or holding one."""
         return self._urgent_waiting + self._counts[URGENT]
+
+    def in_burst(self) -> bool:
+        """Urgent work now, or `burst` urgent requests granted within the last `linger` s."""
+        if self.pressure:
+            return True
+        g = self._urgent_grants
+        return self.burst > 0 and len(g) >= self.burst and trio.current_time() - g[0] <= self.linger
 
     def _cls(self, owner: HasPriority) -> int:
         return URGENT if owner.priority <= DEMAND else BACKGROUND
@@ -160,11 +177,13 @@ class PriorityLimiter:
                 best = min(self._waiters, key=lambda w: (self._cls(w.owner), w.owner.priority, w.seq))
             cls = self._cls(best.owner)
             if cls == BACKGROUND and not self.fifo:
-                limit = self.background_busy if self.pressure else self.background
+                limit = self.background_busy if self.in_burst() else self.background
                 if self._counts[BACKGROUND] >= limit:
                     return
             if cls == BACKGROUND and self._urgent_waiting:
                 self.background_passed += 1
+            elif cls == URGENT:
+                self._urgent_grants.append(trio.current_time())
             self._drop(best)
             self._free -= 1
             self._held[id(best.owner)] = cls

@@ -102,6 +102,29 @@ async def test_background_waits_while_urgent_work_runs_and_never_passes_a_waitin
 
 
 @pytest.mark.trio
+async def test_background_stays_throttled_through_the_pauses_of_a_burst(autojump_clock: trio.abc.Clock) -> None:
+    lim = PriorityLimiter(8, burst=4, linger=1.0)
+    for _ in range(4):  # four readers' misses, each done before the next: never two at once
+        o = Owner(DEMAND)
+        await lim.acquire(o)
+        lim.release(o)
+    assert lim.pressure == 0 and lim.in_burst()
+    bg = [Owner(PREFETCH) for _ in range(3)]
+    await lim.acquire(bg[0])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lim.acquire, bg[1])
+        await trio.testing.wait_all_tasks_blocked()
+        assert lim.waiting == 1  # in the pause between misses, background does not refill
+        await trio.sleep(1.5)  # the burst is over
+        assert not lim.in_burst()
+        lim.release(bg[0])  # the next event lets background take its share again
+        await lim.acquire(bg[2])
+    assert lim.background_in_use == 2
+    for o in bg[1:]:
+        lim.release(o)
+
+
+@pytest.mark.trio
 async def test_a_holder_joined_by_a_reader_stops_counting_as_background() -> None:
     lim = PriorityLimiter(4, background=1)
     running = Owner(PREFETCH)
