@@ -131,7 +131,8 @@ async def fairness_run(store: Store, cache_dir: Path, big: ChunkMap, images: lis
             await cache.shutdown_flush()
             nursery.cancel_scope.cancel()
     during = [w for w, t in zip(waits, starts, strict=True) if t + w <= prefetch_done[0]]
-    return {"during_prefetch": len(during), "p50_ms": round(pct(waits, 0.5) * 1000, 1), "p99_ms": round(pct(waits, 0.99) * 1000, 1),
+    return {"during_prefetch": len(during),
+            "p50_ms": round(pct(waits, 0.5) * 1000, 1), "p99_ms": round(pct(waits, 0.99) * 1000, 1),
             "mean_ms": round(statistics.mean(waits) * 1000, 1), "max_ms": round(max(waits) * 1000, 1),
             "reads": len(waits), "readers_done_s": round(readers_done, 2),
             "prefetch_s": round(prefetch_done[0], 2), "waits_ms": [round(w * 1000, 1) for w in waits]}
