@@ -24,6 +24,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -269,7 +270,8 @@ def _pidfd(pid: int, start: int | None) -> int | None:
 
 def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     """The watch process's loop (module doc). Returns when the shim stopped the daemon (no record)
-    or the node directory is gone; SIGTERM ends it."""
+    or the node directory is gone; SIGTERM ends it. A daemon is started in a thread of its own,
+    so a holder that dies meanwhile is still noticed (and regrouped) at once."""
     from fuse_client.fanotify import group, handover
     from fuse_client.fanotify.upgrade import upgrading
     from fuse_client.nodecache.files import BlobFiles
@@ -280,55 +282,58 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     state = NodeState(paths.state)
     data_file = BlobFiles(paths.cache).path
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    restarter: threading.Thread | None = None
+
+    def restart(t0: float) -> None:
+        try:
+            with NodeLock(paths.lock):
+                with state.read() as t:
+                    cur = t.daemon()
+                if cur is None or is_alive(cur):
+                    return
+                new = sup.adopt(cur)
+                if new is None:
+                    sup.stop(cur)
+                    new = sup.start(cur.store)
+                    log.warning("node daemon %d died: started %d (%.2f s)", cur.pid, new.pid, time.monotonic() - t0)
+                with state.write() as t:
+                    t.put_daemon(new)
+        except DaemonError as e:
+            log.error("the watch cannot start the node daemon: %s; trying again", e)
+            time.sleep(5 * interval)
+
     try:
         while paths.root.is_dir():
             with state.read() as t:
                 rec = t.daemon()
             if rec is None:
                 return 0
-            ident = handover.read_identity(paths.cache)
-            fds = [fd for fd in (_pidfd(rec.pid, rec.start_time if is_alive(rec) else None),
-                                 _pidfd(ident[0], handover.proc_start_time(ident[0])) if ident else None)
-                   if fd is not None]
             daemon_up = is_alive(rec)
-            if daemon_up:
-                try:
-                    select.select(fds, [], [], interval)  # a pidfd is readable once its process exited
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-                continue
-            for fd in fds:
-                os.close(fd)
-            if upgrading(paths.cache):
-                time.sleep(interval)  # `layerctl daemon-upgrade` starts the next one: adopted after
-                continue
-            t0 = time.monotonic()
-            if ident is None:
+            ident = handover.read_identity(paths.cache)
+            if not daemon_up and ident is None:
                 # Holder and daemon gone: the group died. Mark the attached files on a new one now,
-                # before the (slow) daemon start: that ends the time holes read as zeros.
+                # not after the (slow) daemon start: that ends the time holes read as zeros.
+                t0 = time.monotonic()
                 gid = group.regroup(paths.cache, data_file)
                 if gid is not None:
-                    log.warning("holder and daemon dead: new fanotify group %s, attached files marked again "
-                                "%.3f s after noticing", gid, time.monotonic() - t0)
+                    log.warning("holder and daemon dead: new fanotify group %s (attached files marked first), "
+                                "its holder started %.3f s after", gid, time.monotonic() - t0)
+                    ident = handover.read_identity(paths.cache)
+            if not daemon_up and (restarter is None or not restarter.is_alive()) and not upgrading(paths.cache):
+                restarter = threading.Thread(target=restart, args=(time.monotonic(),), daemon=True)
+                restarter.start()
+            fds = [fd for fd in (_pidfd(rec.pid, rec.start_time) if daemon_up else None,
+                                 _pidfd(ident[0], handover.proc_start_time(ident[0])) if ident else None)
+                   if fd is not None]
             try:
-                with NodeLock(paths.lock):
-                    with state.read() as t:
-                        cur = t.daemon()
-                    if cur is None or is_alive(cur):
-                        continue
-                    new = sup.adopt(cur)
-                    if new is None:
-                        sup.stop(cur)
-                        new = sup.start(cur.store)
-                        log.warning("node daemon %d died: started %d (%.2f s)", cur.pid, new.pid,
-                                    time.monotonic() - t0)
-                    with state.write() as t:
-                        t.put_daemon(new)
-            except DaemonError as e:
-                log.error("the watch cannot start the node daemon: %s; trying again", e)
-                time.sleep(5 * interval)
+                # A pidfd is readable once its process exited; while a daemon is down, look often.
+                select.select(fds, [], [], interval if daemon_up else min(interval, 0.02))
+            finally:
+                for fd in fds:
+                    os.close(fd)
     finally:
+        if restarter is not None:
+            restarter.join(READY_TIMEOUT)
         state.close()
     return 0
 
