@@ -114,7 +114,7 @@ def holder_marks(cache_dir: Path) -> int:
         return -1
     for fd in os.listdir(f"/proc/{ident[0]}/fd"):
         with contextlib.suppress(OSError):
-            if "fanotify" in os.readlink(f"/proc/{ident[0]}/fd/{fd}"):
+            if os.readlink(f"/proc/{ident[0]}/fd/{fd}") == "anon_inode:[fanotify]":
                 with open(f"/proc/{ident[0]}/fdinfo/{fd}", "rb") as f:
                     return abi.count_marks(f.read())
     return -1
