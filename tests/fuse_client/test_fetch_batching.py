@@ -1,0 +1,122 @@
+"""The node cache's batched reads against a real store service (`layerctl serve` in front of a
+local store): a readahead window of N chunks is ceil(N/16) batched requests and no single GET
+(counted on the service's /metrics), and an object that fails verification in a batch fails
+only its own chunk."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from testkit.store_service import Service, start_service
+
+from fuse_client.nodecache import LazyCache, open_cache
+from layerstore.backends.http import HttpBackend
+from layerstore.chunkmap import ChunkMap
+from layerstore.errors import CorruptObject
+from layerstore.store import Store
+
+from .test_fuse_handlers import CHUNK, put_blob
+
+BATCH_ROUTE = re.compile(r'^layerstore_service_requests_total\{method="(\w+)",route="([^"]+)",status="200"\} (\S+)$')
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Service, Path]]:
+    work = tmp_path_factory.mktemp("fetch-batching")
+    store_dir = work / "store"
+    with Store.open(str(store_dir)) as s:
+        s.init()
+    svc = start_service(str(store_dir), work, workers=2)
+    try:
+        yield svc, store_dir
+    finally:
+        svc.stop()
+
+
+def requests(svc: Service) -> dict[str, float]:
+    """Answered requests per (method route), from the service's /metrics."""
+    out: dict[str, float] = {}
+    for line in httpx.get(svc.url + "/metrics", timeout=10).text.splitlines():
+        m = BATCH_ROUTE.match(line)
+        if m:
+            out[f"{m[1]} {m[2]}"] = out.get(f"{m[1]} {m[2]}", 0.0) + float(m[3])
+    return out
+
+
+@contextlib.asynccontextmanager
+async def lazy_over(svc: Service, cache_dir: Path) -> AsyncIterator[LazyCache]:
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(Store(HttpBackend(svc.url)))
+        cache = open_cache(cache_dir, None, stack)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            yield LazyCache(cache, store, nursery=nursery, deadline=10.0, batch=16)
+            await cache.shutdown_flush()
+            nursery.cancel_scope.cancel()
+
+
+def push(store_dir: Path, n: int, seed: int) -> tuple[ChunkMap, bytes]:
+    data = random.Random(seed).randbytes(n * CHUNK)
+    with Store.open(str(store_dir)) as s:
+        return put_blob(s, data), data
+
+
+@pytest.mark.trio
+async def test_a_readahead_window_of_n_chunks_is_ceil_n_over_16_batched_requests(
+        service: tuple[Service, Path], tmp_path: Path) -> None:
+    svc, store_dir = service
+    n = 40
+    cmap, data = push(store_dir, n, 1)
+    async with lazy_over(svc, tmp_path / "cache") as lazy:
+        entry = await lazy.entry(cmap.blob)
+        assert lazy.fetcher.store.backend.reads_in_batches  # type: ignore[attr-defined]
+        before = requests(svc)
+        lazy.fetcher.readahead(entry, 0, n)
+        with trio.fail_after(30):
+            while not all(entry.present):
+                await trio.sleep(0.01)
+        # The service counts a request once its answer is sent whole; the chunks land as frames arrive.
+        with trio.fail_after(10):
+            while True:
+                after = requests(svc)
+                delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                if delta.get("POST /v1/batch", 0) >= math.ceil(n / 16):
+                    break
+                await trio.sleep(0.05)
+        assert delta.get("POST /v1/batch") == math.ceil(n / 16)
+        assert delta.get("GET /v1/objects/{key:path}", 0) == 0
+        assert entry.read_sync(0, len(data)) == data
+        assert lazy.stats.blobs[cmap.blob].fetches == n
+
+
+@pytest.mark.trio
+async def test_a_corrupt_object_in_a_batch_fails_only_its_chunk(service: tuple[Service, Path],
+                                                                tmp_path: Path) -> None:
+    svc, store_dir = service
+    cmap, data = push(store_dir, 8, 2)
+    with Store.open(str(store_dir)) as s:
+        path = store_dir / s.chunk_key(cmap.chunks[3].digest)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # the store's own bytes go bad
+    path.write_bytes(bytes(raw))
+    async with lazy_over(svc, tmp_path / "cache") as lazy:
+        entry = await lazy.entry(cmap.blob)
+        with pytest.raises(CorruptObject):
+            await lazy.ensure(entry, list(range(8)))  # one batch: the reader of chunk 3 fails
+        assert list(entry.present) == [1, 1, 1, 0, 1, 1, 1, 1]
+        assert lazy.stats.corrupt_chunks == 1
+        reader = lazy.open_reader(entry)
+        assert bytes(await reader.read_missing(5 * CHUNK, 100)) == data[5 * CHUNK:5 * CHUNK + 100]
+        with pytest.raises(CorruptObject):
+            await reader.read_missing(3 * CHUNK, 100)  # fetched again, still refused, never served
+        reader.close()
+        assert lazy.stats.corrupt_chunks == 2
+        assert entry.read_sync(0, 3 * CHUNK) == data[:3 * CHUNK]
