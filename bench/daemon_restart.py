@@ -67,7 +67,7 @@ def kill_all(args: argparse.Namespace) -> int:
     from fuse_client.control import attach, detach
     from fuse_client.fanotify import handover
     from fuse_client.linux import mount_erofs, umount
-    from runtime_shim.daemon import DaemonSupervisor
+    from runtime_shim.daemon import DaemonSupervisor, is_alive
     from runtime_shim.paths import NodePaths
     from runtime_shim.state import NodeState
 
@@ -120,9 +120,12 @@ def kill_all(args: argparse.Namespace) -> int:
             for t in threads:
                 t.start()
             for i in range(args.restarts):
-                with state.read() as t:
-                    rec = t.daemon()
-                assert rec is not None
+                while True:  # (the watch records the new daemon once its mount answers)
+                    with state.read() as t:
+                        rec = t.daemon()
+                    if rec is not None and is_alive(rec):
+                        break
+                    time.sleep(0.01)
                 request_json(paths.cache, "POST", "/cache/evict", {"all": True})
                 time.sleep(random.uniform(0.05, 0.3))
                 ident = handover.read_identity(paths.cache)
