@@ -54,6 +54,7 @@ def test_erofs_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer,
         assert read_errno(d.blob("b3:" + "1" * 64)) == errno.ENOENT
 
 
+@pytest.mark.usefixtures("cache_format")
 def test_erofs_directio_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer, tmp_path: Path) -> None:
     """`-o directio` (what docs/benchmarks-read.md recommends to the shim): every EROFS page-cache
     miss is a FUSE request, metadata still goes through the pushed page cache; cold, then again

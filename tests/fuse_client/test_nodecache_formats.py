@@ -143,7 +143,7 @@ _CHILD = textwrap.dedent("""
     real = store.get_chunk_frame
 
     def slow(digest):
-        time.sleep(0.01)
+        time.sleep(0.08)  # the whole blob takes > 3 s at 4 fetches at a time: the kill comes mid-fill
         return real(digest)
 
     store.get_chunk_frame = slow
@@ -171,7 +171,7 @@ def test_kill_9_while_a_zstd_cache_is_filled_recovers(store: Store, backend: Cou
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == b"ready"
-        trio.run(trio.sleep, 0.2)  # journal batches committed, others in flight
+        trio.run(trio.sleep, 1.5)  # a journal batch committed (JOURNAL_GATHER), others in flight
         os.kill(child.pid, signal.SIGKILL)
     finally:
         if child.poll() is None:
