@@ -144,6 +144,8 @@ class LayerMounts:
         """One more reference on the layer. Returns CLAIMED when the caller claimed its mount
         (nobody has mounted it or is mounting it: it must mount it and `settle` the outcome),
         MOUNTED when it is mounted, MOUNTING when another claimant is mounting it."""
+        if t.ref_if_mounted(blob):
+            return MOUNTED
         lm = t.layer(blob)
         claimed = lm is None or (lm.status == MOUNTING and not lm.in_flight)
         if lm is None:

@@ -54,18 +54,35 @@ class SandboxLifecycle:
         """Is `target` a default root (NODE/roots/<id>)?"""
         return os.path.dirname(target) == str(self.paths.roots)
 
+    # The state records that the mount is made (`meta/roots`, written after the mount, dropped
+    # before its removal, both under the lock), so that a mount need not ask the kernel each time
+    # (`Txn.roots_mounted`; two mount-id lookups, ~50 us). A crash between the mount and the record
+    # leaves the mount unrecorded: the next `ensure_roots` finds it and records it. The record
+    # goes with the database after a reboot (the mount too); the start-up check compares it with
+    # the kernel (`roots_consistent`), so a bind mount removed behind the shim's back is made again.
     def ensure_roots(self) -> None:
         """Caller holds the lock. Make the NODE/roots bind mount unless it is there."""
         roots = self.paths.roots
         roots.mkdir(mode=0o700, exist_ok=True)
         if not linux.is_mount_root(roots):
             linux.bind_private(roots)
+        with self.state.write() as t:
+            t.put_roots_mounted(True)
 
     def release_roots(self) -> None:
         """Caller holds the lock; the node has no sandbox left."""
+        with self.state.write() as t:
+            t.put_roots_mounted(False)
         if linux.is_mount_root(self.paths.roots):
             with contextlib.suppress(linux.MountError):
                 linux.umount(self.paths.roots, lazy=True)
+
+    def roots_consistent(self) -> bool:
+        """Caller holds the lock. Does the state's record of the NODE/roots mount match the kernel?
+        (O(1); the start-up check asks.)"""
+        with self.state.read() as t:
+            recorded = t.roots_mounted()
+        return not recorded or linux.is_mount_root(self.paths.roots)
 
     # -- a mount that did not complete ----------------------------------------------------------
     def undo_mount(self, sb: Sandbox, *, overlay: bool, created_dir: bool) -> None:

@@ -20,7 +20,12 @@ class NodeLock:
     """Reentrant per thread: nested `with` blocks of one thread share its flock; threads sharing
     one object (a node agent's threads over one `Shim`) each open the lock file themselves, so
     flock serialises them as it does processes. `waited` is the calling thread's total time spent
-    waiting for the lock."""
+    waiting for the lock.
+
+    Each thread keeps its descriptor of the lock file open between acquisitions (flock, then
+    LOCK_UN) instead of opening it every time: two system calls fewer per acquisition, four per
+    mount. A descriptor is the calling process's only: a forked child (which shares the parent's
+    open file description, and so its flock) opens its own on its first acquisition."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -32,15 +37,20 @@ class NodeLock:
 
     @property
     def held(self) -> bool:
-        """Does the calling thread hold the lock?"""
-        return getattr(self._local, "depth", 0) > 0
+        """Does the calling thread (of this process) hold the lock?"""
+        return getattr(self._local, "pid", None) == os.getpid() and self._local.depth > 0
 
     def __enter__(self) -> NodeLock:
         local = self._local
-        depth = getattr(local, "depth", 0)
+        if getattr(local, "pid", None) != os.getpid():  # a forked child holds nothing of its parent's
+            local.pid, local.depth, local.fd = os.getpid(), 0, None
+        depth = local.depth
         if depth == 0:
             t = time.monotonic()
-            local.fd = _flock(self.path, fcntl.LOCK_EX)
+            fd = local.fd
+            if fd is None:
+                fd = local.fd = _LockFile(self.path)
+            fcntl.flock(fd.fd, fcntl.LOCK_EX)
             local.waited = self.waited + time.monotonic() - t
         local.depth = depth + 1
         return self
@@ -49,8 +59,30 @@ class NodeLock:
         local = self._local
         local.depth -= 1
         if local.depth == 0:
-            fd, local.fd = local.fd, None
-            os.close(fd)  # closing the last descriptor releases the flock
+            fcntl.flock(local.fd.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Close the calling thread's descriptor (other threads' close when they end)."""
+        fd = getattr(self._local, "fd", None)
+        if fd is not None and not self.held and getattr(self._local, "pid", None) == os.getpid():
+            self._local.fd = None
+            fd.close()
+
+
+class _LockFile:
+    """One open descriptor of a lock file, closed when dropped (a thread's ends with it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.pid = os.getpid()
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0 and self.pid == os.getpid():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class BlobLock:

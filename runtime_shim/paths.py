@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from layerstore import digest as digestmod
@@ -64,44 +65,46 @@ def new_sandbox_id() -> str:
 
 @dataclass(frozen=True)
 class NodePaths:
+    """The paths of one node directory (the fixed ones computed once: a mount asks for several)."""
+
     root: Path
 
     @classmethod
     def resolve(cls, explicit: str | os.PathLike[str] | None = None) -> NodePaths:
         return cls(resolve_node_dir(explicit))
 
-    @property
+    @cached_property
     def lock(self) -> Path:
         return self.root / "lock"
 
-    @property
+    @cached_property
     def state(self) -> Path:
         return self.root / "state"
 
-    @property
+    @cached_property
     def daemon_log(self) -> Path:
         return self.root / "daemon.log"
 
-    @property
+    @cached_property
     def cache(self) -> Path:
         return self.root / "cache"
 
-    @property
+    @cached_property
     def fuse(self) -> Path:
         return self.root / "fuse"
 
-    @property
+    @cached_property
     def layers(self) -> Path:
         return self.root / "layers"
 
-    @property
+    @cached_property
     def sandboxes(self) -> Path:
         return self.root / "sandboxes"
 
     def layer_mount(self, blob: str) -> Path:
         return self.layers / digestmod.parse(blob).split(":", 1)[1]
 
-    @property
+    @cached_property
     def locks(self) -> Path:
         return self.root / "locks"
 
@@ -129,7 +132,7 @@ class NodePaths:
         """The filesystem image of a kept sandbox's size-limited upper (when it has one)."""
         return self.sandbox_dir(sandbox) / "upper.img"
 
-    @property
+    @cached_property
     def roots(self) -> Path:
         return self.root / "roots"
 

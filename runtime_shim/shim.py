@@ -46,7 +46,9 @@ from .state import (
     LayerMount,
     NodeState,
     Sandbox,
+    Txn,
     boot_id,
+    encode,
     this_process,
 )
 
@@ -90,6 +92,8 @@ class Shim:
         self._hint_mu = threading.Lock()
         self._hinting: set[str] = set()
         self._hint_threads: list[threading.Thread] = []
+        self._layer_points: dict[str, str] = {}  # blob -> NODE/layers/<hex> (a path computed once)
+        self._layers_current: str | None = None  # the generation every layer record was found current for
         if auto_recover:
             self.recover_if_needed()
 
@@ -138,6 +142,9 @@ class Shim:
             with contextlib.suppress(Exception):
                 close()
         self._closers = []
+        close_lock = getattr(self.lifecycle.lock, "close", None)
+        if close_lock is not None:
+            close_lock()
         self.state.close()
 
     def __enter__(self) -> Shim:
@@ -261,16 +268,16 @@ class Shim:
             if error is not None:
                 raise error
         with self.lock:
-            gen = self._ready_locked()
-            sb, claimed, waits, created_dir = self._begin_mount(spec, target, sid, upper, gen, utab_entry,
-                                                                upper_size is not None or upper_image is not None,
-                                                                userns, guest)
+            sb, claimed, waits, created_dir, gen = self._begin_mount(spec, target, sid, upper, utab_entry,
+                                                                     upper_size is not None or upper_image is not None,
+                                                                     userns, guest)
         mounted = False
+        record = encode({**sb.to_json(), "status": MOUNTED})  # the record file's = transaction 2's
         try:
-            self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image)
+            self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image, record)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
-            lowers = [str(self.paths.layer_mount(b)) for b in reversed(sb.layers)]
+            lowers = [self._layer_point(b) for b in reversed(sb.layers)]
             flags = mount_flags(nosuid=nosuid, nodev=nodev)
             if sb.backend:
                 pass  # (the guest composes the root from the layer files)
@@ -286,7 +293,7 @@ class Shim:
                     utab.add(mid, sb.target)
             sb.status = MOUNTED
             with self.lock, self.state.write() as t:
-                t.put_sandbox(sb, old=sb)
+                t.put_status(sb, record)
                 t.clear_pending(sid)
         except BaseException:
             sb.status = MOUNTING
@@ -295,6 +302,12 @@ class Shim:
                 self.lifecycle.undo_mount(sb, overlay=mounted, created_dir=created_dir)
             raise
         return sb
+
+    def _layer_point(self, blob: str) -> str:
+        point = self._layer_points.get(blob)
+        if point is None:
+            point = self._layer_points[blob] = str(self.paths.layer_mount(blob))
+        return point
 
     def _send_hints(self, spec: EnvSpec) -> None:
         """The environment's prefetch hints (from its manifest) to the blob source, in the
@@ -339,21 +352,40 @@ class Shim:
         earlier daemon). Returns the blob source's generation."""
         gen = self.blobs.ensure()
         with self.state.read() as t:
-            stale = bool(t.dead_pending()) or any(lm.status == MOUNTED and not lm.current(gen) for lm in t.layers())
+            stale = self._stale(t, gen)
         if stale:
             self._recover_locked()
+            gen = self.blobs.ensure()
         return gen
 
+    def _stale(self, t: Txn, gen: str) -> bool:
+        """Does the picture need recovery before a mount? An operation of a dead process is
+        pending (O(1) when none is), or a layer mount was made from an earlier daemon's files.
+        The layers are compared with `gen` once per generation in this process: a layer record
+        gets the generation of the mount that made it (under the lock, from a healthy source), so
+        records older than a generation this process checked can only appear when the source
+        changes, and then `gen` changes too (the blob source notices its daemon's exit)."""
+        if t.dead_pending():
+            return True
+        if gen == self._layers_current:
+            return False
+        if any(lm.status == MOUNTED and not lm.current(gen) for lm in t.layers()):
+            return True
+        self._layers_current = gen
+        return False
+
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
-                     upper: str | os.PathLike[str] | None, gen: str, utab_entry: bool,
+                     upper: str | os.PathLike[str] | None, utab_entry: bool,
                      scratch: bool = False, userns: bool = False,
-                     guest: str | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool]:
-        """Caller holds the lock. Refuse taken ids, targets and uppers; create the sandbox's
+                     guest: str | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool, str]:
+        """Caller holds the lock. Make sure the blob source runs and the picture is usable (see
+        `_ready_locked`); refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
         every layer, claiming the mounts of layers nobody has mounted or is mounting (their blob
         locks are taken here, before the node lock is released, so that waiters find them held).
-        Returns the sandbox, the claimed layers' locks, the layers others are mounting, and
-        whether the directory was created."""
+        Returns the sandbox, the claimed layers' locks, the layers others are mounting, whether
+        the directory was created, and the blob source's generation."""
+        gen = self.blobs.ensure()
         sdir = self.paths.sandbox_dir(sid)
         tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
         owned = upper is None
@@ -363,15 +395,15 @@ class Shim:
             up = str(self.paths.upper_image(sid) if scratch else sdir / "upper")
         if not owned:
             check_overlay_safe(up, "upper directory")
-        with self.state.read() as t:
-            if t.sandbox(sid) is not None:
-                raise SandboxExists(f"sandbox {sid} already exists on node {self.paths.root}")
-            other = t.sandbox_at(tgt)
-            if other is not None:
-                raise SandboxExists(f"{tgt} is already the root of sandbox {other.id}")
-            other = t.sandbox_with_upper(up)
-            if other is not None:
-                raise SandboxExists(f"upper {up} is in use by sandbox {other.id}")
+        with self.state.read() as t:  # one read: the picture usable, then the refusals
+            stale = self._stale(t, gen)
+            if not stale:
+                self._refuse_taken(t, sid, tgt, up)
+        if stale:
+            self._recover_locked()
+            gen = self.blobs.ensure()
+            with self.state.read() as t:
+                self._refuse_taken(t, sid, tgt, up)
         created_dir = False
         if owned:
             try:
@@ -393,8 +425,10 @@ class Shim:
         # From here on, a crash leaves a `pending` mount that recovery rolls back.
         waits: set[str] = set()
         claims: list[str] = []
+        roots = False
         try:
             with self.state.write() as t:
+                roots = t.roots_mounted()
                 if userns and owned:
                     sb.userns = t.allocate_idrange(sid)
                 t.put_sandbox(sb, old=None)
@@ -416,16 +450,27 @@ class Shim:
         try:
             for blob in claims:
                 claimed[blob] = BlobLock(self.paths.layer_lock(blob)).hold()
-            if self.lifecycle.under_roots(tgt) and not guest:
+            if not roots and self.lifecycle.under_roots(tgt) and not guest:
                 self.lifecycle.ensure_roots()
         except BaseException:
             self._abandon(dict.fromkeys(claims, None) | claimed)
             self.lifecycle.undo_mount(sb, overlay=False, created_dir=created_dir)
             raise
-        return sb, claimed, waits, created_dir
+        return sb, claimed, waits, created_dir, gen
+
+    def _refuse_taken(self, t: Txn, sid: str, target: str, upper: str) -> None:
+        if t.sandbox(sid) is not None:
+            raise SandboxExists(f"sandbox {sid} already exists on node {self.paths.root}")
+        other = t.sandbox_at(target)
+        if other is not None:
+            raise SandboxExists(f"{target} is already the root of sandbox {other.id}")
+        other = t.sandbox_with_upper(upper)
+        if other is not None:
+            raise SandboxExists(f"upper {upper} is in use by sandbox {other.id}")
 
     def _layers_ready(self, sb: Sandbox, claimed: dict[str, BlobLock], waits: set[str], gen: str,
-                      upper_size: int | None = None, upper_image: int | None = None) -> None:
+                      upper_size: int | None = None, upper_image: int | None = None,
+                      record: bytes | None = None) -> None:
         """Without the node lock: mount the layers this call claimed, wait for those others are
         mounting, and make the sandbox's directories and record file, all at once (in the calling
         thread alone when every layer is mounted already). Raises the first failure (after every
@@ -434,12 +479,13 @@ class Shim:
         claimed.clear()  # each claimed mount settles its own outcome from here on
         fns: list[Callable[[], None]] = [functools.partial(self._mount_claimed, b, gen, lk) for b, lk in mine.items()]
         fns += [functools.partial(self._await_layer, b, gen) for b in sorted(waits)]
-        fns.append(functools.partial(self._make_dirs, sb, upper_size, upper_image))
+        fns.append(functools.partial(self._make_dirs, sb, upper_size, upper_image, record))
         error = _concurrently(fns)
         if error is not None:
             raise error
 
-    def _make_dirs(self, sb: Sandbox, upper_size: int | None = None, upper_image: int | None = None) -> None:
+    def _make_dirs(self, sb: Sandbox, upper_size: int | None = None, upper_image: int | None = None,
+                   record: bytes | None = None) -> None:
         if sb.backend:  # composed in a guest: its upper drive if it is kept, nothing else on the host
             if upper_image is not None:
                 make_upper_image(sb.upper, upper_image)
@@ -465,10 +511,18 @@ class Shim:
         else:
             Path(sb.work).mkdir(mode=0o700, exist_ok=True)
         if not sb.backend:
-            Path(sb.target).mkdir(mode=0o755, parents=True, exist_ok=True)
+            try:
+                os.mkdir(sb.target, 0o755)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # (a caller's target whose parents do not exist yet)
+                os.makedirs(sb.target, 0o755, exist_ok=True)
         # The record file says what should be (mounted): it is what recovery rebuilds from
-        # after a reboot, when the database is not trusted.
-        records.save(self.paths, Sandbox(**{**sb.to_json(), "status": MOUNTED}))
+        # after a reboot, when the database is not trusted. The directory of an owned sandbox
+        # was created by this mount: no record is there yet.
+        if record is None:
+            record = encode({**sb.to_json(), "status": MOUNTED})
+        records.save(self.paths, sb, fresh=sb.owned, encoded=record)
 
     def _mount_claimed(self, blob: str, gen: str, lock: BlobLock) -> None:
         """Mount a layer this process claimed, record the outcome under the node lock, then let
@@ -629,6 +683,8 @@ class Shim:
             return "the machine restarted" if boot else "no boot recorded (new or older state)"
         if pending:
             return f"{pending} operation(s) interrupted"
+        if not self.lifecycle.roots_consistent():
+            return f"the {self.paths.roots} mount is gone"
         if layers:
             gen = self.blobs.generation()
             if gen is None:
@@ -643,6 +699,11 @@ class Shim:
         return ""
 
     def _recover_locked(self) -> RecoverReport:
+        self._layers_current = None  # (checked again by the next mount)
+        with contextlib.suppress(Exception):
+            if not self.lifecycle.roots_consistent():  # recorded, but gone: made again when needed
+                with self.state.write() as t:
+                    t.put_roots_mounted(False)
         return recover(self.lifecycle, self.blobs, self.backends)
 
 

@@ -27,6 +27,8 @@ Records are JSON objects:
                        whose process (pid + start time) still runs is in flight, not a crash
     meta/daemon        DaemonRecord
     meta/boot          {"boot_id": ...} of the boot the picture belongs to
+    meta/roots         present while the shim's NODE/roots bind mount is made (so that a mount
+                       need not ask the kernel)
     meta/hints/<blob>  {"chunks": [...]}: the blob's prefetch hints already sent to the daemon
 """
 
@@ -95,9 +97,24 @@ def owner_alive(info: dict[str, Any]) -> bool:
     return isinstance(pid, int) and start is not None and start_time(pid) == start
 
 
+_ENCODER = json.JSONEncoder(sort_keys=True)  # (json.dumps with an option builds an encoder per call)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    """A record as stored (and as a sandbox's record file holds it): JSON, keys sorted."""
+    return _ENCODER.encode(obj).encode()
+
+
+_FIELDS: dict[type, frozenset[str]] = {}
+
+
 def _known(cls: type, obj: dict[str, Any]) -> dict[str, Any]:
     # Records written by a newer shim may carry fields this one does not know: ignore them.
-    names = {f.name for f in fields(cls)}
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in fields(cls))
+    if names.issuperset(obj):
+        return obj
     return {k: v for k, v in obj.items() if k in names}
 
 
@@ -251,7 +268,7 @@ class Txn:
         return obj  # type: ignore[no-any-return]
 
     def _put(self, db: str, key: str, obj: dict[str, Any]) -> None:
-        self._txn.put(key.encode(), json.dumps(obj, sort_keys=True).encode(), db=self._dbs[db])
+        self._txn.put(key.encode(), encode(obj), db=self._dbs[db])
 
     def _delete(self, db: str, key: str) -> None:
         self._txn.delete(key.encode(), db=self._dbs[db])
@@ -285,6 +302,13 @@ class Txn:
         self._put("uppers", sb.upper, {"sandbox": sb.id})
         if sb.userns is not None:
             self._put("idranges", str(slot_of(sb.userns)), {"sandbox": sb.id})
+
+    def put_status(self, sb: Sandbox, encoded: bytes | None = None) -> None:
+        """Rewrite a sandbox's record whose target, upper and id range are unchanged (a status
+        change): its index entries stay as they are. `encoded`: `encode(sb.to_json())`, when the
+        caller has it."""
+        self._txn.put(sb.id.encode(), encoded if encoded is not None else encode(sb.to_json()),
+                      db=self._dbs["sandboxes"])
 
     def delete_sandbox(self, sandbox: str) -> None:
         old = self.sandbox(sandbox)
@@ -351,6 +375,16 @@ class Txn:
     def layers(self) -> list[LayerMount]:
         return [LayerMount.from_json(v) for _, v in self._items("layers")]
 
+    def ref_if_mounted(self, blob: str) -> bool:
+        """One more reference on a layer whose mount is made (status `mounted`); False (nothing
+        changed) for any other layer. The warm mount's path: the record stays a dict."""
+        obj = self._get("layers", blob)
+        if obj is None or obj.get("status") != MOUNTED:
+            return False
+        obj["refs"] = int(obj.get("refs", 0)) + 1
+        self._put("layers", blob, obj)
+        return True
+
     def put_layer(self, lm: LayerMount) -> None:
         self._put("layers", lm.blob, lm.to_json())
 
@@ -376,6 +410,17 @@ class Txn:
 
     def add_hinted(self, blob: str, chunks: list[int]) -> None:
         self._put("meta", f"hints/{blob}", {"chunks": sorted(self.hinted(blob).union(chunks))})
+
+    def roots_mounted(self) -> bool:
+        """Did the shim make the NODE/roots bind mount (and not remove it since)? See
+        `SandboxLifecycle.ensure_roots`: recorded under the node lock with the mount, dropped with it."""
+        return self._txn.get(b"roots", db=self._dbs["meta"]) is not None
+
+    def put_roots_mounted(self, mounted: bool) -> None:
+        if mounted:
+            self._put("meta", "roots", {"mounted": True})
+        elif self.roots_mounted():
+            self._delete("meta", "roots")
 
     def boot(self) -> str | None:
         obj = self._get("meta", "boot")

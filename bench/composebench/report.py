@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .spec import GOALS, log
+from .spec import GOALS, GOALS_VS_PLAIN, log
 
 
 def median_results(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -51,6 +51,47 @@ def verdicts(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def ratios(doc: dict[str, Any]) -> dict[str, Any]:
+    """The shim API's mount rate over the plain overlay's, per client count and scale, in the same
+    run (medians over rounds, and each round's own pairing), beside the shim's p99, both
+    contenders' kernel memory per sandbox and the load average while the shim's step ran."""
+    res = doc.get("results", {})
+    out: dict[str, Any] = {}
+    for key, per in res.items():
+        if not key.startswith("layerstore-api/"):
+            continue
+        clients = key.split("=", 1)[1]
+        plain = res.get(f"plain-overlay/clients={clients}", {})
+        rounds = doc.get("per_round", {})
+        for scale, r in per.items():
+            p = plain.get(scale)
+            if not p:
+                continue
+            api_m, plain_m = r["mount"], p["mount"]
+            entry = {
+                "rate_ratio": round(api_m["rate_per_s"] / plain_m["rate_per_s"], 3),
+                "cpu_ratio": round(plain_m["cpu_ms"] / api_m["cpu_ms"], 3),
+                "api_rate_per_s": api_m["rate_per_s"], "plain_rate_per_s": plain_m["rate_per_s"],
+                "api_p99_ms": api_m["p99_ms"], "plain_p99_ms": plain_m["p99_ms"],
+                "api_cpu_ms": api_m["cpu_ms"], "plain_cpu_ms": plain_m["cpu_ms"],
+                "api_kmem_per_sandbox_bytes": r["memory_per_sandbox"].get("cgroup_kmem_bytes"),
+                "plain_kmem_per_sandbox_bytes": p["memory_per_sandbox"].get("cgroup_kmem_bytes"),
+                "api_machine_slab_per_sandbox_bytes": r["memory_per_sandbox"].get("machine_slab_bytes"),
+                "plain_machine_slab_per_sandbox_bytes": p["memory_per_sandbox"].get("machine_slab_bytes"),
+                "loadavg_1min_api": r.get("loadavg_1min"), "loadavg_1min_plain": p.get("loadavg_1min"),
+            }
+            api_rounds = rounds.get(key, [])
+            plain_rounds = rounds.get(f"plain-overlay/clients={clients}", [])
+            if len(api_rounds) > 1:
+                entry["per_round_rate_ratio"] = [
+                    round(a[scale]["mount"]["rate_per_s"] / b[scale]["mount"]["rate_per_s"], 3)
+                    for a, b in zip(api_rounds, plain_rounds, strict=False) if scale in a and scale in b]
+            entry["ok"] = (entry["rate_ratio"] >= GOALS_VS_PLAIN["rate_ratio"]
+                           and entry["api_p99_ms"] < GOALS_VS_PLAIN["p99_ms"])
+            out[f"clients={clients}@{scale}"] = entry
+    return out
+
+
 def write(doc: dict[str, Any], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -63,6 +104,11 @@ def summary(doc: dict[str, Any]) -> None:
             m, u = ab[name]["mount"], ab[name]["unmount"]
             log(f"durability A/B {name:6s}: mount {m['rate_per_s']:7.1f}/s p50 {m['p50_ms']:6.2f} "
                 f"p99 {m['p99_ms']:6.2f} ms | unmount {u['rate_per_s']:7.1f}/s p99 {u['p99_ms']:6.2f} ms")
+    for point, r in doc.get("ratios", {}).items():
+        kmem = [(r[f"{c}_kmem_per_sandbox_bytes"] or 0) / 1024 for c in ("api", "plain")]
+        log(f"layerstore-api / plain-overlay {point}: rate {r['rate_ratio']:.2f}x (goal >= "
+            f"{GOALS_VS_PLAIN['rate_ratio']}), shim p99 {r['api_p99_ms']:.2f} ms, kmem/sandbox "
+            f"{kmem[0]:.1f} vs {kmem[1]:.1f} KiB, load {r['loadavg_1min_api']}")
     for name, per in doc.get("results", {}).items():
         for scale, r in per.items():
             m, u, mem = r["mount"], r["unmount"], r["memory_per_sandbox"]

@@ -73,6 +73,7 @@ def inner(args: argparse.Namespace) -> int:
         doc["rounds"] = args.rounds
         if args.rounds > 1:
             doc["per_round"] = report.per_round(rounds)
+        doc["ratios"] = report.ratios(doc)
         shim.unmount(anchor.id)
         anchor = None
         shim.stop_daemon()

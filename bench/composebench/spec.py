@@ -11,8 +11,12 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "compose.json"
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"scales": [1000, 10000], "clients": [1], "cli": 20, "rounds": 1, "ab_blocks": 6},
     "full": {"scales": [1000, 10000], "clients": [1, 4], "cli": 50, "rounds": 2, "ab_blocks": 20},
+    # issue 19: the shim against the bare overlay at 10,000 and 30,000 mounted, 1 client (~6 min)
+    "mounted30k": {"scales": [10000, 30000], "clients": [1], "cli": 0, "rounds": 1, "ab_blocks": 0},
 }
 GOALS = {"rate_per_s": 200, "p99_ms": 50, "mounted": 10000}
+# issue 19: the shim API's mount rate against the bare overlay's in the same run, and its p99
+GOALS_VS_PLAIN = {"rate_ratio": 0.6, "p99_ms": 5.0}
 INNER_ENV = "LAYERSTORE_COMPOSE_INNER"  # set: this process is the run inside its own mount namespace
 CGROUP_ENV = "LAYERSTORE_COMPOSE_CGROUP"  # the run's memory cgroup, made by the outer process
 SETTLE_ENV = "LAYERSTORE_COMPOSE_SETTLE_S"
