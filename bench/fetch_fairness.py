@@ -16,17 +16,20 @@ work waits or runs).
 **batching** (root, FUSE): the node daemon (`layerctl daemon`) reading one layer's blob file cold
 and sequentially (1 MiB reads) through the store service (`layerctl serve`, 2 workers) in front
 of a local store, with batched reads (`LAYERSTORE_FETCH_BATCH=16`, the default) and without (1),
-alternating, a fresh cache and mount per read. MiB/s and the daemon's CPU seconds per read.
+alternating, a fresh cache and mount per read. MiB/s, the daemon's CPU seconds per read, and the
+requests the service answered (batched reads, single GETs: from its /metrics).
+**batching-s3**: the same with the service in front of S3 on the real single-node Ceph (started
+here, ~2 s), plus the daemon reading S3 directly (the issue's peer for "over http").
 
     python bench/fetch_fairness.py [--size quick|full] [--rate-mbit 250] [--latency-ms 20]
                                    [--rounds N] [--readers N] [--reads N] [--big-mib N]
-                                   [--batch-mib N] [--parts fairness,batching] [--out FILE]
+                                   [--batch-mib N] [--parts fairness,batching,batching-s3] [--out FILE]
 
 The prefetch is sized to outlast the readers (every read is made while it runs; the results say
 how many reads ended before it did: `during_prefetch`).
 
 quick (the default, or $BENCH_SIZE): fairness with a 256 MiB prefetch, 4 readers x 10 reads, 2
-rounds; batching with a 64 MiB layer, 2 rounds. full: 512 MiB, 8 x 16, 3 rounds; 128 MiB, 3.
+rounds; batching with a 128 MiB layer, 2 rounds. full: 512 MiB, 8 x 16, 3 rounds; 128 MiB, 3.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from layerstore.store import Store  # noqa: E402
 MiB = 1 << 20
 CHUNK = MiB
 DEFAULT_OUT = ROOT / "bench" / "results" / "fetch_fairness.json"
-SIZES = {"quick": {"big_mib": 256, "readers": 4, "reads": 10, "rounds": 2, "batch_mib": 64},
+SIZES = {"quick": {"big_mib": 256, "readers": 4, "reads": 10, "rounds": 2, "batch_mib": 128},
          "full": {"big_mib": 512, "readers": 8, "reads": 16, "rounds": 3, "batch_mib": 128}}
 CONTENDERS = {"fifo": {"priorities": False}, "priority": {"background_busy": 10**6}, "fair": {}}
 
@@ -187,29 +190,64 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def batching(work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Cold read through the node daemon over the store service, batched reads on and off."""
+def service_requests(url: str) -> dict[str, float]:
+    """Requests the service answered, per "METHOD route", from its /metrics."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("layerstore_service_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            lab = dict(kv.split("=", 1) for kv in labels[labels.index("{") + 1:-1].split(","))
+            key = f"{lab['method'].strip(chr(34))} {lab['route'].strip(chr(34))}"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def batching(work: Path, args: argparse.Namespace, behind: str) -> dict[str, Any]:
+    """Cold read through the node daemon over the store service in front of `behind` ("local"
+    or "s3"), batched reads on and off; for S3 also the daemon on S3 directly."""
+    from testkit.ceph_cluster import CephCluster
     from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree
     from testkit.store_service import make_tokens, start_service
 
-    store_dir = work / "http-store"
-    with Store.open(str(store_dir)) as s:
-        s.init()
-        src = make_tree(work / "batch-src", small=4, big=(args.batch_mib * MiB,))
-        layer = build_and_push(s, src, work / "batch-image.erofs")
-    tokens = make_tokens(work / "tokens.json", {"node": ["read", "lease"]})
-    svc = start_service(str(store_dir), work / "service", tokens=work / "tokens.json", workers=2)
-    kinds = {"batched": "16", "single": "1"}
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
+    ceph: CephCluster | None = None
+    env: dict[str, str] = {}
+    if behind == "s3":
+        ceph = CephCluster(work / "ceph")
+        ceph.start(cephfs=False)
+        env = {**ceph.s3_env(), "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+        os.environ.update(env)  # for the push made in this process
+        inner = f"s3://bench-batching/store?endpoint={ceph.endpoint}"
+    else:
+        inner = str(work / f"http-store-{behind}")
+    svc = None
     try:
+        with Store.open(inner) as s:
+            s.init()
+            src = make_tree(work / f"batch-src-{behind}", small=4, big=(args.batch_mib * MiB,))
+            layer = build_and_push(s, src, work / f"batch-image-{behind}.erofs")
+        tokens = make_tokens(work / f"tokens-{behind}.json", {"node": ["read", "lease"]})
+        svc = start_service(inner, work / f"service-{behind}", tokens=work / f"tokens-{behind}.json", workers=2,
+                            env=env)
+        node_env = {**env, "LAYERSTORE_TOKEN": tokens["node"]}
+        kinds = {"batched": (svc.url, {**node_env, "LAYERSTORE_FETCH_BATCH": "16"}),
+                 "single": (svc.url, {**node_env, "LAYERSTORE_FETCH_BATCH": "1"})}
+        for size in args.batch_sizes:
+            kinds[f"batched-{size}"] = (svc.url, {**node_env, "LAYERSTORE_FETCH_BATCH": str(size)})
+        if behind == "s3":
+            kinds["s3-direct"] = (inner, env)
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
         for rnd in range(args.rounds):
             names = list(kinds) if rnd % 2 == 0 else list(reversed(kinds))
             for kind in names:
-                place = work / f"daemon-{kind}-{rnd}"
-                env = {"LAYERSTORE_TOKEN": tokens["node"], "LAYERSTORE_FETCH_BATCH": kinds[kind]}
-                d = DaemonProcess(svc.url, place / "cache", place / "mnt", env=env, log=work / f"daemon-{kind}.log")
+                place = work / f"daemon-{behind}-{kind}-{rnd}"
+                url, kind_env = kinds[kind]
+                d = DaemonProcess(url, place / "cache", place / "mnt", env=kind_env,
+                                  log=work / f"daemon-{behind}-{kind}.log")
                 try:
                     d.start()
+                    req0 = service_requests(svc.url)
                     cpu0 = cpu_seconds(d.pid)
                     t0 = time.perf_counter()
                     n = 0
@@ -218,22 +256,37 @@ def batching(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                             n += len(part)
                     secs = time.perf_counter() - t0
                     cpu = cpu_seconds(d.pid) - cpu0
+                    time.sleep(0.5)  # the service counts a request once its answer is sent whole
+                    req1 = service_requests(svc.url)
+                    delta = {k: v - req0.get(k, 0) for k, v in req1.items()}
                     runs[kind].append({"mib_s": round(n / MiB / secs, 1), "daemon_cpu_s": round(cpu, 2),
-                                       "load": round(os.getloadavg()[0], 1)})
+                                       "load": round(os.getloadavg()[0], 1),
+                                       "batched_requests": delta.get("POST /v1/batch", 0),
+                                       "object_gets": delta.get("GET /v1/objects/{key:path}", 0)})
                     d.stop()
                 finally:
                     d.cleanup()
                     shutil.rmtree(place, ignore_errors=True)
                 r = runs[kind][-1]
-                print(f"round {rnd + 1} daemon over http, {kind:7s}: cold read {r['mib_s']:7.1f} MiB/s, daemon CPU "
-                      f"{r['daemon_cpu_s']:.2f} s for {n / MiB:.0f} MiB (load {r['load']})", file=sys.stderr)
+                print(f"round {rnd + 1} daemon, {behind}, {kind:9s}: cold read {r['mib_s']:7.1f} MiB/s, daemon CPU "
+                      f"{r['daemon_cpu_s']:.2f} s for {n / MiB:.0f} MiB, {r['batched_requests']:.0f} batches, "
+                      f"{r['object_gets']:.0f} GETs (load {r['load']})", file=sys.stderr)
     finally:
-        svc.stop()
+        if svc is not None:
+            svc.stop()
+        if ceph is not None:
+            ceph.stop()
     med = {k: sorted(r["mib_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
     cpu = {k: sorted(r["daemon_cpu_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
-    return {"blob_mib": round(layer.size / MiB, 1), "mib_s": med, "daemon_cpu_s": cpu, "runs": runs,
-            "ratio_batched_to_single": round(med["batched"] / med["single"], 3),
-            "cpu_ratio_batched_to_single": round(cpu["batched"] / cpu["single"], 3) if cpu["single"] else None}
+    paired = [round(x["mib_s"] / y["mib_s"], 2) for x, y in zip(runs["batched"], runs["single"], strict=True)]
+    out = {"behind": behind, "blob_mib": round(layer.size / MiB, 1), "mib_s": med, "daemon_cpu_s": cpu,
+           "runs": runs, "ratio_batched_to_single": round(med["batched"] / med["single"], 3),
+           "ratio_batched_to_single_per_round": paired,
+           "cpu_ratio_batched_to_single": round(cpu["batched"] / cpu["single"], 3) if cpu["single"] else None}
+    if "s3-direct" in med:
+        out["ratio_http_batched_to_s3"] = round(med["batched"] / med["s3-direct"], 3)
+        out["ratio_http_single_to_s3"] = round(med["single"] / med["s3-direct"], 3)
+    return out
 
 
 def git_commit() -> str | None:
@@ -254,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reads", type=int)
     ap.add_argument("--big-mib", type=int)
     ap.add_argument("--batch-mib", type=int)
-    ap.add_argument("--parts", default="fairness,batching")
+    ap.add_argument("--parts", default="fairness,batching,batching-s3")
+    ap.add_argument("--batch-sizes", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="more batch sizes to compare beside 16 and 1 (e.g. 4,8)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.size not in SIZES:
@@ -270,16 +325,20 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if "fairness" in parts:
             out["fairness"] = fairness(work, args)
-        if "batching" in parts:
+        for behind in ("local", "s3"):
+            part = "batching" if behind == "local" else "batching-s3"
+            if part not in parts:
+                continue
             if os.geteuid() != 0:
-                print("batching: needs root (FUSE); skipped", file=sys.stderr)
-                out["batching"] = None
+                print(f"{part}: needs root (FUSE); skipped", file=sys.stderr)
+                out[part] = None
             else:
-                out["batching"] = batching(work, args)
+                out[part] = batching(work, args, behind)
     out["load_at_end"] = round(os.getloadavg()[0], 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in out.items() if k in ("fairness", "batching")}, indent=1, default=str)[:3000])
+    shown = {k: v for k, v in out.items() if k in ("fairness", "batching", "batching-s3")}
+    print(json.dumps(shown, indent=1, default=str)[:3000])
     return 0
 
 

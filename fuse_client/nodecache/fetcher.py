@@ -11,9 +11,13 @@
   flight, and a reader joining a prefetch flight, queued or running, raises its priority.
 - Batched reads: where several chunks of a blob are wanted at once (a read spanning chunks,
   metadata before a mount, readahead windows, prefetch) and the store's backend reads several
-  objects a request (`Backend.reads_in_batches`: the HTTP service), up to `batch` chunks go in
-  one request (`Backend.load_many`), still one `Flight` per chunk: each is verified, written and
-  committed as its object arrives, and fails alone (a corrupt object fails only its readers).
+  objects a request (`Backend.reads_in_batches`: the HTTP service), and more chunks are wanted
+  than their class has slots free, they go in batches (`Backend.load_many`) of at most `batch`,
+  just large enough that the wanted chunks fit in the free slots: requests in parallel where
+  there is room (a batch is answered in order, one stream: measured slower for a sequential
+  reader than the same chunks as parallel GETs), fewer requests where there is not. Still one
+  `Flight` per chunk: each is verified, written and committed as its object arrives, and fails
+  alone (a corrupt object fails only its readers).
 - Store calls, verification and decompression (`Store.get_chunk`: blake3 and zstd release the
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Recovered chunks (committed before this process opened the cache, not re-hashed since: see
@@ -75,11 +79,16 @@ class Request:
     """One store request and the slot it holds: a chunk map, one chunk's flight, or a batch of
     flights (its priority is the highest of theirs)."""
 
-    __slots__ = ("priority", "flights")
+    __slots__ = ("priority", "flights", "cls", "burst")
 
     def __init__(self, priority: int, flights: list[Flight]) -> None:
         self.priority = priority
         self.flights = flights
+        self.cls = 0  # the class it was counted in at launch (`Fetcher._open`)
+        # Counts toward a burst when granted as urgent (`PriorityLimiter`): not when it is a
+        # prefetch a reader joined (a sequential reader catching up with its own readahead
+        # must not throttle it).
+        self.burst = priority <= DEMAND
 
 
 class Fetcher:
@@ -108,6 +117,7 @@ class Fetcher:
         # a token (a prefetch of a whole blob does not queue thousands of flights at once).
         self.prefetch_tokens = trio.CapacityLimiter(background if priorities else concurrency)
         self._requests: dict[Flight, Request] = {}
+        self._open = [0, 0]  # requests launched and not yet over, per class (urgent, background)
         # Every retry of a chunk map or a chunk waits 50 ms doubling to 1 s, until the deadline
         # (of the lookup, or of the read the chunk is for).
         self.retry = RetryPolicy(first=BACKOFF_MIN, cap=BACKOFF_MAX, deadline=deadline, jitter=False)
@@ -254,7 +264,7 @@ class Fetcher:
             flights.append((fl, positions, digest))
         if not flights:
             return
-        size = self.batch if len(flights) > 1 and self._batching() else 1
+        size = self._batch_size(len(flights), priority) if len(flights) > 1 and self._batching() else 1
         # Recovered chunks are re-hashed locally first (`_fly`), never batched.
         batched = [f for f in flights if size > 1 and not any(entry.unverified[i] for i in f[1])]
         single = [f for f in flights if size == 1 or any(entry.unverified[i] for i in f[1])]
@@ -262,6 +272,7 @@ class Fetcher:
         single += [g[0] for g in groups if len(g) == 1]
         for fl, positions, digest in single:
             req = self._requests[fl] = Request(priority, [fl])
+            self._opened(req)
             self._nursery.start_soon(self._fly, entry, positions, digest, fl, req)
         for group in groups:
             if len(group) == 1:
@@ -269,7 +280,22 @@ class Fetcher:
             req = Request(priority, [f[0] for f in group])
             for fl, _p, _d in group:
                 self._requests[fl] = req
+            self._opened(req)
             self._nursery.start_soon(self._fly_batch, entry, group, req)
+
+    def _batch_size(self, n: int, priority: int) -> int:
+        """Chunks a request carries so that `n` wanted chunks fit in the slots their class has
+        free (counting requests launched that have not got theirs yet), at most `batch`."""
+        cls = 0 if priority <= DEMAND else 1
+        room = self.slots.share(priority) - self._open[cls]
+        return min(self.batch, max(1, -(-n // max(1, room))))
+
+    def _opened(self, req: Request) -> None:
+        req.cls = 0 if req.priority <= DEMAND else 1
+        self._open[req.cls] += 1
+
+    def _closed(self, req: Request) -> None:
+        self._open[req.cls] -= 1
 
     def _batching(self) -> bool:
         if self.batch < 2:
@@ -303,6 +329,7 @@ class Fetcher:
         except Exception as e:
             fl.error = self._failed(blob, positions[0], digest, e)
         finally:
+            self._closed(req)
             self._land(blob, positions, fl)
 
     def _failed(self, blob: str, idx: int, digest: str, e: Exception) -> LayerstoreError:
@@ -371,6 +398,7 @@ class Fetcher:
                 fl.error = self._failed(blob, positions[0], digest, e)
                 self._land(blob, positions, fl)
         finally:
+            self._closed(req)
             for fl, positions, _digest in list(left.values()):  # cancelled: the waiters retry
                 fl.error = StoreUnavailable(f"blob {blob} chunk {positions[0]}: fetch cancelled")
                 self._land(blob, positions, fl)

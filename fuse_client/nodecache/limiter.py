@@ -13,7 +13,9 @@ no I/O, nothing about chunks).
   background request starts only while fewer than `background_busy` background ones are in
   flight. (Without the burst rule, background refilled its slots in every pause between
   readers' misses, and the next misses shared the store with all of them again.) A lone
-  sequential reader's first misses are no burst: its readahead is not held back.
+  sequential reader's first misses are no burst, and a queued background request raised to
+  urgent by a reader joining it counts toward none (`owner.burst` False): a reader catching up
+  with its own readahead does not hold that readahead back.
 - So an urgent request shares the store with at most `background` background requests that were
   already running when it came, and that number falls to `background_busy` as they end: on a
   slow store it is the link they share that the urgent request waits on, not a slot.
@@ -104,6 +106,13 @@ class PriorityLimiter:
         """Urgent requests waiting for a slot or holding one."""
         return self._urgent_waiting + self._counts[URGENT]
 
+    def share(self, priority: int) -> int:
+        """How many requests of this priority may be in flight now: every slot for urgent
+        ones (less those background holds), background's limit for background ones."""
+        if self.fifo or priority <= DEMAND:
+            return self.slots - (0 if self.fifo else self._counts[BACKGROUND])
+        return self.background_busy if self.in_burst() else self.background
+
     def in_burst(self) -> bool:
         """Urgent work now, or `burst` urgent requests granted within the last `linger` s."""
         if self.pressure:
@@ -182,7 +191,7 @@ class PriorityLimiter:
                     return
             if cls == BACKGROUND and self._urgent_waiting:
                 self.background_passed += 1
-            elif cls == URGENT:
+            elif cls == URGENT and getattr(best.owner, "burst", True):
                 self._urgent_grants.append(trio.current_time())
             self._drop(best)
             self._free -= 1

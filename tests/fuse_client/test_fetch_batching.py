@@ -51,14 +51,26 @@ def requests(svc: Service) -> dict[str, float]:
     return out
 
 
+async def requests_since(svc: Service, before: dict[str, float], batches: int) -> dict[str, float]:
+    """Requests answered since `before`, once `batches` batched reads are among them (the service
+    counts a request once its answer is sent whole; the chunks land as their frames arrive)."""
+    with trio.fail_after(10):
+        while True:
+            after = requests(svc)
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            if delta.get("POST /v1/batch", 0) >= batches:
+                return delta
+            await trio.sleep(0.05)
+
+
 @contextlib.asynccontextmanager
-async def lazy_over(svc: Service, cache_dir: Path) -> AsyncIterator[LazyCache]:
+async def lazy_over(svc: Service, cache_dir: Path, concurrency: int = 16) -> AsyncIterator[LazyCache]:
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(Store(HttpBackend(svc.url)))
         cache = open_cache(cache_dir, None, stack)
         async with trio.open_nursery() as nursery:
             await nursery.start(cache.run)
-            yield LazyCache(cache, store, nursery=nursery, deadline=10.0, batch=16)
+            yield LazyCache(cache, store, nursery=nursery, deadline=10.0, batch=16, concurrency=concurrency)
             await cache.shutdown_flush()
             nursery.cancel_scope.cancel()
 
@@ -75,7 +87,8 @@ async def test_a_readahead_window_of_n_chunks_is_ceil_n_over_16_batched_requests
     svc, store_dir = service
     n = 40
     cmap, data = push(store_dir, n, 1)
-    async with lazy_over(svc, tmp_path / "cache") as lazy:
+    # One slot (a node at its cap): every request carries as many chunks as a batch may.
+    async with lazy_over(svc, tmp_path / "cache", concurrency=1) as lazy:
         entry = await lazy.entry(cmap.blob)
         assert lazy.fetcher.store.backend.reads_in_batches  # type: ignore[attr-defined]
         before = requests(svc)
@@ -83,14 +96,7 @@ async def test_a_readahead_window_of_n_chunks_is_ceil_n_over_16_batched_requests
         with trio.fail_after(30):
             while not all(entry.present):
                 await trio.sleep(0.01)
-        # The service counts a request once its answer is sent whole; the chunks land as frames arrive.
-        with trio.fail_after(10):
-            while True:
-                after = requests(svc)
-                delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                if delta.get("POST /v1/batch", 0) >= math.ceil(n / 16):
-                    break
-                await trio.sleep(0.05)
+        delta = await requests_since(svc, before, math.ceil(n / 16))
         assert delta.get("POST /v1/batch") == math.ceil(n / 16)
         assert delta.get("GET /v1/objects/{key:path}", 0) == 0
         assert entry.read_sync(0, len(data)) == data
@@ -107,11 +113,14 @@ async def test_a_corrupt_object_in_a_batch_fails_only_its_chunk(service: tuple[S
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF  # the store's own bytes go bad
     path.write_bytes(bytes(raw))
-    async with lazy_over(svc, tmp_path / "cache") as lazy:
+    async with lazy_over(svc, tmp_path / "cache", concurrency=1) as lazy:
         entry = await lazy.entry(cmap.blob)
+        before = requests(svc)
         with pytest.raises(CorruptObject):
             await lazy.ensure(entry, list(range(8)))  # one batch: the reader of chunk 3 fails
         assert list(entry.present) == [1, 1, 1, 0, 1, 1, 1, 1]
+        delta = await requests_since(svc, before, 1)
+        assert delta.get("POST /v1/batch") == 1 and delta.get("GET /v1/objects/{key:path}", 0) == 0
         assert lazy.stats.corrupt_chunks == 1
         reader = lazy.open_reader(entry)
         assert bytes(await reader.read_missing(5 * CHUNK, 100)) == data[5 * CHUNK:5 * CHUNK + 100]

@@ -240,7 +240,8 @@ async def test_a_reader_joins_a_running_prefetch_which_then_counts_as_urgent(
         sstore: Store, slow: SlowBackend, tmp_path: Path, batching: bool) -> None:
     slow.batching = batching
     cmap, data = blob(sstore, 8, 5)
-    async with lazy_cache(sstore, tmp_path / "cache", concurrency=8, batch=16) as lazy:
+    # One slot: more chunks wanted than slots free, so the three go as one batch when batching.
+    async with lazy_cache(sstore, tmp_path / "cache", concurrency=1 if batching else 8, batch=16) as lazy:
         entry = await lazy.entry(cmap.blob)
         slots = lazy.fetcher.slots
         slow.gate.clear()
@@ -259,13 +260,28 @@ async def test_a_reader_joins_a_running_prefetch_which_then_counts_as_urgent(
             # Joined, not fetched again; the request it is in no longer counts as background,
             # and a joined prefetch adds no pressure (it would throttle its own readahead).
             assert slots.background_in_use == (0 if batching else 2)
-            assert slots.pressure == 0
+            assert slots.pressure == 0 and slots.waiting == 0
             slow.gate.set()
         reader.close()
         assert got == [data[5 * CHUNK + 10:5 * CHUNK + 110]]
         loads = slow.chunk_loads()
         assert [loads[key_of(sstore, cmap, i)] for i in (4, 5, 6)] == [1, 1, 1]
         assert slow.batches == ([3] if batching else [])
+
+
+@pytest.mark.trio
+async def test_chunks_are_batched_only_where_they_outnumber_the_free_slots(sstore: Store, slow: SlowBackend,
+                                                                           tmp_path: Path) -> None:
+    slow.batching = True
+    cmap, data = blob(sstore, 48, 7)
+    async with lazy_cache(sstore, tmp_path / "cache", concurrency=16, batch=16) as lazy:
+        entry = await lazy.entry(cmap.blob)
+        await lazy.fetcher.prefetch(entry, list(range(8)))  # 8 chunks, 12 background slots free
+        assert slow.batches == []  # parallel single GETs: a batch is answered as one stream
+        await lazy.ensure(entry, list(range(8, 48)))  # 40 urgent chunks, 16 slots: batches of 3
+        assert slow.batches and max(slow.batches) == 3 and sum(slow.batches) <= 40
+        assert max(slow.chunk_loads().values()) == 1
+        assert entry.read_sync(0, len(data)) == data
 
 
 @pytest.mark.trio
