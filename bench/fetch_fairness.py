@@ -211,6 +211,8 @@ def batching(work: Path, args: argparse.Namespace, behind: str) -> dict[str, Any
     from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree
     from testkit.store_service import make_tokens, start_service
 
+    from fuse_client.control import request_json
+
     ceph: CephCluster | None = None
     env: dict[str, str] = {}
     if behind == "s3":
@@ -259,10 +261,27 @@ def batching(work: Path, args: argparse.Namespace, behind: str) -> dict[str, Any
                     time.sleep(0.5)  # the service counts a request once its answer is sent whole
                     req1 = service_requests(svc.url)
                     delta = {k: v - req0.get(k, 0) for k, v in req1.items()}
+                    d.stop()
+                    d.cleanup()
+                    shutil.rmtree(place, ignore_errors=True)
+                    # The whole blob at once (`prefetch --all --wait`, a fresh cache): as many
+                    # chunks wanted as there are, where batches have room to pay.
+                    d = DaemonProcess(url, place / "cache", place / "mnt", env=kind_env,
+                                      log=work / f"daemon-{behind}-{kind}.log")
+                    d.start()
+                    cpu1 = cpu_seconds(d.pid)
+                    t1 = time.perf_counter()
+                    got = request_json(place / "cache", "POST", "/prefetch",
+                                       {"blob": layer.blob, "all": True, "wait": True}, timeout=600)
+                    psecs = time.perf_counter() - t1
+                    pcpu = cpu_seconds(d.pid) - cpu1
                     runs[kind].append({"mib_s": round(n / MiB / secs, 1), "daemon_cpu_s": round(cpu, 2),
                                        "load": round(os.getloadavg()[0], 1),
                                        "batched_requests": delta.get("POST /v1/batch", 0),
-                                       "object_gets": delta.get("GET /v1/objects/{key:path}", 0)})
+                                       "object_gets": delta.get("GET /v1/objects/{key:path}", 0),
+                                       "prefetch_all_mib_s": round(layer.size / MiB / psecs, 1),
+                                       "prefetch_all_daemon_cpu_s": round(pcpu, 2),
+                                       "prefetch_all_failed": got.get("failed")})
                     d.stop()
                 finally:
                     d.cleanup()
@@ -270,7 +289,8 @@ def batching(work: Path, args: argparse.Namespace, behind: str) -> dict[str, Any
                 r = runs[kind][-1]
                 print(f"round {rnd + 1} daemon, {behind}, {kind:9s}: cold read {r['mib_s']:7.1f} MiB/s, daemon CPU "
                       f"{r['daemon_cpu_s']:.2f} s for {n / MiB:.0f} MiB, {r['batched_requests']:.0f} batches, "
-                      f"{r['object_gets']:.0f} GETs (load {r['load']})", file=sys.stderr)
+                      f"{r['object_gets']:.0f} GETs; prefetch --all {r['prefetch_all_mib_s']:7.1f} MiB/s, CPU "
+                      f"{r['prefetch_all_daemon_cpu_s']:.2f} s (load {r['load']})", file=sys.stderr)
     finally:
         if svc is not None:
             svc.stop()
@@ -278,11 +298,17 @@ def batching(work: Path, args: argparse.Namespace, behind: str) -> dict[str, Any
             ceph.stop()
     med = {k: sorted(r["mib_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
     cpu = {k: sorted(r["daemon_cpu_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
+    pmed = {k: sorted(r["prefetch_all_mib_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
+    pcpu = {k: sorted(r["prefetch_all_daemon_cpu_s"] for r in v)[len(v) // 2] for k, v in runs.items()}
     paired = [round(x["mib_s"] / y["mib_s"], 2) for x, y in zip(runs["batched"], runs["single"], strict=True)]
     out = {"behind": behind, "blob_mib": round(layer.size / MiB, 1), "mib_s": med, "daemon_cpu_s": cpu,
            "runs": runs, "ratio_batched_to_single": round(med["batched"] / med["single"], 3),
            "ratio_batched_to_single_per_round": paired,
-           "cpu_ratio_batched_to_single": round(cpu["batched"] / cpu["single"], 3) if cpu["single"] else None}
+           "cpu_ratio_batched_to_single": round(cpu["batched"] / cpu["single"], 3) if cpu["single"] else None,
+           "prefetch_all_mib_s": pmed, "prefetch_all_daemon_cpu_s": pcpu,
+           "prefetch_all_ratio_batched_to_single": round(pmed["batched"] / pmed["single"], 3),
+           "prefetch_all_cpu_ratio_batched_to_single": round(pcpu["batched"] / pcpu["single"], 3)
+           if pcpu["single"] else None}
     if "s3-direct" in med:
         out["ratio_http_batched_to_s3"] = round(med["batched"] / med["s3-direct"], 3)
         out["ratio_http_single_to_s3"] = round(med["single"] / med["s3-direct"], 3)
