@@ -60,13 +60,24 @@ def frame_of(obj: bytes | memoryview) -> memoryview | None:
     return memoryview(obj)[chunkobj.HEADER_SIZE:]
 
 
+try:
+    # The cffi backend releases the GIL while it decompresses (the C backend's one-shot calls
+    # hold it): a worker thread decoding a chunk (a metadata push, a re-hash) does not stall the
+    # trio thread meanwhile. Same zstd, same output.
+    from zstandard import backend_cffi as _zstd_threads
+except ImportError:  # no cffi: the C backend, correct but holding the GIL
+    _zstd_threads = None  # type: ignore[assignment]
+
+_ZSTD_ERRORS: tuple[type[Exception], ...] = (zstandard.ZstdError,) + (
+    (_zstd_threads.ZstdError,) if _zstd_threads is not None else ())
 _local = threading.local()
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
+    """One per thread: a decompression context is not thread-safe."""
     d: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
     if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor()
+        d = _local.dctx = (_zstd_threads or zstandard).ZstdDecompressor()  # type: ignore[assignment]
     return d
 
 
@@ -77,8 +88,14 @@ def decode(stored: bytes, ref: ChunkRef, blob: str, index: int) -> bytes:
         data = stored
     else:
         try:
+            # The frame declares its size and the decompressor allocates that much: a frame that
+            # declares another size than the chunk's is refused before it is decompressed.
+            declared = zstandard.frame_content_size(stored)
+            if declared != ref.length:
+                raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame declares {declared} bytes, "
+                                         f"the chunk has {ref.length}")
             data = _decompressor().decompress(stored, max_output_size=ref.length)
-        except zstandard.ZstdError as e:
+        except _ZSTD_ERRORS as e:
             raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame does not decompress: {e}") from None
         if len(data) != ref.length:
             raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame decompresses to {len(data)} "

@@ -5,6 +5,7 @@ directory keeps the format it was created with."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ from testkit.fuse_helpers import CountingBackend
 from testkit.nodecache_formats import compressible
 
 from fuse_client.daemon import choose_data_path
-from fuse_client.nodecache import NoPlainImage
+from fuse_client.nodecache import NoPlainImage, frames
 from fuse_client.nodecache.cachedir import FORMAT_ENV, FORMAT_FILE, LRU_ENV, cache_format, recorded_format
 from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.maintenance import ls, pin_offline, verify
@@ -259,3 +260,34 @@ def test_a_cache_directory_keeps_its_format(store: Store, tmp_path: Path, monkey
         open_cache(old, None, stack)
     with pytest.raises(ConfigError, match="expected plain or zstd"), contextlib.ExitStack() as stack:
         open_cache(tmp_path / "new", None, stack, cache_format="gzip")
+
+
+def test_a_stored_frame_is_checked_before_and_after_it_is_decompressed() -> None:
+    """Hostile stored bytes: a frame declaring another size (a decompression bomb included) is
+    refused before it is decompressed; a truncated or garbled one, or one that decompresses to
+    other bytes, is `StoredChunkCorrupt` (EIO); raw bytes are hashed too."""
+    data = compressible(8, CHUNK)
+    ref = ChunkRef(0, CHUNK, digestmod.of(data))
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(data)
+    assert frames.decode(frame, ref, "b", 0) == data and frames.decode(data, ref, "b", 0) == data
+    bomb = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(64 << 20))
+    other = zstandard.ZstdCompressor(write_content_size=True).compress(compressible(9, CHUNK))
+    flipped = bytearray(frame)
+    flipped[len(frame) // 2] ^= 0x10
+    for bad in (bomb, frame[:-3], frame[:5], other, bytes(flipped), b"x" * 100, bytes(CHUNK)):
+        with pytest.raises(frames.StoredChunkCorrupt) as ei:
+            frames.decode(bad, ref, "b", 0)
+        assert ei.value.errno == errno.EIO
+
+
+def test_the_lru_of_decompressed_chunks_is_bounded() -> None:
+    lru = frames.ChunkLRU(3 * CHUNK)
+    for i in range(5):
+        lru.put(("b", i), bytes(CHUNK))
+    assert len(lru) == 3 and lru.size == 3 * CHUNK and lru.get(("b", 0)) is None
+    assert lru.get(("b", 2)) is not None
+    lru.put(("b", 5), bytes(CHUNK))  # drops the least recently used: 3, not 2
+    assert lru.get(("b", 3)) is None and lru.get(("b", 2)) is not None
+    lru.put(("b", 6), bytes(4 * CHUNK))  # larger than the whole LRU: not kept
+    assert lru.get(("b", 6)) is None and lru.size <= 3 * CHUNK
+    assert frames.ChunkLRU(0).limit == 0
