@@ -48,6 +48,11 @@ def layer(store: Store, src: Path, tmp_path: Path) -> BuiltLayer:
     return build_and_push(store, src, tmp_path / "image.erofs")
 
 
+def _record(state):  # type: ignore[no-untyped-def]
+    with state.read() as t:
+        return t.daemon()
+
+
 def _holder_gone(cache: Path, pid: int) -> bool:
     return handover.proc_start_time(pid) is None
 
@@ -103,8 +108,10 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The shim's watch (runtime_shim.daemon) sees both pidfds end: a new group with the attached
     file marked (before any daemon runs), then a daemon; the old mount's reads return the right
-    bytes (filled on the new group's events, never zeros)."""
-    from runtime_shim.daemon import DaemonSupervisor
+    bytes (filled on the new group's events, never zeros). Then `daemon-upgrade` replaces the
+    daemon: the watch adopts the new one into the shim's record instead of starting another."""
+    from fuse_client.fanotify.upgrade import upgrade
+    from runtime_shim.daemon import DaemonSupervisor, is_alive
     from runtime_shim.paths import NodePaths
     from runtime_shim.state import NodeState
 
@@ -140,8 +147,13 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
         wait_until(restarted, 60, "the watch to make a new group and start a daemon")
         assert holder_marks(paths.cache) >= 1  # the attached file marked on the new group
         assert read_uncached(target / "big0.bin") == (src / "big0.bin").read_bytes()
-        with state.read() as t:
-            rec = t.daemon()
+        # An upgrade replaces the daemon behind the shim's back: the watch adopts the new one.
+        wait_until(lambda: (cur := _record(state)) is not None and is_alive(cur), 60, "the new record")
+        new_pid = upgrade(paths.cache, log=tmp_path / "upgraded.log")["new_pid"]
+        wait_until(lambda: (cur := _record(state)) is not None and cur.pid == new_pid, 30, "the watch to adopt it")
+        request_json(paths.cache, "POST", "/cache/evict", {"all": True})
+        assert read_uncached(target / "big0.bin") == (src / "big0.bin").read_bytes()  # filled by the new one
+        rec = _record(state)
     finally:
         with contextlib.suppress(OSError):
             umount(target, lazy=True)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuse_client.fanotify import abi, holder
+from fuse_client.fanotify import abi, fdstore, holder
 from fuse_client.fanotify.frontend import RESERVE_MARGIN, FanotifyFrontEnd
 
 
@@ -113,3 +113,35 @@ def test_a_garbage_batch_leaves_the_batch_flag_for_a_successor(front) -> None:  
     assert fe.process_batch(b"\x01" * 30) == []
     assert fe.journal.header() == (True, 99)
     assert _answers(r) == []
+
+
+def test_the_fd_store_names_and_addresses() -> None:
+    env = {"LISTEN_PID": "42", "LISTEN_FDS": "3", "LISTEN_FDNAMES": "other:fanotify-ab12:fanotify-"}
+    assert fdstore.listened(env, 42) == [(4, "ab12")]  # fd 3 + index; an empty id is no group
+    assert fdstore.listened(env, 43) == []  # passed to another process
+    assert fdstore.listened({**env, "LISTEN_FDS": "x"}, 42) == []
+    assert fdstore.notify_address("@sd") == b"\0sd"
+    assert fdstore.notify_address("/run/systemd/notify") == "/run/systemd/notify"
+    assert fdstore.notify_address("") is None and fdstore.notify_address("vsock:2:3") is None
+
+
+def test_the_fd_store_message_carries_the_group(tmp_path: Path) -> None:
+    import array
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "n"))
+    r, w = os.pipe()
+    try:
+        assert fdstore.store(r, "cafe", env={"NOTIFY_SOCKET": str(tmp_path / "n")})
+        fds = array.array("i")
+        msg, anc, _, _ = sock.recvmsg(256, socket.CMSG_SPACE(fds.itemsize))
+        fds.frombytes(anc[0][2])
+        assert msg == b"FDSTORE=1\nFDNAME=fanotify-cafe\n"
+        assert os.fstat(fds[0]).st_ino == os.fstat(r).st_ino  # the same open file
+        os.close(fds[0])
+        assert not fdstore.store(r, "cafe", env={})  # no manager: nothing sent
+    finally:
+        sock.close()
+        os.close(r)
+        os.close(w)
