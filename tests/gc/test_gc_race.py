@@ -118,9 +118,6 @@ import sys
 from testkit.gc_race import JitterBackend
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
-
-LOCAL_ROUNDS = 1000
-DISTRIBUTED_ROUNDS = 100
 import layergc
 store = Store(JitterBackend(PosixBackend(sys.argv[1], fsync=False), 0.004), workers=4)
 print("ready", flush=True)
