@@ -70,8 +70,17 @@ def take_over(cache_dir: Path) -> tuple[int, str, bool] | None:
     got = handover.fetch_group(cache_dir)
     if got is not None:
         fd, pid, group_id = got
+        if stored is not None and stored[1] != group_id:
+            # A stale group in the manager's store (the holder's is live and newer): its marks
+            # would make every access wait for an answer nobody gives. Unmark it and let it go.
+            with contextlib.suppress(OSError):
+                kernel.flush_marks(stored[0])
+            fdstore.forget(stored[1])
+            log.warning("dropped the stale fanotify group %s the service manager kept", stored[1])
         if stored is not None:
-            os.close(stored[0])  # (the same group, unless the holder's is newer: the holder's is live)
+            os.close(stored[0])
+        if stored_group(cache_dir) != group_id:
+            hand_to_manager(cache_dir, fd, group_id)  # (a group made before the manager kept one)
         log.info("fanotify group %s taken over from holder %d", group_id, pid)
         return fd, group_id, False
     if stored is None:

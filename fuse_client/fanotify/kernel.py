@@ -56,6 +56,11 @@ def unmark(group: int, path: str | os.PathLike[str], mask: int = abi.FAN_PRE_ACC
     return True
 
 
+def flush_marks(group: int) -> None:
+    """Remove every inode mark of the group (`FAN_MARK_FLUSH`)."""
+    _check(_libc.fanotify_mark(group, abi.FAN_MARK_FLUSH, 0, AT_FDCWD, None), "fanotify_mark flush")
+
+
 def respond(group: int, fd: int, *, allow: bool, errno: int = 0) -> bool:
     """Answer the permission event `fd`; False if the kernel has no such pending event (ENOENT:
     answered already)."""
