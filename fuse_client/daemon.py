@@ -44,6 +44,7 @@ from .control.server import ControlAPI, ControlServer
 from .fanotify import group as fan_group
 from .fanotify import kernel as fan_kernel
 from .fanotify.frontend import FanotifyFrontEnd, load_attachments
+from .fanotify.upgrade import note_clean_stop
 from .fuse.fs import BlobFS
 from .fuse.mount import DEFAULT_KERNEL_READAHEAD_KB, FuseMount, clear_dead_mount, fuse_options
 from .nodecache import (
@@ -320,6 +321,7 @@ def run(config: DaemonConfig, store: ChunkSource) -> None:
         trio.run(main)
     except BaseExceptionGroup as eg:
         raise _sole_error(eg) from None
+    note_clean_stop(config.cache_dir)  # (the shim's watch restarts daemons that die, not stopped ones)
 
 
 def _sole_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:

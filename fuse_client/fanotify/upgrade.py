@@ -25,6 +25,24 @@ from .handover import proc_start_time
 STOP_TIMEOUT = 60.0
 START_TIMEOUT = 60.0
 MARKER_NAME = "daemon-upgrade"  # "pid start_time" of an upgrade in progress (the shim's watch waits)
+STOPPED_NAME = "daemon.stopped"  # "pid start_time" of the last daemon that stopped because it was asked to
+
+
+def note_clean_stop(cache_dir: Path) -> None:
+    """Called by a daemon that stops because it was asked to (SIGTERM, SIGINT, its mount gone):
+    the shim's watch restarts daemons that die, not daemons that were stopped."""
+    with contextlib.suppress(OSError):
+        tmp = Path(cache_dir) / (STOPPED_NAME + ".tmp")
+        tmp.write_text(f"{os.getpid()} {proc_start_time(os.getpid())}\n")
+        os.replace(tmp, Path(cache_dir) / STOPPED_NAME)
+
+
+def stopped_cleanly(cache_dir: Path, pid: int, start_time: int) -> bool:
+    """Whether the daemon (pid, start time) stopped because it was asked to."""
+    try:
+        return (Path(cache_dir) / STOPPED_NAME).read_text().split() == [str(pid), str(start_time)]
+    except OSError:
+        return False
 
 
 def upgrading(cache_dir: Path) -> bool:
