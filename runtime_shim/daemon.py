@@ -268,12 +268,21 @@ def _pidfd(pid: int, start: int | None) -> int | None:
     return fd
 
 
+def _data_path(paths: NodePaths) -> str | None:
+    from fuse_client.control import request_json  # (imports no trio)
+
+    try:
+        return str(request_json(paths.cache, "GET", "/stats", timeout=10).get("data_path"))
+    except (LayerstoreError, OSError):
+        return None
+
+
 def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     """The watch process's loop (module doc). Returns when the shim stopped the daemon (no record)
     or the node directory is gone; SIGTERM ends it. A daemon is started in a thread of its own,
     so a holder that dies meanwhile is still noticed (and regrouped) at once."""
     from fuse_client.fanotify import group, handover
-    from fuse_client.fanotify.upgrade import upgrading
+    from fuse_client.fanotify.upgrade import stopped_cleanly, upgrading
     from fuse_client.nodecache.files import BlobFiles
 
     paths = NodePaths(root)
@@ -284,6 +293,8 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     restarter: threading.Thread | None = None
 
+    done = threading.Event()
+
     def restart(t0: float) -> None:
         try:
             with NodeLock(paths.lock):
@@ -292,6 +303,10 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
                 if cur is None or is_alive(cur):
                     return
                 new = sup.adopt(cur)
+                if new is None and stopped_cleanly(paths.cache, cur.pid, cur.start_time):
+                    log.info("node daemon %d was stopped, not killed: the watch ends", cur.pid)
+                    done.set()  # (the next shim call that needs a daemon starts one, and a watch)
+                    return
                 if new is None:
                     sup.stop(cur)
                     new = sup.start(cur.store)
@@ -302,13 +317,19 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
             log.error("the watch cannot start the node daemon: %s; trying again", e)
             time.sleep(5 * interval)
 
+    checked_path = False
     try:
-        while paths.root.is_dir():
+        while paths.root.is_dir() and not done.is_set():
             with state.read() as t:
                 rec = t.daemon()
             if rec is None:
                 return 0
             daemon_up = is_alive(rec)
+            if daemon_up and not checked_path:
+                checked_path = True
+                if _data_path(paths) == "fuse":
+                    log.info("node daemon %d serves FUSE only (no fanotify here): no watch needed", rec.pid)
+                    return 0
             ident = handover.read_identity(paths.cache)
             if not daemon_up and ident is None:
                 # Holder and daemon gone: the group died. Mark the attached files on a new one now,
