@@ -13,7 +13,9 @@ process of ours killed"): when the daemon dies it adopts a daemon that answers i
 upgrade) or starts a new one at once (reads on attached layers wait meanwhile); when the holder
 died too, it first makes a new group with every attached file marked again (`regroup`), which
 ends the time holes could read as zeros, and only then starts the daemon. It exits when the
-shim stops the daemon (it is stopped first) or the record is gone.
+shim stops the daemon (it is stopped first), the record is gone, the daemon was stopped on
+request rather than killed (it notes that: `fanotify.upgrade.note_clean_stop`), or the daemon
+serves FUSE only.
 """
 
 from __future__ import annotations
