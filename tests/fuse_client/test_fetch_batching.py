@@ -18,7 +18,10 @@ import trio
 from testkit.store_service import Service, start_service
 
 from fuse_client.nodecache import LazyCache, open_cache
+from fuse_client.nodecache.fetcher import DEFAULT_BATCH
+from fuse_client.nodecache.lazy import fetch_batch_from_env
 from layerstore.backends.http import HttpBackend
+from layerstore.backends.posix import PosixBackend
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject
 from layerstore.store import Store
@@ -129,3 +132,21 @@ async def test_a_corrupt_object_in_a_batch_fails_only_its_chunk(service: tuple[S
         reader.close()
         assert lazy.stats.corrupt_chunks == 2
         assert entry.read_sync(0, 3 * CHUNK) == data[:3 * CHUNK]
+
+
+def test_which_backends_read_in_batches(tmp_path: Path) -> None:
+    http = HttpBackend("http://127.0.0.1:9")
+    assert http.reads_in_batches
+    http.batched = False  # the service turned out to have no batched read
+    assert not http.reads_in_batches
+    assert not PosixBackend(tmp_path / "s").reads_in_batches  # a `load` each: not batched
+
+
+@pytest.mark.parametrize(("raw", "want"), [(None, DEFAULT_BATCH), ("", DEFAULT_BATCH), ("4", 4), ("1", 1),
+                                           ("0", 1), ("-3", 1), ("many", DEFAULT_BATCH)])
+def test_the_batch_size_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw: str | None, want: int) -> None:
+    if raw is None:
+        monkeypatch.delenv("LAYERSTORE_FETCH_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("LAYERSTORE_FETCH_BATCH", raw)
+    assert fetch_batch_from_env() == want
