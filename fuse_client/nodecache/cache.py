@@ -149,10 +149,12 @@ class NodeCache:
         return entry
 
     # -- a zstd cache's chunks (`frames`) -------------------------------------------------------
-    def chunk_bytes(self, entry: BlobEntry, i: int) -> bytes:
+    def chunk_bytes(self, entry: BlobEntry, i: int, keep: bool = True) -> bytes:
         """Trio thread, inline (the read hot path of a zstd cache): present chunk i's plain
-        bytes, from the LRU or read, decompressed and re-hashed (then kept in the LRU). A chunk
-        whose stored bytes do not match is dropped at once (`discard_corrupt`) and
+        bytes, from the LRU or read, decompressed and re-hashed (then kept in the LRU if `keep`:
+        a request for a whole chunk does not keep it, the kernel's page cache of the FUSE file
+        does, and filling the LRU with whole chunks costs a fresh 1 MiB allocation per chunk). A
+        chunk whose stored bytes do not match is dropped at once (`discard_corrupt`) and
         `frames.StoredChunkCorrupt` raised: the caller fetches it again or fails the read."""
         lru = self.lru
         assert lru is not None and entry.stored is not None
@@ -164,7 +166,8 @@ class NodeCache:
             except frames.StoredChunkCorrupt as e:
                 self.discard_corrupt(entry, i, str(e))
                 raise
-            lru.put(key, data)
+            if keep:
+                lru.put(key, data)
         return data
 
     def discard_corrupt(self, entry: BlobEntry, i: int, why: str) -> None:

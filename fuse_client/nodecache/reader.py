@@ -199,15 +199,15 @@ class Reader:
         try:
             if last - first == 1:
                 ref = chunks[first]
-                data = self.cache.chunk_bytes(e, first)
                 if off == ref.offset and end == ref.end:
-                    return data
-                return memoryview(data)[off - ref.offset:end - ref.offset]
+                    return self.cache.chunk_bytes(e, first, keep=False)
+                return memoryview(self.cache.chunk_bytes(e, first))[off - ref.offset:end - ref.offset]
             parts = []
             for i in range(first, last):
                 ref = chunks[i]
-                parts.append(memoryview(self.cache.chunk_bytes(e, i))[max(off, ref.offset) - ref.offset:
-                                                                       min(end, ref.end) - ref.offset])
+                lo, hi = max(off, ref.offset), min(end, ref.end)
+                data = self.cache.chunk_bytes(e, i, keep=lo > ref.offset or hi < ref.end)
+                parts.append(memoryview(data)[lo - ref.offset:hi - ref.offset])
             return b"".join(parts)
         except StoredChunkCorrupt:
             return None
