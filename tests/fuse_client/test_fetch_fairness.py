@@ -284,11 +284,13 @@ async def test_chunks_are_batched_only_where_they_outnumber_the_free_slots(sstor
         assert entry.read_sync(0, len(data)) == data
 
 
+@pytest.mark.parametrize("batching", [False, True])
 @pytest.mark.trio
 async def test_cancelled_readers_and_prefetches_leave_no_slot_or_token(sstore: Store, slow: SlowBackend,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path, batching: bool) -> None:
+    slow.batching = batching
     cmap, data = blob(sstore, 30, 6)
-    async with lazy_cache(sstore, tmp_path / "cache", concurrency=4, batch=1) as lazy:
+    async with lazy_cache(sstore, tmp_path / "cache", concurrency=4, batch=4) as lazy:
         entry = await lazy.entry(cmap.blob)
         fetcher = lazy.fetcher
         slow.gate.clear()
@@ -305,5 +307,6 @@ async def test_cancelled_readers_and_prefetches_leave_no_slot_or_token(sstore: S
             while lazy.cache.busy or fetcher.slots.in_use:
                 await trio.sleep(0.01)
         assert fetcher.slots.in_use == 0 and fetcher.slots.waiting == 0 and fetcher.slots.pressure == 0
+        assert bool(slow.batches) == batching
         await lazy.ensure(entry, list(range(30)))
         assert entry.read_sync(0, len(data)) == data
