@@ -87,8 +87,14 @@ def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_f
         if body_timeout <= 0:
             raise ConfigError("--body-timeout must be positive")
         os.environ[BODY_TIMEOUT_ENV] = str(body_timeout)
-    metrics_dir = tempfile.mkdtemp(prefix="layerstore-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # Several workers sum their counts through files in a fresh directory; one worker is this
+    # process, whose metrics may already exist in memory (prometheus-client picks its mode when it is
+    # first imported), so it counts in memory and exposes its own registry.
+    metrics_dir = tempfile.mkdtemp(prefix="layerstore-metrics-") if workers > 1 else None
+    if metrics_dir:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    else:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if "uds" in bind:
         Path(str(bind["uds"])).unlink(missing_ok=True)
     try:
@@ -97,7 +103,8 @@ def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_f
                     timeout_graceful_shutdown=10, server_header=False, access_log=log_level == "debug",
                     **bind)  # type: ignore[arg-type]
     finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     sys.exit(0)
 
 

@@ -288,6 +288,21 @@ def test_metrics_count_routes_and_bytes(served: Served) -> None:
     assert "t/metered" not in text  # labels are routes, never keys
 
 
+def test_metrics_of_a_single_worker_service(tmp_path: Path) -> None:
+    """One worker counts in its own process (no multiprocess files): /metrics still shows its
+    requests (it came back empty when the one worker was told to read a directory nobody wrote)."""
+    from testkit.store_service import start_service
+
+    assert layerctl("store", "init", "--store", str(tmp_path / "store")).code == 0
+    svc = start_service(str(tmp_path / "store"), tmp_path / "svc", workers=1)
+    try:
+        assert httpx.get(svc.url + "/healthz", timeout=30.0).status_code == 200
+        text = httpx.get(svc.url + "/metrics", timeout=30.0).text
+        assert 'layerstore_service_requests_total{method="GET",route="/healthz",status="200"}' in text, text[-2000:]
+    finally:
+        svc.stop()
+
+
 def test_https(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TLS with --tls-cert/--tls-key; the client verifies the service (here against
     $LAYERSTORE_CA_BUNDLE) and refuses a certificate it cannot verify."""
