@@ -39,8 +39,10 @@ device, no process, no namespace, no directory.
 20 CLI calls per point, 6 A/B blocks, one round (~4 minutes, most of it teardown: see docs/benchmarks-compose.md);
 full: 1 and 4 clients, two rounds, 50 CLI calls per point, 20 A/B blocks (medians of the rounds are reported, and
 each round's headline figures with the machine's load while it ran); mounted30k: 10,000 and 30,000, 1 client,
-no CLI, no A/B (~6 minutes). `--mounted 10000,30000` (= `--scales`) sets the scales of any size. Every run
-reports the shim's mount rate over the plain overlay's at each scale, in the same run and round (`ratios`).
+no fsync A/B (~10-15 minutes here). `--mounted 10000,30000` (= `--scales`) sets the scales of any size. Every
+run reports the shim's mount rate over the plain overlay's at each scale, in the same run and round (`ratios`);
+full and mounted30k also alternate the two in blocks of 200 mounts in one process while the largest scale of
+the shim's sandboxes is mounted (`vs_plain_ab`: both see the same minutes of the shared machine's load).
 Needs root, mkfs.erofs and busybox-static. The code is in bench/composebench/ (one module per concern).
 """
 
@@ -69,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cli", type=int, help="layerctl calls per CLI point (0: none)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--ab-blocks", type=int, help=f"blocks of {spec.AB_BLOCK} sandboxes for the fsync A/B (0: none)")
+    ap.add_argument("--vs-plain-blocks", type=int, help=f"blocks of {spec.VS_PLAIN_BLOCK} sandboxes per contender "
+                    "for the interleaved shim / plain overlay A/B at the largest scale (0: none)")
     ap.add_argument("--out", type=Path, default=spec.DEFAULT_OUT)
     ap.add_argument("--workdir", default="/var/tmp", help="where the run's store, node and trees live")
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
@@ -79,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cli = size["cli"] if args.cli is None else args.cli
     args.rounds = size["rounds"] if args.rounds is None else args.rounds
     args.ab_blocks = size["ab_blocks"] if args.ab_blocks is None else args.ab_blocks
+    args.vs_plain_blocks = size["vs_plain_blocks"] if args.vs_plain_blocks is None else args.vs_plain_blocks
     return args
 
 

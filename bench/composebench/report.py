@@ -86,6 +86,9 @@ def ratios(doc: dict[str, Any]) -> dict[str, Any]:
                 entry["per_round_rate_ratio"] = [
                     round(a[scale]["mount"]["rate_per_s"] / b[scale]["mount"]["rate_per_s"], 3)
                     for a, b in zip(api_rounds, plain_rounds, strict=False) if scale in a and scale in b]
+            ab = r.get("vs_plain_ab")
+            if ab:
+                entry["interleaved_rate_ratio"] = ab["rate_ratio"]
             entry["ok"] = (entry["rate_ratio"] >= GOALS_VS_PLAIN["rate_ratio"]
                            and entry["api_p99_ms"] < GOALS_VS_PLAIN["p99_ms"])
             out[f"clients={clients}@{scale}"] = entry
@@ -109,6 +112,14 @@ def summary(doc: dict[str, Any]) -> None:
         log(f"layerstore-api / plain-overlay {point}: rate {r['rate_ratio']:.2f}x (goal >= "
             f"{GOALS_VS_PLAIN['rate_ratio']}), shim p99 {r['api_p99_ms']:.2f} ms, kmem/sandbox "
             f"{kmem[0]:.1f} vs {kmem[1]:.1f} KiB, load {r['loadavg_1min_api']}")
+    for per in doc.get("results", {}).values():
+        for scale, r in per.items():
+            ab = r.get("vs_plain_ab")
+            if ab:
+                p, a = ab["plain-overlay"], ab["layerstore-api"]
+                log(f"interleaved A/B at {scale} mounted: plain {p['rate_per_s']:.0f}/s p99 {p['p99_ms']:.2f} ms "
+                    f"cpu {p['cpu_ms']:.2f} | shim {a['rate_per_s']:.0f}/s p99 {a['p99_ms']:.2f} ms cpu "
+                    f"{a['cpu_ms']:.2f} | ratio {ab['rate_ratio']:.2f}x, load {ab['loadavg_1min']}")
     for name, per in doc.get("results", {}).items():
         for scale, r in per.items():
             m, u, mem = r["mount"], r["unmount"], r["memory_per_sandbox"]

@@ -62,7 +62,8 @@ def inner(args: argparse.Namespace) -> int:
             for kind, clients in contenders:
                 cli = args.cli if clients == 1 and rnd == 0 else 0
                 log(f"round {rnd + 1}: {kind}, {clients} client(s)")
-                res = run_contender(kind, cfg, args.scales, clients, rnd, cli)
+                vs = args.vs_plain_blocks if kind == "layerstore-api" and clients == 1 else 0
+                res = run_contender(kind, cfg, args.scales, clients, rnd, cli, vs)
                 rounds.setdefault(f"{kind}/clients={clients}", []).append(res)
         if args.ab_blocks:
             log(f"durability A/B: {args.ab_blocks} blocks of {AB_BLOCK}")

@@ -9,10 +9,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "bench" / "results" / "compose.json"
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"scales": [1000, 10000], "clients": [1], "cli": 20, "rounds": 1, "ab_blocks": 6},
-    "full": {"scales": [1000, 10000], "clients": [1, 4], "cli": 50, "rounds": 2, "ab_blocks": 20},
-    # issue 19: the shim against the bare overlay at 10,000 and 30,000 mounted, 1 client (~6 min)
-    "mounted30k": {"scales": [10000, 30000], "clients": [1], "cli": 0, "rounds": 1, "ab_blocks": 0},
+    "quick": {"scales": [1000, 10000], "clients": [1], "cli": 20, "rounds": 1, "ab_blocks": 6, "vs_plain_blocks": 0},
+    "full": {"scales": [1000, 10000], "clients": [1, 4], "cli": 50, "rounds": 2, "ab_blocks": 20,
+             "vs_plain_blocks": 10},
+    # issue 19: the shim against the bare overlay at 10,000 and 30,000 mounted, 1 client (~10-15 min)
+    "mounted30k": {"scales": [10000, 30000], "clients": [1], "cli": 0, "rounds": 1, "ab_blocks": 0,
+                   "vs_plain_blocks": 10},
 }
 GOALS = {"rate_per_s": 200, "p99_ms": 50, "mounted": 10000}
 # issue 19: the shim API's mount rate against the bare overlay's in the same run, and its p99
@@ -27,6 +29,7 @@ APPLETS = ["sh", "echo", "cat", "ls", "mkdir", "rm", "touch", "test", "true", "f
 LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
 AB_BLOCK = 100  # sandboxes per block of the durability A/B
 AB_BACKGROUND = 1000  # sandboxes kept mounted during the A/B
+VS_PLAIN_BLOCK = 200  # sandboxes per block of the interleaved shim / plain overlay A/B
 CONTENDERS = ("plain-overlay", "layerstore-api")  # each with every client count of the size
 
 

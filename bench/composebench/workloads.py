@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .contenders import Api, make_contender
+from .contenders import Api, Plain, make_contender
 from .probes import node_facts, per_sandbox, rss, settle, snapshot, stats, usable
-from .spec import AB_BACKGROUND, AB_BLOCK, log
+from .spec import AB_BACKGROUND, AB_BLOCK, VS_PLAIN_BLOCK, log
 
 
 def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: Any, out: Any) -> None:
@@ -113,7 +113,7 @@ def run_phase(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], clients:
 
 
 def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: int, rnd: int,
-                  cli_sample: int) -> dict[str, Any]:
+                  cli_sample: int, vs_plain_blocks: int = 0) -> dict[str, Any]:
     """Grow from 0 to each scale in turn (the sandboxes of the earlier scales stay mounted), measure at
     each checkpoint, then tear everything down. Each step's figures are for the sandboxes mounted in
     that step (e.g. the 9,000 that take the node from 1,000 to 10,000)."""
@@ -141,6 +141,9 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
             log(f"{tag}: {scales[k]} mounted (load {os.getloadavg()[0]:.1f})")
             if k + 1 < len(scales):
                 extra["next"] = phase(k + 1)
+            elif vs_plain_blocks:
+                log(f"{tag}: shim / plain overlay A/B, {vs_plain_blocks} blocks of {VS_PLAIN_BLOCK} each")
+                extra["vs_plain_ab"] = vs_plain_ab(cfg, vs_plain_blocks, scales[k])
             return extra
 
         return run_phase(kind, cfg, tag, ids, clients, checkpoint)
@@ -196,4 +199,47 @@ def durability_ab(cfg: dict[str, Any], blocks: int) -> dict[str, Any]:
     for name in variants:
         out[name] = {op: {"rate_per_s": round(len(lat[name][op]) / wall[name][op], 1), **stats(lat[name][op])}
                      for op in ("mount", "unmount")}
+    return out
+
+
+def vs_plain_ab(cfg: dict[str, Any], blocks: int, mounted: int) -> dict[str, Any]:
+    """The shim API and the plain overlay alternating in blocks of VS_PLAIN_BLOCK mounts (each made
+    usable) in this one process, while `mounted` sandboxes of the shim stay mounted: both see the
+    same minutes of the machine's load, which the contenders' own runs (one after the other) do
+    not. The sandboxes stay mounted until every block ran, then all are torn down."""
+    variants: dict[str, Any] = {"plain-overlay": Plain(Path(cfg["work"]), {k: Path(v) for k, v in cfg["trees"].items()},
+                                                       "vs"),
+                                "layerstore-api": Api(Path(cfg["node"]), cfg["store"])}
+    for c in variants.values():
+        c.open()
+    lat: dict[str, list[float]] = {v: [] for v in variants}
+    wall = dict.fromkeys(variants, 0.0)
+    cpu = dict.fromkeys(variants, 0.0)
+    handles: dict[str, list[str]] = {v: [] for v in variants}
+    load = [round(os.getloadavg()[0], 1)]
+    try:
+        for b in range(blocks):
+            for name in (("plain-overlay", "layerstore-api") if b % 2 == 0 else ("layerstore-api", "plain-overlay")):
+                c = variants[name]
+                t0, c0 = time.perf_counter(), time.process_time()
+                for i in range(VS_PLAIN_BLOCK):
+                    t = time.perf_counter()
+                    h, target = c.mount(f"vs-{b}-{i}")
+                    usable(target)
+                    lat[name].append(time.perf_counter() - t)
+                    handles[name].append(h)
+                wall[name] += time.perf_counter() - t0
+                cpu[name] += time.process_time() - c0
+        load.append(round(os.getloadavg()[0], 1))
+    finally:
+        for name, c in variants.items():
+            for h in handles[name]:
+                c.unmount(h)
+            c.close()
+    out: dict[str, Any] = {"blocks": blocks, "block": VS_PLAIN_BLOCK, "mounted_meanwhile": mounted,
+                           "loadavg_1min": load}
+    for name in variants:
+        out[name] = {"rate_per_s": round(len(lat[name]) / wall[name], 1), **stats(lat[name]),
+                     "cpu_ms": round(cpu[name] / len(lat[name]) * 1000, 3)}
+    out["rate_ratio"] = round(out["layerstore-api"]["rate_per_s"] / out["plain-overlay"]["rate_per_s"], 3)
     return out
