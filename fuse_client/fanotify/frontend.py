@@ -49,6 +49,12 @@ FD_COUNT_EVERY = 16
 STREAM_GAP = 8 << 20  # a miss this close after the last fill, every chunk between present: the same stream
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
 PUNCH_GRACE = 1.0  # seconds between an attached chunk becoming absent and its hole (eviction)
+# A restart's attach of a persisted attachment that fails is tried again (its file stays marked,
+# events on it wait), backing off from RESTORE_RETRY_MIN to RESTORE_RETRY_MAX seconds; after
+# RESTORE_GIVE_UP seconds the waiting events are denied (EIO: their bytes cannot be vouched for).
+RESTORE_RETRY_MIN = 0.2
+RESTORE_RETRY_MAX = 5.0
+RESTORE_GIVE_UP = 300.0
 UNMARK_CHECK = 32  # fast-path answers between checks whether an attached blob is complete
 
 
@@ -147,6 +153,15 @@ class FanotifyFrontEnd:
         self._high = 0  # the fd bound promised in the journal header (`abi.unknown_fd_bound`)
         self.attach_failed: dict[str, str] = {}  # blob -> why its last attach failed (served over FUSE)
         self._claim: tuple[socket.socket, int] | None = None  # this daemon's claim on the holder
+        # Attachments are persisted one snapshot at a time, each taken under the lock: concurrent
+        # attaches once shared one temporary file, and an older snapshot could land last (a mounted
+        # blob missing from the file: after a restart its reads were denied as "not attached").
+        self._persist_lock = trio.Lock()
+        self._premarked: dict[str, tuple[int, int]] = {}  # blob -> (st_dev, st_ino) marked by `premark`
+        # Persisted attachments whose restore failed so far (blob -> holders): still marked, still
+        # persisted, tried again; events on their files wait on `_restoring` (key -> set when settled).
+        self._unrestored: dict[str, list[str]] = {}
+        self._restoring: dict[tuple[int, int], trio.Event] = {}
 
     @property
     def generation(self) -> str:
@@ -216,6 +231,7 @@ class FanotifyFrontEnd:
                            for b, a in sorted(self.attached.items())}
         # Blobs whose attach failed: the shim mounts those over FUSE (docs/fanotify.md, "Attach failures").
         out["attach_failed"] = dict(sorted(self.attach_failed.items()))
+        out["unrestored"] = sorted(self._unrestored)  # persisted attachments not taken back yet (retried)
         return out
 
     def keep_holder(self) -> None:
@@ -240,8 +256,10 @@ class FanotifyFrontEnd:
         for blob in blobs:
             path = self.data_file(blob)
             try:
+                st = os.stat(path)
                 kernel.mark(self.group, path)
                 self.stats.marks += 1
+                self._premarked[blob] = (st.st_dev, st.st_ino)
             except OSError as e:
                 log.warning("blob %s: cannot mark %s again: %s", blob, path, e.strerror)
 
@@ -284,7 +302,9 @@ class FanotifyFrontEnd:
         if not holder or len(holder) > 256:
             raise BadInput("a holder is a non-empty string of at most 256 characters")
         try:
-            got = await self._attach(blob, holder)
+            if blob in self._unrestored and await self._restore_one(blob, self._unrestored[blob]):
+                self._settle_restore(blob)
+            got = await self._attach(blob, holder, restoring=blob in self._unrestored)
         except Exception as e:
             self.stats.attach_failures += 1
             self.attach_failed[blob] = f"{type(e).__name__}: {e}"[:500]
@@ -293,7 +313,7 @@ class FanotifyFrontEnd:
         self.attach_failed.pop(blob, None)
         return got
 
-    async def _attach(self, blob: str, holder: str) -> dict[str, Any]:
+    async def _attach(self, blob: str, holder: str, *, restoring: bool = False) -> dict[str, Any]:
         assert self.lazy is not None
         if self.group is None:
             async with self._group_lock:
@@ -328,7 +348,8 @@ class FanotifyFrontEnd:
             await self.lazy.cache.flush()
         except BaseException:
             if not a.holders:
-                self._forget(a)
+                # (a restore keeps the mark: the layer is still mounted on the file)
+                self._forget(a, unmark=not restoring)
             raise
         if a.entry.unverified_idxs() and not a.verifying and self.nursery is not None:
             # Recovered chunks (a restart) are not served until re-hashed: an event on one waits for
@@ -363,6 +384,16 @@ class FanotifyFrontEnd:
 
     async def detach(self, blob: str, holder: str) -> dict[str, Any]:
         a = self.attached.get(blob)
+        if a is None and holder in self._unrestored.get(blob, ()):
+            # (its mount is gone: nothing to take back for this holder any more)
+            self._unrestored[blob].remove(holder)
+            if not self._unrestored[blob]:
+                self._settle_restore(blob)
+                if self.group is not None:
+                    with contextlib.suppress(OSError):
+                        kernel.unmark(self.group, self.data_file(blob))
+            await self._persist()
+            return {"blob": blob, "holder": holder, "removed": True}
         removed = a is not None and holder in a.holders
         if a is not None and removed:
             a.holders.discard(holder)
@@ -371,39 +402,83 @@ class FanotifyFrontEnd:
             await self._persist()
         return {"blob": blob, "holder": holder, "removed": removed}
 
-    def _forget(self, a: Attached) -> None:
+    def _forget(self, a: Attached, *, unmark: bool = True) -> None:
         self.attached.pop(a.entry.blob, None)
         self._by_key.pop(a.key, None)
         a.reader.close()
         if a.meta_pinned and self.lazy is not None:
             self.lazy.cache.unpin(a.entry, a.entry.metadata)
             a.meta_pinned = False
-        if a.marked and self.group is not None:
+        if unmark and a.marked and self.group is not None:
             with contextlib.suppress(OSError):
                 kernel.unmark(self.group, a.path)
 
     async def _persist(self) -> None:
-        data = json.dumps({"blobs": {b: sorted(a.holders) for b, a in sorted(self.attached.items())}})
+        """Write the attachments (and those not restored yet) to CACHE/fanotify-attached.json: one
+        writer at a time, each with a snapshot taken once it may write, so the last file written
+        is the current state."""
+        async with self._persist_lock:
+            blobs = {b: sorted(hs) for b, hs in self._unrestored.items()}
+            blobs.update({b: sorted(a.holders) for b, a in self.attached.items()})
+            await trio.to_thread.run_sync(self._write_attachments, json.dumps({"blobs": dict(sorted(blobs.items()))}))
+
+    def _write_attachments(self, data: str) -> None:
         path = self.cache_dir / ATTACHED_NAME
-
-        def write() -> None:
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-
-        await trio.to_thread.run_sync(write)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     async def restore(self, previous: dict[str, list[str]]) -> None:
-        """Take the attachments of the last daemon back (their files were marked by `premark`)."""
+        """Take the attachments of the last daemon back (their files were marked by `premark`).
+        One that fails stays marked and persisted and is tried again in the background; events
+        on its file wait for it (`_handle`), they are not denied as "not attached"."""
         for blob, holders in previous.items():
-            try:
-                for h in holders:
-                    await self.attach(blob, h)
-            except (LayerstoreError, OSError) as e:
-                log.error("blob %s: cannot attach again after a restart (%s); its mounts may fail", blob, e)
+            if not await self._restore_one(blob, holders):
+                self._unrestored[blob] = list(holders)
+                key = self._premarked.get(blob)
+                if key is not None:
+                    self._restoring[key] = trio.Event()
+        if self._unrestored:
+            assert self.nursery is not None
+            self.nursery.start_soon(self._retry_restores)
+
+    async def _restore_one(self, blob: str, holders: list[str]) -> bool:
+        try:
+            for h in holders:
+                await self._attach(blob, h, restoring=True)
+        except (LayerstoreError, OSError) as e:
+            log.error("blob %s: cannot attach again after a restart (%s): its file stays marked, reads of it "
+                      "wait; trying again", blob, e)
+            return False
+        return True
+
+    async def _retry_restores(self) -> None:
+        delay, waited = RESTORE_RETRY_MIN, 0.0
+        while self._unrestored:
+            await trio.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, RESTORE_RETRY_MAX)
+            for blob, holders in list(self._unrestored.items()):
+                if await self._restore_one(blob, holders):
+                    log.warning("blob %s: attached again after a restart (on a retry)", blob)
+                    self._settle_restore(blob)
+            if self._unrestored and waited >= RESTORE_GIVE_UP:
+                for blob in list(self._unrestored):
+                    log.error("blob %s: not attached again within %.0f s: reads of its unfilled ranges are "
+                              "denied (EIO) until a daemon can attach it", blob, RESTORE_GIVE_UP)
+                    key = self._premarked.get(blob)
+                    if key is not None and key in self._restoring:
+                        self._restoring.pop(key).set()
+                return
+
+    def _settle_restore(self, blob: str) -> None:
+        self._unrestored.pop(blob, None)
+        key = self._premarked.get(blob)
+        if key is not None and key in self._restoring:
+            self._restoring.pop(key).set()
 
     # -- events ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -486,7 +561,7 @@ class FanotifyFrontEnd:
             if slow:
                 assert self._token is not None
                 try:
-                    self._token.run_sync_soon(self._dispatch_or_hold, slow)
+                    self._token.run_sync_soon(self.take_events, slow)
                 except trio.RunFinishedError:
                     return  # (journalled: the next daemon answers them)
             if len(self._touches) >= TOUCH_FLUSH:
@@ -584,7 +659,9 @@ class FanotifyFrontEnd:
         for e, first, last in touches:
             e.touch(first, last, now)
 
-    def _dispatch_or_hold(self, slow: list[tuple[int, int, int, int, int]]) -> None:
+    def take_events(self, slow: list[tuple[int, int, int, int, int]]) -> None:
+        """Trio thread: the journalled events of one read, from the event thread; held until
+        `release` (a takeover in progress), else each filled and answered by its own task."""
         if self._held is not None:
             self._held.extend(slow)
         else:
@@ -601,6 +678,10 @@ class FanotifyFrontEnd:
         allow, err = False, errno.EIO
         try:
             a = self._by_key.get(key)
+            settled = self._restoring.get(key) if a is None else None
+            if settled is not None:  # a persisted attachment not taken back yet: wait for its retries
+                await settled.wait()
+                a = self._by_key.get(key)
             if a is None:
                 log.error("fanotify event on a file that is not attached (inode %d:%d): denied", *key)
             else:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testkit.fanotify_helpers import front_on_a_pipe, pipe_answers
 
 from fuse_client.fanotify import abi, fdstore, holder
-from fuse_client.fanotify.frontend import RESERVE_MARGIN, FanotifyFrontEnd
+from fuse_client.fanotify.frontend import RESERVE_MARGIN
 
 
 @settings(max_examples=60)
@@ -51,27 +52,8 @@ def test_the_holder_exits_only_unclaimed_idle_markless_and_with_nothing_attached
 
 @pytest.fixture
 def front(tmp_path: Path):  # type: ignore[no-untyped-def]
-    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    fe = FanotifyFrontEnd(tmp_path, data_file=lambda b: tmp_path / b, acquire=lambda: (w, "g", True))
-    fe.open_group(w, "g", True)
-    try:
-        yield fe, r
-    finally:
-        fe.group = None  # (the pipe is closed here, not by close())
-        fe.close()
-        os.close(r)
-        os.close(w)
-
-
-def _answers(r: int) -> list[tuple[int, bool, int]]:
-    out = []
-    try:
-        data = os.read(r, 65536)
-    except BlockingIOError:
-        return out
-    for k in range(0, len(data), abi.RESPONSE.size):
-        out.append(abi.decode_response(data[k:k + abi.RESPONSE.size]))
-    return out
+    with front_on_a_pipe(tmp_path) as got:
+        yield got
 
 
 def test_an_event_fd_beyond_the_bound_is_denied_eio_and_closed(front) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +70,7 @@ def test_an_event_fd_beyond_the_bound_is_denied_eio_and_closed(front) -> None:  
     buf = b"".join(abi.encode_event(abi.Event(abi.FAN_PRE_ACCESS, fd, 1, 0, 4096)) for fd in (beyond, inside))
     fe.journal.begin_batch(fe.fd_bound)
     slow = fe.process_batch(buf)
-    assert _answers(r) == [(beyond, False, errno.EIO)]
+    assert pipe_answers(r) == [(beyond, False, errno.EIO)]
     with pytest.raises(OSError):
         os.fstat(beyond)  # closed: never held
     assert fe.stats.fd_bound_denied == 1
@@ -112,7 +94,7 @@ def test_a_garbage_batch_leaves_the_batch_flag_for_a_successor(front) -> None:  
     fe.journal.begin_batch(99)
     assert fe.process_batch(b"\x01" * 30) == []
     assert fe.journal.header() == (True, 99)
-    assert _answers(r) == []
+    assert pipe_answers(r) == []
 
 
 def test_the_fd_store_names_and_addresses() -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from fuse_client.control import DaemonNotRunning, attach, detach, request_json
 from fuse_client.fanotify import abi, handover, kernel
+from fuse_client.fanotify.frontend import FanotifyFrontEnd
 from fuse_client.linux import mount_erofs, umount
 
 from .fuse_helpers import LAYERCTL, READY_TIMEOUT, DaemonProcess, force_unmount, wait_until
@@ -182,3 +183,28 @@ def start_daemon_from_fd_store(store_url: str, cache_dir: Path, mountpoint: Path
 
     wait_until(ready, READY_TIMEOUT, "the daemon to answer")
     return proc
+
+
+@contextlib.contextmanager
+def front_on_a_pipe(cache_dir: Path) -> Iterator[tuple[FanotifyFrontEnd, int]]:
+    """A fanotify front end on `cache_dir` whose "group" is a pipe's write end (no kernel group:
+    unit tests); yields it and the read end, where its answers arrive (`pipe_answers`)."""
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    fe = FanotifyFrontEnd(cache_dir, data_file=lambda b: cache_dir / b, acquire=lambda: (w, "g", True))
+    fe.open_group(w, "g", True)
+    try:
+        yield fe, r
+    finally:
+        fe.group = None  # (the pipe is closed here, not by close())
+        fe.close()
+        os.close(r)
+        os.close(w)
+
+
+def pipe_answers(r: int) -> list[tuple[int, bool, int]]:
+    """The answers (fd, allowed, errno) a `front_on_a_pipe` front end wrote so far."""
+    try:
+        data = os.read(r, 65536)
+    except BlockingIOError:
+        return []
+    return [abi.decode_response(data[k:k + abi.RESPONSE.size]) for k in range(0, len(data), abi.RESPONSE.size)]
