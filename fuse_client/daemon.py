@@ -78,22 +78,29 @@ def choose_data_path(where: Path, wanted: str | None = None, fmt: str = "plain")
     """"fanotify" or "fuse": `wanted`, else $LAYERSTORE_DATA_PATH, else "fuse" ("auto": fanotify when
     the kernel gives pre-content events on files in `where`). A cache of format `fmt` other than
     plain is always FUSE: the kernel would read its compressed data files as the image."""
-    want = (wanted or os.environ.get(DATA_PATH_ENV) or DEFAULT_DATA_PATH).strip().lower()
+    return data_path_choice(where, wanted, fmt)[0]
+
+
+def data_path_choice(where: Path, wanted: str | None = None, fmt: str = "plain") -> tuple[str, str]:
+    """`choose_data_path` and why (reported by /stats as `data_path_reason`)."""
+    asked = wanted or os.environ.get(DATA_PATH_ENV)
+    want = (asked or DEFAULT_DATA_PATH).strip().lower()
     if want not in ("auto", "fanotify", "fuse"):
         raise ConfigError(f"{DATA_PATH_ENV}={want!r}: expected auto, fanotify or fuse")
     if want != "fuse" and fmt != "plain":
         log.warning("data path: FUSE, not fanotify: the node cache %s keeps chunks compressed (format %s), and "
                     "the fanotify path mounts its data files as plain images", where, fmt)
-        return "fuse"
+        return "fuse", (f"{want} asked for, but the node cache keeps chunks compressed (format {fmt}): "
+                        "the fanotify path mounts its data files as plain images")
     if want == "fuse":
-        return "fuse"
+        return "fuse", "fuse asked for" if asked else f"the default ({DATA_PATH_ENV} unset)"
     why = fan_kernel.probe(where)
     if why is None:
-        return "fanotify"
+        return "fanotify", f"{want} asked for; the kernel gives pre-content events"
     if want == "fanotify":
         raise ConfigError(f"the fanotify data path is not available here: {why}")
     log.info("fanotify pre-content events not available (%s): FUSE data path", why)
-    return "fuse"
+    return "fuse", f"auto asked for; fanotify pre-content events not available: {why}"
 
 
 @dataclass
@@ -154,6 +161,7 @@ class Daemon:
         self.trace: TraceRecorder | None = None
         self.node_lease: NodeLease | None = None
         self.fanotify: FanotifyFrontEnd | None = None
+        self.data_path_reason = ""  # why this data path (`data_path_choice`), in /stats
         self._stop = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -216,7 +224,8 @@ class Daemon:
                     await front.restore(previous)
                     await front.release()  # the predecessor's leftovers answered; new events served
                     service.start_soon(self._holder_watch, front)
-                control = ControlServer(socket_path(cache_dir), ControlAPI(lazy, front), group=cfg.control_gid())
+                api = ControlAPI(lazy, front, data_path_reason=self.data_path_reason)
+                control = ControlServer(socket_path(cache_dir), api, group=cfg.control_gid())
                 try:
                     await self._serve_mounted(FuseMount(ops, mountpoint, cfg.fuse_options()), control, task_status)
                 finally:
@@ -240,8 +249,9 @@ class Daemon:
         """The fanotify front end if that is the data path; with the holder's group if a holder
         keeps one (a restart or an upgrade), else without a group yet (made on the first attach)."""
         cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if choose_data_path(cache_dir, self.config.data_path, cache_format(cache_dir, self.config.cache_format)) \
-                != "fanotify":
+        path, self.data_path_reason = data_path_choice(
+            cache_dir, self.config.data_path, cache_format(cache_dir, self.config.cache_format))
+        if path != "fanotify":
             return None
         front = FanotifyFrontEnd(cache_dir, data_file=BlobFiles(cache_dir).path,
                                  acquire=functools.partial(fan_group.acquire, cache_dir))
