@@ -98,8 +98,10 @@ class ControlAPI:
     """The routes, over the node cache's API; `app` is the ASGI application. `attachments`: the
     fanotify front end when the daemon's data path is fanotify, else None (FUSE only)."""
 
-    def __init__(self, lazy: LazyCache, attachments: Attachments | None = None) -> None:
+    def __init__(self, lazy: LazyCache, attachments: Attachments | None = None, *,
+                 data_path_reason: str = "") -> None:
         self.lazy = lazy
+        self.data_path_reason = data_path_reason  # why fuse or fanotify (the daemon's choice)
         self.cache = lazy.cache
         self.attachments = attachments
         self.app = FastAPI(title="layerstore node daemon control API", docs_url=None, redoc_url=None)
@@ -126,6 +128,7 @@ class ControlAPI:
     async def get_stats(self, req: dict[str, Any]) -> Response:
         out = self.lazy.stats.to_json()
         out["data_path"] = "fuse" if self.attachments is None else "fanotify"
+        out["data_path_reason"] = self.data_path_reason
         out["pid"] = os.getpid()
         if self.attachments is not None:
             out["fanotify"] = self.attachments.stats_json()

@@ -57,8 +57,10 @@ def test_daemon_end_to_end(store_dir: Path, src: Path, layer: BuiltLayer, tmp_pa
         r = layerctl("stats", "--cache", str(cache), "--json")
         assert r.code == 0, r.err
         stats = r.json()
-        assert set(stats) == {"blobs", "corrupt_chunks", "store_errors", "cache_write_failures", "pid", "data_path"}
+        assert set(stats) == {"blobs", "corrupt_chunks", "store_errors", "cache_write_failures", "pid", "data_path",
+                              "data_path_reason"}
         assert stats["data_path"] == "fuse" and stats["pid"] == d.pid  # FUSE unless fanotify is asked for
+        assert stats["data_path_reason"], stats  # (why: the default, asked for, or no pre-content events)
         st = stats["blobs"][layer.blob]
         assert set(st) == {"size", "fetched_bytes", "served_bytes", "hits", "misses"}
         assert st["size"] == layer.size and 0 < st["fetched_bytes"] <= layer.size
