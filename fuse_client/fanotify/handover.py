@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import contextlib
 import json
+import logging
 import os
 import socket
 from pathlib import Path
@@ -64,11 +65,23 @@ def holder_generation(cache_dir: Path) -> str | None:
 
 
 def load_attachments(cache_dir: Path) -> dict[str, list[str]]:
-    """blob -> holders, as the last daemon persisted them ({} if none or unreadable)."""
+    """blob -> holders, as the last daemon persisted them ({} if none or unreadable: an
+    unreadable file is logged as an ERROR, since the layers it named are not taken back and
+    their reads of unfilled ranges are denied)."""
+    path = Path(cache_dir) / ATTACHED_NAME
     try:
-        data = json.loads((Path(cache_dir) / ATTACHED_NAME).read_text())
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        logging.getLogger("layerstore.fanotify").error("cannot read %s: %s", path, e)
+        return {}
+    try:
+        data = json.loads(text)
         return {str(b): [str(h) for h in hs] for b, hs in data.get("blobs", {}).items()}
-    except (OSError, ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError) as e:
+        logging.getLogger("layerstore.fanotify").error("%s is not a list of attachments (%s): nothing taken back",
+                                                       path, e)
         return {}
 
 
