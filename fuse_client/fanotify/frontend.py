@@ -418,9 +418,11 @@ class FanotifyFrontEnd:
         writer at a time, each with a snapshot taken once it may write, so the last file written
         is the current state."""
         async with self._persist_lock:
-            blobs = {b: sorted(hs) for b, hs in self._unrestored.items()}
-            blobs.update({b: sorted(a.holders) for b, a in self.attached.items()})
-            await trio.to_thread.run_sync(self._write_attachments, json.dumps({"blobs": dict(sorted(blobs.items()))}))
+            blobs = {b: set(a.holders) for b, a in self.attached.items()}
+            for b, hs in self._unrestored.items():  # (a blob partly taken back keeps every holder)
+                blobs[b] = blobs.get(b, set()) | set(hs)
+            data = json.dumps({"blobs": {b: sorted(hs) for b, hs in sorted(blobs.items())}})
+            await trio.to_thread.run_sync(self._write_attachments, data)
 
     def _write_attachments(self, data: str) -> None:
         path = self.cache_dir / ATTACHED_NAME
@@ -435,12 +437,16 @@ class FanotifyFrontEnd:
         """Take the attachments of the last daemon back (their files were marked by `premark`).
         One that fails stays marked and persisted and is tried again in the background; events
         on its file wait for it (`_handle`), they are not denied as "not attached"."""
+        # Every one counts as not taken back until it is: a persist meanwhile (another blob's
+        # restore) keeps them all in the list, and events on their files wait.
         for blob, holders in previous.items():
-            if not await self._restore_one(blob, holders):
-                self._unrestored[blob] = list(holders)
-                key = self._premarked.get(blob)
-                if key is not None:
-                    self._restoring[key] = trio.Event()
+            self._unrestored[blob] = list(holders)
+            key = self._premarked.get(blob)
+            if key is not None:
+                self._restoring[key] = trio.Event()
+        for blob, holders in previous.items():
+            if await self._restore_one(blob, holders):
+                self._settle_restore(blob)
         if self._unrestored:
             assert self.nursery is not None
             self.nursery.start_soon(self._retry_restores)
@@ -449,9 +455,9 @@ class FanotifyFrontEnd:
         try:
             for h in holders:
                 await self._attach(blob, h, restoring=True)
-        except (LayerstoreError, OSError) as e:
-            log.error("blob %s: cannot attach again after a restart (%s): its file stays marked, reads of it "
-                      "wait; trying again", blob, e)
+        except Exception as e:  # (whatever it is: the mark stays, the reads wait, it is tried again)
+            log.error("blob %s: cannot attach again after a restart (%s: %s): its file stays marked, reads of "
+                      "it wait; trying again", blob, type(e).__name__, e)
             return False
         return True
 

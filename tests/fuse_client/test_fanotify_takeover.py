@@ -161,6 +161,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
             fe.take_events(slow)  # (what the event thread does with them: held until release)
             await fe.restore(previous)
             seen["unrestored"] = fe.stats_json()["unrestored"]
+            seen["persisted"] = handover.load_attachments(cache)  # (a's restore wrote the list: b kept)
             await fe.release()
             await trio.sleep(0.05)
             seen["answers_before"] = pipe_answers(r)
@@ -171,6 +172,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
 
     trio.run(main)
     assert seen["unrestored"] == ["b"]
+    assert seen["persisted"] == {"a": ["h1"], "b": ["h2"]}
     assert seen["answers_before"] == []  # neither denied nor allowed while b was not taken back
     assert pipe_answers(r) == [(fd, True, 0)]
     assert lazy.fills == [("b", 0, 4096)]
