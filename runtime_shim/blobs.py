@@ -126,14 +126,20 @@ class DaemonBlobs:
         """Caller holds the node lock. Every mount calls it: once the daemon was found healthy,
         later calls only ask whether that very process still runs (a pidfd, no pid reuse), its
         FUSE mount is still the one seen then (the mountpoint's device) and the fanotify holder's
-        identity file is unchanged: about 10 us instead of ~90 (reading its record, /proc, two
-        lstats and a stat, the identity file). Only the process that stops a daemon records
+        identity file is still absent (the FUSE data path): about 10 us instead of ~90 (reading
+        its record, /proc, two lstats and a stat, the identity file). With a holder's identity
+        file (the fanotify data path) the generation is also read again (whether that holder
+        still runs is part of it). Only the process that stops a daemon records
         another one, and it stops the old one first: a live verified daemon is still the recorded
         one. Anything else (it died, its mount went, the holder changed) takes the full check."""
         seen = self._seen
         if seen is not None:
             if seen.still_healthy(self.paths):
-                return seen.generation
+                if seen.ident is None:  # (FUSE: no fanotify holder)
+                    return seen.generation
+                # a holder's identity: whether that holder still runs is its generation's to say
+                if self._gen(seen.pid, seen.start_time) == seen.generation:
+                    return seen.generation
             self._forget_seen()
         with self.state.read() as t:
             rec = t.daemon()
@@ -280,7 +286,9 @@ class _SeenDaemon:
     """A daemon found healthy: its process (a pidfd: readable once it exits), its FUSE mount (the
     mountpoint's device then), the holder identity file then, and the generation they gave."""
 
-    def __init__(self, pidfd: int, fuse_dev: int, ident: tuple[int, int, int] | None, generation: str) -> None:
+    def __init__(self, pid: int, start_time: int, pidfd: int, fuse_dev: int, ident: tuple[int, int, int] | None,
+                 generation: str) -> None:
+        self.pid, self.start_time = pid, start_time
         self.pidfd, self.fuse_dev, self.ident, self.generation = pidfd, fuse_dev, ident, generation
         self.poll = select.poll()
         self.poll.register(pidfd, select.POLLIN)
@@ -301,7 +309,7 @@ class _SeenDaemon:
         except OSError:
             os.close(pidfd)
             return None
-        return cls(pidfd, dev, ident, generation)
+        return cls(pid, start_time, pidfd, dev, ident, generation)
 
     def still_healthy(self, paths: NodePaths) -> bool:
         if self.pidfd < 0 or self.poll.poll(0):  # readable: the process exited
