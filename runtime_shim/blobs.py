@@ -25,7 +25,7 @@ from .daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive, 
 from .errors import DaemonError
 from .lock import BlobLock
 from .paths import NodePaths
-from .state import NodeState
+from .state import NodeState, group_generation
 
 
 class BlobSource(Protocol):
@@ -169,10 +169,12 @@ class DaemonBlobs:
         return self._gen(rec.pid, rec.start_time)
 
     def _gen(self, pid: int, start_time: int) -> str:
-        """The fanotify group's generation while a holder keeps one, else the daemon's."""
+        """The daemon's generation, with the fanotify group's before it while a holder keeps one
+        (`state.group_generation`: attached layers follow the group, FUSE-mounted ones the daemon)."""
         from fuse_client.fanotify.handover import holder_generation
 
-        return holder_generation(self.paths.cache) or _gen(pid, start_time)
+        group = holder_generation(self.paths.cache)
+        return group_generation(group, _gen(pid, start_time)) if group else _gen(pid, start_time)
 
     def attach(self, blob: str, holder: str) -> tuple[Path, str] | None:
         """(the blob's cache file, the group's generation) once the daemon marked it and filled

@@ -42,10 +42,9 @@ from .blobs import BlobSource
 from .errors import ShimError
 from .overlay import SAFE, explain
 from .paths import NodePaths
-from .state import MOUNTED, MOUNTING, LayerMount, Txn, this_process
+from .state import ATTACHED_PREFIX, MOUNTED, MOUNTING, LayerMount, Txn, fuse_generation, this_process
 
 DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
-ATTACHED_PREFIX = "fanotify:"  # the generation of a mount on a cache file filled on fanotify events
 CLAIMED = "claimed"
 PIN_PREFIX = "shim:"
 
@@ -88,7 +87,7 @@ class LayerMounts:
             if not os.path.exists(source):
                 raise ShimError(f"layer {blob}: no image file at {source}") from None
             raise ShimError(f"layer {blob}: {explain(e)}") from None
-        return LayerMount(blob, str(mp), str(source), 0, generation)
+        return LayerMount(blob, str(mp), str(source), 0, fuse_generation(generation))
 
     def _mount_direct(self, blob: str, mp: Path) -> LayerMount | None:
         holder = self.holder(blob)

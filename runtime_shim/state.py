@@ -50,6 +50,20 @@ from layerstore.errors import CorruptObject
 
 from .idmap import SLOTS, base_of, slot_of
 
+ATTACHED_PREFIX = "fanotify:"  # the generation of a mount on a cache file filled on fanotify events
+GENERATION_SEP = "|"  # between the group's and the daemon's part of a fanotify node's generation
+
+
+def group_generation(group: str, daemon: str) -> str:
+    """The blob source's generation on the fanotify data path: the group's and the daemon's."""
+    return f"{group}{GENERATION_SEP}{daemon}"
+
+
+def fuse_generation(generation: str) -> str:
+    """What a layer mounted on the daemon's FUSE file records: the daemon's part."""
+    group, _, daemon = generation.partition(GENERATION_SEP)
+    return daemon or group
+
 MAP_SIZE = 1 << 32  # sparse; ~1.5 KB per sandbox leaves room for far more than a node can mount
 DBS = ("sandboxes", "layers", "targets", "uppers", "pending", "meta", "idranges")
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -187,8 +201,18 @@ class LayerMount:
         return out
 
     def current(self, generation: str | None) -> bool:
-        """Does this mount read what the blob source serves now? (A direct mount always does.)"""
-        return bool(self.pin) or self.generation == generation
+        """Does this mount read what the blob source serves now? (A direct mount always does.) On
+        the fanotify data path the source's generation names the group and the daemon
+        (`group_generation`): a mount attached to the group lives as long as the group, a mount
+        on the daemon's FUSE file (a layer whose attach failed) only as long as that daemon."""
+        if self.pin:
+            return True
+        if generation is None:
+            return False
+        group, _, daemon = generation.partition(GENERATION_SEP)
+        if self.generation.startswith(ATTACHED_PREFIX):
+            return self.generation == group
+        return self.generation == (daemon or group)
 
     @property
     def in_flight(self) -> bool:

@@ -422,3 +422,23 @@ def test_eager_fetches_a_blob_once_for_every_concurrent_caller(tmp_path: Path, m
         with pytest.raises(DaemonError):
             blobs.fetch_all(bad)  # a failure is not remembered either
         assert len(calls) == 4
+
+
+def test_a_layer_mount_follows_the_group_or_the_daemon_it_was_made_on() -> None:
+    """On the fanotify data path the blob source's generation names the group and the daemon: a
+    layer attached to the group stays current across daemon restarts, a layer whose attach failed
+    (mounted on the daemon's FUSE file) goes stale with its daemon; off that path, the daemon's."""
+    from runtime_shim.state import LayerMount, fuse_generation, group_generation
+
+    gen = group_generation("fanotify:g1", "daemon:10:1")
+    attached = LayerMount("b", "/m", "/c", 0, "fanotify:g1")
+    on_fuse = LayerMount("b", "/m", "/f", 0, fuse_generation(gen))
+    assert on_fuse.generation == "daemon:10:1"
+    assert attached.current(gen) and on_fuse.current(gen)
+    restarted = group_generation("fanotify:g1", "daemon:11:2")
+    assert attached.current(restarted) and not on_fuse.current(restarted)
+    regrouped = group_generation("fanotify:g2", "daemon:11:2")
+    assert not attached.current(regrouped)
+    plain = LayerMount("b", "/m", "/f", 0, fuse_generation("daemon:10:1"))
+    assert plain.current("daemon:10:1") and not plain.current("daemon:11:2") and not plain.current(None)
+    assert LayerMount("b", "/m", "/c", 0, "direct", pin="shim:x").current(None)
