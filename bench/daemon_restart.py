@@ -29,35 +29,83 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 for p in (ROOT, ROOT / "tests" / "support"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from testkit.fanotify_helpers import mounted_layer, node_daemon, read_uncached, start_daemon  # noqa: E402
+from testkit.fanotify_helpers import mounted_layer, node_daemon, process_marks, read_uncached, start_daemon  # noqa: E402,E501
 from testkit.fuse_helpers import build_and_push, make_tree  # noqa: E402
 
+from erofs_builder.build import BuiltLayer  # noqa: E402
 from fuse_client import linux  # noqa: E402
 from fuse_client.control import request_json  # noqa: E402
 from layerstore.backends.posix import PosixBackend  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 
 
-def fanotify_marks(pid: int | None) -> int:
-    """The marks of a fanotify group process `pid` holds (the watch, between its regroup and the new
-    holder's start: the old group died with every holder, so any group it holds is the new one)."""
-    from fuse_client.fanotify import abi
+def pushed_layer(tmp: Path) -> tuple[PosixBackend, BuiltLayer, dict[Path, bytes]]:
+    """A local store under `tmp` with one layer pushed, and the layer's files' bytes by path."""
+    backend = PosixBackend(tmp / "store", fsync=False)
+    backend.create()
+    store = Store(backend)
+    store.init()
+    src = make_tree(tmp / "src", small=200, big=(8 << 20, 2 << 20))
+    layer = build_and_push(store, src, tmp / "image.erofs")
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+    return backend, layer, {rel: (src / rel).read_bytes() for rel in files}
 
-    if pid is None:
-        return -1
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[fanotify]":
-                    with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
-                        return abi.count_marks(f.read())
-    return -1
+
+class Readers:
+    """`n` threads reading random files of the layer mounted at `root`, uncached, each read compared
+    with the source: the reads, the failed ones and the ones that returned wrong bytes."""
+
+    def __init__(self, n: int, root: Path, want: dict[Path, bytes]) -> None:
+        self.root = root
+        self.want = want
+        self.files = sorted(want)
+        self.stop = threading.Event()
+        self.reads = [0] * n
+        self.failed: list[str] = []
+        self.wrong: list[str] = []
+        self.threads = [threading.Thread(target=self.read_loop, args=(k,), daemon=True) for k in range(n)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def read_loop(self, k: int) -> None:
+        rng = random.Random(k)
+        while not self.stop.is_set():
+            rel = rng.choice(self.files)
+            try:
+                got = read_uncached(self.root / rel)
+            except OSError as e:
+                self.failed.append(f"{rel}: {e}")
+                continue
+            if got != self.want[rel]:
+                self.wrong.append(str(rel))
+            self.reads[k] += 1
+
+    def total(self) -> int:
+        return sum(self.reads)
+
+    def wait_reads(self, n: int = 64) -> None:
+        """Until `n` more reads are done (the last restart's reads went through)."""
+        before = self.total()
+        while self.total() < before + n:
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+
+    def summary(self) -> dict[str, Any]:
+        return {"readers": len(self.reads), "reads": self.total(), "failed_reads": len(self.failed),
+                "wrong_reads": len(self.wrong), "failed_examples": self.failed[:5], "wrong_examples": self.wrong[:5]}
 
 
 def kill_all(args: argparse.Namespace) -> int:
@@ -75,50 +123,25 @@ def kill_all(args: argparse.Namespace) -> int:
     os.environ.pop("LAYERSTORE_DAEMON_WATCH", None)
     with tempfile.TemporaryDirectory(prefix="daemon-kill-all-", dir="/var/tmp") as tmpd:
         tmp = Path(tmpd)
-        backend = PosixBackend(tmp / "store", fsync=False)
-        backend.create()
-        store = Store(backend)
-        store.init()
-        src = make_tree(tmp / "src", small=200, big=(8 << 20, 2 << 20))
-        layer = build_and_push(store, src, tmp / "image.erofs")
-        files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
-        want = {rel: (src / rel).read_bytes() for rel in files}
+        backend, layer, want = pushed_layer(tmp)
         paths = NodePaths(tmp / "node")
         paths.root.mkdir()
         sup = DaemonSupervisor(paths)
         state = NodeState(paths.state)
         target = tmp / "layer"
         target.mkdir()
-        stop = threading.Event()
-        reads = [0] * args.readers
-        failed: list[str] = []
-        wrong: list[str] = []
+        readers = Readers(args.readers, target, want)
         cycles: list[dict[str, float]] = []
-
-        def reader(k: int) -> None:
-            rng = random.Random(k)
-            while not stop.is_set():
-                rel = rng.choice(files)
-                try:
-                    got = read_uncached(target / rel)
-                except OSError as e:
-                    failed.append(f"{rel}: {e}")
-                    continue
-                if got != want[rel]:
-                    wrong.append(str(rel))
-                reads[k] += 1
-
         rec = sup.start(backend.url)
         with state.write() as t:
             t.put_daemon(rec)
-        threads = []
+        started = False
         try:
             got = attach(paths.cache, layer.blob, "bench")
             assert got is not None
             mount_erofs(Path(got["path"]), target)
-            threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(args.readers)]
-            for t in threads:
-                t.start()
+            readers.start()
+            started = True
             for i in range(args.restarts):
                 while True:  # (the watch records the new daemon once its mount answers)
                     with state.read() as t:
@@ -130,7 +153,7 @@ def kill_all(args: argparse.Namespace) -> int:
                 time.sleep(random.uniform(0.05, 0.3))
                 ident = handover.read_identity(paths.cache)
                 assert ident is not None
-                w0 = len(wrong)
+                w0 = len(readers.wrong)
                 k0 = time.monotonic()
                 os.kill(rec.pid, 9)
                 os.kill(ident[0], 9)
@@ -138,7 +161,7 @@ def kill_all(args: argparse.Namespace) -> int:
                 while marks is None:  # (first: a daemon being asked could hold this loop up)
                     if time.monotonic() - k0 > 120:
                         raise RuntimeError("no new group within 120 s")
-                    if fanotify_marks(sup.watch_pid()) >= 1 or (
+                    if process_marks(sup.watch_pid()) >= 1 or (
                             (cur := handover.read_identity(paths.cache)) is not None and cur[1] != ident[1]
                             and holder_marks(paths.cache) >= 1):
                         marks = time.monotonic() - k0
@@ -152,16 +175,13 @@ def kill_all(args: argparse.Namespace) -> int:
                     except Exception:  # (not up yet)
                         time.sleep(0.005)
                 cycles.append({"marks_back_s": round(marks, 4), "daemon_back_s": round(daemon, 3),
-                               "wrong_reads": len(wrong) - w0})
+                               "wrong_reads": len(readers.wrong) - w0})
                 print(f"cycle {i + 1}/{args.restarts}: marks back after {marks:.3f} s, daemon after {daemon:.2f} s, "
-                      f"reads {sum(reads)}, failed {len(failed)}, wrong {len(wrong)}", flush=True)
-            before = sum(reads)
-            while sum(reads) < before + 64:
-                time.sleep(0.01)
+                      f"reads {readers.total()}, failed {len(readers.failed)}, wrong {len(readers.wrong)}", flush=True)
+            readers.wait_reads()
         finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
+            if started:
+                readers.join()
             with contextlib.suppress(OSError):
                 umount(target, lazy=True)
             with contextlib.suppress(Exception):
@@ -177,8 +197,7 @@ def kill_all(args: argparse.Namespace) -> int:
         med = sorted(c["marks_back_s"] for c in cycles)
         result = {
             "mode": "kill-all (daemon and holder, -9, at once; the shim's watch regroups and restarts)",
-            "cycles": len(cycles), "readers": args.readers, "reads": sum(reads), "failed_reads": len(failed),
-            "wrong_reads": len(wrong), "failed_examples": failed[:5], "wrong_examples": wrong[:5],
+            "cycles": len(cycles), **readers.summary(),
             "marks_back_seconds": {"min": med[0], "median": med[len(med) // 2], "max": med[-1]} if med else None,
             "daemon_back_seconds_median": sorted(c["daemon_back_s"] for c in cycles)[len(cycles) // 2] if cycles
             else None,
@@ -205,40 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         return kill_all(args)
     with tempfile.TemporaryDirectory(prefix="daemon-restart-", dir="/var/tmp") as tmpd:
         tmp = Path(tmpd)
-        backend = PosixBackend(tmp / "store", fsync=False)
-        backend.create()
-        store = Store(backend)
-        store.init()
-        src = make_tree(tmp / "src", small=200, big=(8 << 20, 2 << 20))
-        layer = build_and_push(store, src, tmp / "image.erofs")
-        files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
-        want = {rel: (src / rel).read_bytes() for rel in files}
-        stop = threading.Event()
-        reads = [0] * args.readers
-        failed: list[str] = []
-        wrong: list[str] = []
+        backend, layer, want = pushed_layer(tmp)
         gaps: list[float] = []
         answered = {"leftovers": 0, "unknown": 0}
-
-        def reader(k: int, mnt: Path) -> None:
-            rng = random.Random(k)
-            while not stop.is_set():
-                rel = rng.choice(files)
-                try:
-                    got = read_uncached(mnt / rel)
-                except OSError as e:
-                    failed.append(f"{rel}: {e}")
-                    continue
-                if got != want[rel]:
-                    wrong.append(str(rel))
-                reads[k] += 1
-
         t0 = time.monotonic()
         with node_daemon(backend.url, tmp, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp) as mnt:
-            threads = [threading.Thread(target=reader, args=(k, mnt), daemon=True) for k in range(args.readers)]
-            for t in threads:
-                t.start()
+            readers = Readers(args.readers, mnt, want)
+            readers.start()
             try:
                 for i in range(args.restarts):
                     request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
@@ -250,21 +243,16 @@ def main(argv: list[str] | None = None) -> int:
                     ds[-1].kill9()
                     ds.append(start_daemon(backend.url, tmp / "cache", tmp / "mnt", "fanotify"))
                     gaps.append(time.monotonic() - k0)
-                    print(f"restart {i + 1}/{args.restarts}: gap {gaps[-1]:.2f} s, reads {sum(reads)}, "
-                          f"failed {len(failed)}, wrong {len(wrong)}", flush=True)
-                before = sum(reads)
-                while sum(reads) < before + 64:
-                    time.sleep(0.01)
+                    print(f"restart {i + 1}/{args.restarts}: gap {gaps[-1]:.2f} s, reads {readers.total()}, "
+                          f"failed {len(readers.failed)}, wrong {len(readers.wrong)}", flush=True)
+                readers.wait_reads()
             finally:
-                stop.set()
-                for t in threads:
-                    t.join(120)
+                readers.join()
             fan = ds[-1].stats()["fanotify"]
             answered["leftovers"] += fan["leftovers_answered"]
             answered["unknown"] += fan["unknown_answered"]
         result = {
-            "restarts": args.restarts, "readers": args.readers, "reads": sum(reads), "failed_reads": len(failed),
-            "wrong_reads": len(wrong), "failed_examples": failed[:5], "wrong_examples": wrong[:5],
+            "restarts": args.restarts, **readers.summary(),
             "gap_seconds": {"min": round(min(gaps), 3), "median": round(sorted(gaps)[len(gaps) // 2], 3),
                             "max": round(max(gaps), 3)} if gaps else None,
             "answered_by_successors": answered, "seconds": round(time.monotonic() - t0, 1),
@@ -273,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    return 0 if not failed and not wrong else 1
+    return 0 if not readers.failed and not readers.wrong else 1
 
 
 if __name__ == "__main__":

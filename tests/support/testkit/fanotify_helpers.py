@@ -108,17 +108,23 @@ def read_uncached(path: Path) -> bytes:
         os.close(fd)
 
 
-def holder_marks(cache_dir: Path) -> int:
-    """The marks of the group the cache's live holder keeps (read from its fdinfo), -1 if none."""
-    ident = handover.read_identity(cache_dir)
-    if ident is None:
+def process_marks(pid: int | None) -> int:
+    """The marks of the fanotify group process `pid` holds (read from its fdinfo), -1 if none."""
+    if pid is None:
         return -1
-    for fd in os.listdir(f"/proc/{ident[0]}/fd"):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{ident[0]}/fd/{fd}") == "anon_inode:[fanotify]":
-                with open(f"/proc/{ident[0]}/fdinfo/{fd}", "rb") as f:
-                    return abi.count_marks(f.read())
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[fanotify]":
+                    with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                        return abi.count_marks(f.read())
     return -1
+
+
+def holder_marks(cache_dir: Path) -> int:
+    """The marks of the group the cache's live holder keeps, -1 if none."""
+    ident = handover.read_identity(cache_dir)
+    return -1 if ident is None else process_marks(ident[0])
 
 
 class NotifySocket:
