@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 
-from layerstore.backends.base import Backend, ObjectInfo
+from layerstore.backends.base import Backend
 from layerstore.errors import LayerstoreError
+
+from .fuse_helpers import CountingBackend
 
 PIECE = 64 << 10  # bytes a transfer sends before the next transfer gets the link
 
@@ -42,24 +43,24 @@ class Link:
             time.sleep(max(0.0, until - time.monotonic()))
 
 
-class SlowBackend(Backend):
+class SlowBackend(CountingBackend):
+    """`CountingBackend`'s counts (`loads`, `chunk_loads`, `fail`) and pass-through writes, with
+    slow reads."""
+
     def __init__(self, inner: Backend, *, latency: float = 0.0, rate: float | None = None,
                  batching: bool = False) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.latency = latency
         self.link = Link(rate)
         self.batching = batching
         self.gate = threading.Event()
         self.gate.set()
         self.holds: dict[str, threading.Event] = {}
-        self.loads: Counter[str] = Counter()  # objects read, per key
         self.requests = 0  # store requests (a batch is one)
         self.batches: list[int] = []  # keys per batched request
         self.in_flight = 0
         self.peak = 0
         self.corrupt: set[str] = set()  # keys answered with flipped bytes
-        self._lock = threading.Lock()
 
     @property
     def reads_in_batches(self) -> bool:
@@ -72,6 +73,10 @@ class SlowBackend(Backend):
             self.peak = max(self.peak, self.in_flight)
             for k in keys:
                 self.loads[k] += 1
+            fail = self.fail
+        if fail is not None:
+            self._end()
+            raise fail
         self.gate.wait(30)
         for k in keys:
             if k in self.holds:
@@ -116,34 +121,3 @@ class SlowBackend(Backend):
                 yield key, value
         finally:
             self._end()
-
-    def chunk_loads(self) -> Counter[str]:
-        with self._lock:
-            return Counter({k: n for k, n in self.loads.items() if k.startswith("chunks/")})
-
-    def create(self) -> None:
-        self.inner.create()
-
-    def check(self) -> None:
-        self.inner.check()
-
-    def store_once(self, key: str, data: bytes | memoryview) -> bool:
-        return self.inner.store_once(key, data)
-
-    def replace(self, key: str, data: bytes) -> None:
-        self.inner.replace(key, data)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def list_info(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list_info(prefix)
