@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from testkit.fuse_helpers import running_lazy_cache
 from testkit.store_service import Service, start_service
 
-from fuse_client.nodecache import LazyCache, open_cache
+from fuse_client.nodecache import LazyCache
 from fuse_client.nodecache.fetcher import DEFAULT_BATCH
 from fuse_client.nodecache.lazy import fetch_batch_from_env
 from layerstore.backends.http import HttpBackend
@@ -68,14 +69,9 @@ async def requests_since(svc: Service, before: dict[str, float], batches: int) -
 
 @contextlib.asynccontextmanager
 async def lazy_over(svc: Service, cache_dir: Path, concurrency: int = 16) -> AsyncIterator[LazyCache]:
-    with contextlib.ExitStack() as stack:
-        store = stack.enter_context(Store(HttpBackend(svc.url)))
-        cache = open_cache(cache_dir, None, stack)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(cache.run)
-            yield LazyCache(cache, store, nursery=nursery, deadline=10.0, batch=16, concurrency=concurrency)
-            await cache.shutdown_flush()
-            nursery.cancel_scope.cancel()
+    with Store(HttpBackend(svc.url)) as store:
+        async with running_lazy_cache(store, cache_dir, deadline=10.0, batch=16, concurrency=concurrency) as lazy:
+            yield lazy
 
 
 def push(store_dir: Path, n: int, seed: int) -> tuple[ChunkMap, bytes]:

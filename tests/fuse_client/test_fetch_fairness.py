@@ -8,15 +8,15 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from testkit.fuse_helpers import running_lazy_cache
 from testkit.slow_store import SlowBackend
 
-from fuse_client.nodecache import LazyCache, open_cache
+from fuse_client.nodecache import LazyCache
 from fuse_client.nodecache.limiter import DEMAND, PREFETCH, PriorityLimiter
 from layerstore.backends.posix import PosixBackend
 from layerstore.chunkmap import ChunkMap
@@ -49,15 +49,8 @@ def blob(store: Store, n: int, seed: int) -> tuple[ChunkMap, bytes]:
     return put_blob(store, data), data
 
 
-@contextlib.asynccontextmanager
-async def lazy_cache(store: Store, cache_dir: Path, **kw: int) -> AsyncIterator[LazyCache]:
-    with contextlib.ExitStack() as stack:
-        cache = open_cache(cache_dir, None, stack)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(cache.run)
-            yield LazyCache(cache, store, nursery=nursery, deadline=20.0, **kw)  # type: ignore[arg-type]
-            await cache.shutdown_flush()
-            nursery.cancel_scope.cancel()
+def lazy_cache(store: Store, cache_dir: Path, **kw: int) -> contextlib.AbstractAsyncContextManager[LazyCache]:
+    return running_lazy_cache(store, cache_dir, deadline=20.0, **kw)
 
 
 def key_of(store: Store, cmap: ChunkMap, i: int) -> str:

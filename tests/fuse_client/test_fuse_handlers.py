@@ -15,12 +15,12 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import trio
-from testkit.fuse_helpers import CountingBackend
+from testkit.fuse_helpers import CountingBackend, running_lazy_cache
 from testkit.nodecache_formats import compressible
 
 import fuse_client.nodecache.reader as readermod
 from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
-from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder, open_cache
+from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder
 from fuse_client.nodecache.cachedir import recorded_format
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.limiter import PREFETCH
@@ -73,17 +73,9 @@ class Rig:
 @contextlib.asynccontextmanager
 async def rig(store: Store, cache_dir: Path, *, budget: Budget | None = None, deadline: float = 5.0,
               concurrency: int = 8, trace: TraceRecorder | None = None) -> AsyncIterator[Rig]:
-    with contextlib.ExitStack() as stack:
-        cache = open_cache(cache_dir, budget, stack)
-        stats = Stats()
-        async with trio.open_nursery() as nursery:
-            await nursery.start(cache.run)
-            lazy = LazyCache(cache, store, nursery=nursery, stats=stats, trace=trace, concurrency=concurrency,
-                             deadline=deadline)
-            fs = BlobFS(lazy)
-            yield Rig(fs, lazy)
-            await cache.shutdown_flush()
-            nursery.cancel_scope.cancel()
+    async with running_lazy_cache(store, cache_dir, budget=budget, stats=Stats(), trace=trace,
+                                  concurrency=concurrency, deadline=deadline) as lazy:
+        yield Rig(BlobFS(lazy), lazy)
 
 
 def fuse_errno(exc_info: pytest.ExceptionInfo[pyfuse3.FUSEError]) -> int:

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from erofs_builder.source_dir import dir_entries
 from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, request_json
 from fuse_client.daemon import Daemon, DaemonConfig
+from fuse_client.nodecache import Budget, LazyCache, open_cache
 from layerstore.backends.base import Backend, ObjectInfo
 from layerstore.store import Store
 
@@ -55,6 +56,21 @@ def build_and_push(store: Store, src: Path, out: Path) -> BuiltLayer:
     layer = build_image(src, out)
     push_layer(store, layer)
     return layer
+
+
+# -- the node cache in-process, without a kernel ------------------------------------------------
+@contextlib.asynccontextmanager
+async def running_lazy_cache(store: Store, cache_dir: Path, *, budget: Budget | None = None,
+                             **lazy_kw: Any) -> AsyncIterator[LazyCache]:
+    """The node cache at `cache_dir` open and running (its background tasks in a nursery), filled
+    from `store` by a `LazyCache(**lazy_kw)`; its last batch committed and its tasks ended after."""
+    with contextlib.ExitStack() as stack:
+        cache = open_cache(cache_dir, budget, stack)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            yield LazyCache(cache, store, nursery=nursery, **lazy_kw)
+            await cache.shutdown_flush()
+            nursery.cancel_scope.cancel()
 
 
 # -- a backend wrapper that counts and can fail ----------------------------------------------------
