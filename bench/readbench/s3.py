@@ -29,19 +29,27 @@ def cold_s3_read(url: str, env: dict[str, str], blob: str, work: Path, ceph_pids
     try:
         with daemon(url, cache, work / "mnt-fuse-s3", work / "daemon.log", env) as d, \
                 erofs_mount(d.blob(blob), work) as m:
-            drop_caches()
-            meter = CpuMeter(ceph_pids, d.pid)
-            c0, m0 = d.counters(blob), meter.sample()
-            l0 = link.counters() if link is not None else None
-            secs, nbytes = timed(seq_read, m)
-            c1, m1 = d.counters(blob), meter.sample()
-            l1 = link.counters() if link is not None else None
+            return measured_cold_read(d, blob, m, ceph_pids, link, "fuse_cold_s3_MBps", "")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    out = {"fuse_cold_s3_MBps": nbytes / secs / 1e6, "fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6,
-           "cold_cpu_s_per_GB": CpuMeter.per_gb(m0, m1, nbytes)}
+
+
+def measured_cold_read(d: Any, blob: str, mnt: Path, ceph_pids: dict[str, int], link: Any, speed_key: str,
+                       prefix: str) -> dict[str, Any]:
+    """The sequential read of the image mounted at `mnt` with the page cache dropped: its rate
+    (`speed_key`), the daemon's fetch rate, the CPU per GB of the daemon and the store, and the
+    bytes the `link` carried (`prefix` before the other keys)."""
+    drop_caches()
+    meter = CpuMeter(ceph_pids, d.pid)
+    c0, m0 = d.counters(blob), meter.sample()
+    l0 = link.counters() if link is not None else None
+    secs, nbytes = timed(seq_read, mnt)
+    c1, m1 = d.counters(blob), meter.sample()
+    l1 = link.counters() if link is not None else None
+    out = {speed_key: nbytes / secs / 1e6, f"{prefix}fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6,
+           f"{prefix}cold_cpu_s_per_GB": CpuMeter.per_gb(m0, m1, nbytes)}
     if l0 is not None and l1 is not None:
-        out["cold_link_MB"] = (l1.rx_bytes - l0.rx_bytes) / 1e6
+        out[f"{prefix}cold_link_MB"] = (l1.rx_bytes - l0.rx_bytes) / 1e6
     return out
 
 
@@ -62,23 +70,11 @@ def cold_s3_read_fanotify(url: str, env: dict[str, str], blob: str, work: Path, 
                 raise RuntimeError("the daemon does not serve the fanotify data path here")
             try:
                 with erofs_mount(Path(got["path"]), work) as m:
-                    drop_caches()
-                    meter = CpuMeter(ceph_pids, d.pid)
-                    c0, m0 = d.counters(blob), meter.sample()
-                    l0 = link.counters() if link is not None else None
-                    secs, nbytes = timed(seq_read, m)
-                    c1, m1 = d.counters(blob), meter.sample()
-                    l1 = link.counters() if link is not None else None
+                    return measured_cold_read(d, blob, m, ceph_pids, link, "fanotify_cold_s3_MBps", "fanotify_")
             finally:
                 detach(cache, blob, "bench-read-s3")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    out = {"fanotify_cold_s3_MBps": nbytes / secs / 1e6,
-           "fanotify_fetched_MBps": (c1["fetched"] - c0["fetched"]) / secs / 1e6,
-           "fanotify_cold_cpu_s_per_GB": CpuMeter.per_gb(m0, m1, nbytes)}
-    if l0 is not None and l1 is not None:
-        out["fanotify_cold_link_MB"] = (l1.rx_bytes - l0.rx_bytes) / 1e6
-    return out
 
 
 def s3_rounds(label: str, url: str, env: dict[str, str], layer: Any, ceph_pids: dict[str, int], reps: int,
