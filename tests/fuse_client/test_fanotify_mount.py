@@ -22,13 +22,12 @@ from testkit.fanotify_helpers import (
     start_daemon,
     stop_holder,
 )
-from testkit.fuse_helpers import CountingBackend, build_and_push, make_tree
+from testkit.fuse_helpers import CountingBackend, make_tree
 
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import request_json
 from fuse_client.fanotify import handover
 from layerstore import keys
-from layerstore.store import Store
 
 pytestmark = pytest.mark.root
 
@@ -36,11 +35,6 @@ pytestmark = pytest.mark.root
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "src", small=60, big=(3 << 20,))
-
-
-@pytest.fixture
-def layer(store: Store, src: Path, tmp_path: Path) -> BuiltLayer:
-    return build_and_push(store, src, tmp_path / "image.erofs")
 
 
 def _unique_bytes(layer: BuiltLayer) -> int:

@@ -25,7 +25,7 @@ from testkit.fanotify_helpers import (
     start_daemon_from_fd_store,
     stop_holder,
 )
-from testkit.fuse_helpers import CountingBackend, DaemonProcess, build_and_push, force_unmount, make_tree, wait_until
+from testkit.fuse_helpers import CountingBackend, DaemonProcess, force_unmount, make_tree, wait_until
 
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import attach, detach, request_json
@@ -33,7 +33,6 @@ from fuse_client.fanotify import handover
 from fuse_client.linux import mount_erofs, umount
 from fuse_client.nodecache.files import BlobFiles
 from layerstore.errors import LayerstoreError
-from layerstore.store import Store
 
 pytestmark = [pytest.mark.root, needs_fanotify]
 
@@ -41,11 +40,6 @@ pytestmark = [pytest.mark.root, needs_fanotify]
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "src", small=30, big=(3 << 20,))
-
-
-@pytest.fixture
-def layer(store: Store, src: Path, tmp_path: Path) -> BuiltLayer:
-    return build_and_push(store, src, tmp_path / "image.erofs")
 
 
 def _record(state):  # type: ignore[no-untyped-def]

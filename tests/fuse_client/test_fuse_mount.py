@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tree
-from testkit.fuse_helpers import CountingBackend, DaemonThread, build_and_push, make_tree, read_errno, wait_until
+from testkit.fuse_helpers import CountingBackend, DaemonThread, make_tree, read_errno, wait_until
 
 from erofs_builder.build import BuiltLayer
 from fuse_client import linux
@@ -29,11 +29,6 @@ pytestmark = pytest.mark.root
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "src", small=60, big=(5 << 20, 3 << 20 | 12345))
-
-
-@pytest.fixture
-def layer(store: Store, src: Path, tmp_path: Path) -> BuiltLayer:
-    return build_and_push(store, src, tmp_path / "image.erofs")
 
 
 def test_erofs_on_fuse_equals_source(store: Store, src: Path, layer: BuiltLayer, tmp_path: Path) -> None:
