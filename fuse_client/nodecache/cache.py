@@ -80,7 +80,6 @@ class NodeCache:
         self.root = Path(root)
         # How chunks are stored (`frames`): fixed for the directory's life (`cachedir`).
         self.format = cache_format
-        self.compressed = cache_format == frames.ZSTD
         # Decompressed chunks of a zstd cache (trio thread only); None in a plain cache.
         self.lru: frames.ChunkLRU | None = frames.ChunkLRU(lru_bytes) if self.compressed else None
         self.files = files
@@ -143,6 +142,11 @@ class NodeCache:
         self.entries[cmap.blob] = entry
         self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
         return entry
+
+    @property
+    def compressed(self) -> bool:
+        """A zstd cache (chunks kept as their store frames)."""
+        return self.format == frames.ZSTD
 
     def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
         entry = BlobEntry(cmap, fd, compressed=self.compressed)
