@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from layerstore.backends.posix import PosixBackend
 from layerstore.errors import LayerstoreError
 from layerstore.store import Store
 
@@ -70,11 +70,11 @@ class CachingResolver:
         self._check_lock = threading.Lock()
         self._checked = False
         self.hits = self.misses = 0
-        self._tags = LocalTags(store) if isinstance(store.backend, PosixBackend) else None
+        self._tags = TagVersions(store)
 
     def __call__(self, ref: str) -> EnvSpec:
         self.check()
-        digest = self._tags.get(ref) if self._tags is not None else None
+        digest = self._tags.get(ref)
         if digest is None:
             from manifest.environment import resolve_ref
 
@@ -108,43 +108,42 @@ class CachingResolver:
         self.store.close()
 
 
-class LocalTags:
-    """Tags of a store on a local (or distributed POSIX) file system, read once and then checked
-    with one stat(2) per resolution: a tag is rewritten by a temporary file and a rename (a new
-    inode) and any rewrite changes its ctime, so a tag moved by any process on any host sharing
-    the store is seen by the next resolution after the move. A stat costs a fraction of the
-    open, fstat, read and close (and the parsing) of a read. Thread-safe (one dict operation
-    per call)."""
+class TagVersions:
+    """Tags read once and then checked by their object's version (`Backend.version`: one stat(2)
+    on a local or distributed POSIX store): a tag moved by any process on any host sharing the
+    store is seen by the next resolution after the move. A backend without versions answers None
+    and the caller reads the tag. Thread-safe (one dict operation per call)."""
 
     def __init__(self, store: Store, capacity: int = 1024) -> None:
         self.store = store
-        self.root = store.backend.root  # type: ignore[attr-defined]
         self.capacity = capacity
-        self._seen: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}
+        self._seen: dict[str, tuple[Hashable, str]] = {}
 
     def get(self, ref: str) -> str | None:
-        """The manifest digest `ref` (NAME:TAG) names now, None for a digest reference or an
-        unreadable tag (the caller reads it then, and gets the store's error)."""
+        """The manifest digest `ref` (NAME:TAG) names now, None for a digest reference, an
+        unreadable tag or a backend without versions (the caller reads it then, and gets the
+        store's error)."""
         from layerstore import keys
         from manifest.environment import is_digest_ref
 
         if is_digest_ref(ref):
             return None
         try:
-            path = os.path.join(self.root, keys.tag_key(ref))
-            st = os.stat(path, follow_symlinks=False)
-        except (OSError, ValueError, LayerstoreError):
+            key = keys.tag_key(ref)
+        except (ValueError, LayerstoreError):
             return None
-        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        backend = self.store.backend
+        sig = backend.version(key)
+        if sig is None:
+            return None
         seen = self._seen.get(ref)
         if seen is not None and seen[0] == sig:
             return seen[1]
         try:
             digest = self.store.get_tag(ref)
-            after = os.stat(path, follow_symlinks=False)
-        except (OSError, LayerstoreError):
+        except LayerstoreError:
             return None
-        if (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns, after.st_ctime_ns) != sig:
+        if backend.version(key) != sig:
             return digest  # moved while it was read: this answer is not remembered
         if len(self._seen) >= self.capacity:
             self._seen.clear()

@@ -30,6 +30,9 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
   (`If-Match: <etag>`, `If-None-Match: *`); HTTP the service's `If-Match` on top of its
   backend's `replace_if`. Plain `replace` does not take part: last write wins.
 - Missing objects raise `NotFound`; transient failures raise `StoreUnavailable`.
+- `version(key)`: a token cheaper than the object that changes whenever it is written again
+  (POSIX: the file's identity and times), or None (no such thing here, or no object): lets a
+  caller keep what it read (the shim's tags) and check it with one cheap call.
 - `is_temp_failure(e)`: whether a failure may pass if the request is made again. Only the
   backend knows its own exceptions; when and how often to retry is decided in one place for
   every caller (`layerstore.retry.RetryPolicy`).
@@ -38,7 +41,7 @@ compression and verification wrap it (see `layerstore.store`). Semantics every b
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, LayerstoreError, NotFound
@@ -125,6 +128,12 @@ class Backend(ABC):
         """Replace `key` with `data` if it holds exactly `expected` (None: if it does not exist);
         True if this call replaced it. Backends that cannot do it atomically refuse."""
         raise ConfigError(f"{type(self).__name__} has no compare-and-swap")
+
+    def version(self, key: str) -> Hashable | None:
+        """A token, cheaper to get than the object, that changes whenever the object at `key` is
+        written again; None where the backend has none or the object is not there (callers that
+        keep what they read, e.g. a tag, then read it again)."""
+        return None
 
     def is_temp_failure(self, e: BaseException) -> bool:
         """May `e` (raised by this backend) pass if the request is made again?"""

@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import ConfigError, CorruptObject, NotFound, PermissionDenied, StoreUnavailable
@@ -238,6 +238,15 @@ class PosixBackend(Backend):
             raise _translate(e, f"object {key}") from None
         _check_regular(st, key)
         return st.st_size
+
+    def version(self, key: str) -> Hashable | None:
+        """The object file's identity and times: a write is a new file renamed into place (a new
+        inode), and any change moves its ctime, on every host sharing the directory."""
+        try:
+            st = os.stat(self._path(key), follow_symlinks=False)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def delete(self, key: str) -> None:
         path = self._path(key)

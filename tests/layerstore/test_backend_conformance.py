@@ -190,6 +190,20 @@ class TestBackend:
         assert "manyother/x" in set(backend.list("many"))
         assert list(backend.list("nothing/")) == []
 
+    def test_version_changes_when_an_object_is_written_again(self, backend: Backend) -> None:
+        """Where a backend has versions (`Backend.version`), a rewrite changes it; none for a
+        missing object; a backend without them answers None throughout."""
+        assert backend.version("ver/absent") is None
+        backend.replace("ver/t", b"one")
+        v1 = backend.version("ver/t")
+        if v1 is None:
+            return  # (no versions here: callers read the object)
+        assert backend.version("ver/t") == v1
+        backend.replace("ver/t", b"two")
+        assert backend.version("ver/t") != v1
+        backend.delete("ver/t")
+        assert backend.version("ver/t") is None
+
     def test_list_info(self, backend: Backend) -> None:
         import time
 

@@ -1,7 +1,7 @@
 """The long-lived shim's resolver reads a tag once and then checks it with one stat(2) per
-resolution (`environment.LocalTags`): a tag moved by another process (another store client,
-another host on a shared store) is seen by the very next resolution; a deleted tag is an error
-again; a digest reference never looks at tags."""
+resolution (`environment.TagVersions`, on the POSIX backend's `version`): a tag moved by another
+process (another store client, another host on a shared store) is seen by the very next
+resolution; a deleted tag is an error again; a digest reference never looks at tags."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from layerstore import keys
 from layerstore.errors import NotFound
 from layerstore.store import Store
 from manifest.environment import build_manifest, create_environment
@@ -39,6 +40,7 @@ def test_a_tag_moved_by_another_process_is_seen_by_the_next_resolution(store: St
     try:
         assert resolver("a:1").manifest == first
         assert resolver("a:1").manifest == first  # (from the stat: same inode, size, times)
+        assert store.backend.version(keys.tag_key("a:1")) is not None  # a POSIX store has versions
         subprocess.run([sys.executable, "-c", MOVE, store.url, "a:1", second], check=True)
         moved = resolver("a:1")
         assert moved.manifest == second and moved.ref == "a:1"
