@@ -18,11 +18,14 @@ lint: deps
 
 # Every benchmark in bench/, at SIZE=quick (default; the whole run stays under ~10 minutes) or SIZE=full.
 SIZE ?= quick
+# A failing bench does not stop the others; the run then ends with the list of failures and exits 1.
 bench: deps
-	@set -e; t0=$$(date +%s); for b in bench/*.py; do t=$$(date +%s); echo "== $$b (SIZE=$(SIZE))"; \
-		BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); \
-		echo "== $$b: $$(( $$(date +%s) - t )) s, load $$(cut -d' ' -f1 /proc/loadavg)"; done; \
-		echo "== make bench SIZE=$(SIZE): $$(( $$(date +%s) - t0 )) s"
+	@t0=$$(date +%s); failed=""; times=""; for b in bench/*.py; do t=$$(date +%s); echo "== $$b (SIZE=$(SIZE))"; \
+		if BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); then s=ok; else s="FAILED (exit $$?)"; failed="$$failed $$b"; fi; \
+		line="$$b: $$s, $$(( $$(date +%s) - t )) s, load $$(cut -d' ' -f1 /proc/loadavg)"; echo "== $$line"; \
+		times="$$times\n   $$line"; done; \
+		printf '%b\n' "== make bench SIZE=$(SIZE): $$(( $$(date +%s) - t0 )) s, load $$(cut -d' ' -f1-3 /proc/loadavg)$$times"; \
+		if [ -n "$$failed" ]; then echo "== make bench: FAILED:$$failed (their output is above)" >&2; exit 1; fi
 
 deps: system-deps $(STAMP)
 	@$(VPY) -m snapshotter.protoc  # containerd API stubs into snapshotter/api (git-ignored), when stale
