@@ -11,10 +11,13 @@ After kill -9 none of this runs: the mount is dead (ENOTCONN) and the next daemo
 unmounts it before mounting again; the cache needs no repair beyond what `recovery.recover` does
 at every start; the node lease expires on its own.
 
-Data path (docs/fanotify.md): `fuse` unless asked otherwise: `LAYERSTORE_DATA_PATH=fanotify` (refused
-where the kernel lacks pre-content events) or `auto` (fanotify when the kernel has them, probed at
-start). fanotify is opt-in until the gaps docs/fanotify.md lists under "Open" are closed (a window
-where a hole could read as zeros must not exist on a default node). On the fanotify path the daemon
+Data path (docs/fanotify.md, "Which data path"): `LAYERSTORE_DATA_PATH=auto` (the default) takes
+fanotify only where it is sound whatever dies: the kernel gives pre-content events *and* a service
+manager keeps a copy of the group (systemd's fd store: `$FDSTORE` > 0 beside `$NOTIFY_SOCKET`), so
+that no kill of our processes can leave holes readable as zeros; FUSE everywhere else (it fails
+closed: a dead daemon is ENOTCONN). `fanotify` asks for it regardless (refused where the kernel
+lacks the events; without an fd store the every-process-killed window applies), `fuse` for FUSE.
+The choice and its reason are in `/stats` (`data_path`, `data_path_reason`). On the fanotify path the daemon
 also serves FUSE (health checks, complete-blob pins), takes the fanotify group from its holder
 (or makes one and a holder), marks the attached blobs again *before* the cache is opened, and
 answers what a killed predecessor left before it serves new events.
@@ -30,6 +33,7 @@ import os
 import resource
 import signal
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,7 @@ from layerstore.errors import ConfigError, LayerstoreError
 
 from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
+from .fanotify import fdstore
 from .fanotify import group as fan_group
 from .fanotify import kernel as fan_kernel
 from .fanotify.frontend import FanotifyFrontEnd, load_attachments
@@ -70,37 +75,63 @@ log = logging.getLogger("layerstore.fuse.daemon")
 
 TRACE_INTERVAL = 5.0
 DATA_PATH_ENV = "LAYERSTORE_DATA_PATH"
-DEFAULT_DATA_PATH = "fuse"  # fanotify is opt-in for now (module docstring)
+DEFAULT_DATA_PATH = "auto"  # fanotify only where the group survives every process of ours (module doc)
 HOLDER_CHECK = 1.0  # seconds between checks that the fanotify holder lives
 
 
 def choose_data_path(where: Path, wanted: str | None = None, fmt: str = "plain") -> str:
-    """"fanotify" or "fuse": `wanted`, else $LAYERSTORE_DATA_PATH, else "fuse" ("auto": fanotify when
-    the kernel gives pre-content events on files in `where`). A cache of format `fmt` other than
-    plain is always FUSE: the kernel would read its compressed data files as the image."""
+    """"fanotify" or "fuse" (`data_path_choice` without its reason)."""
     return data_path_choice(where, wanted, fmt)[0]
 
 
-def data_path_choice(where: Path, wanted: str | None = None, fmt: str = "plain") -> tuple[str, str]:
-    """`choose_data_path` and why (reported by /stats as `data_path_reason`)."""
-    asked = wanted or os.environ.get(DATA_PATH_ENV)
+def group_keeper(env: Mapping[str, str]) -> str | None:
+    """Who keeps a copy of the fanotify group when every process of ours is killed, from the
+    environment the service manager gave us; None when nobody does. systemd (>= 254) sets
+    `$FDSTORE` to the unit's FileDescriptorStoreMax= and `$NOTIFY_SOCKET` where it accepts
+    FDSTORE=1 messages (fuse_client/contrib/layerstore-daemon.service sets both up)."""
+    try:
+        slots = int(env.get("FDSTORE", "0"))
+    except ValueError:
+        slots = 0
+    if slots > 0 and fdstore.notify_address(env.get("NOTIFY_SOCKET", "")) is not None:
+        return f"the service manager's fd store ({slots} slots)"
+    return None
+
+
+def data_path_choice(where: Path, wanted: str | None = None, fmt: str = "plain",
+                     env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """"fanotify" or "fuse", and why (reported by /stats as `data_path_reason`): `wanted`, else
+    $LAYERSTORE_DATA_PATH, else auto (module doc). A cache of format `fmt` other than plain is
+    always FUSE: the kernel would read its compressed data files as the image. "auto" takes
+    fanotify only with a keeper of the group (`group_keeper`) and pre-content events on files in
+    `where` (probed)."""
+    env = os.environ if env is None else env
+    asked = wanted or env.get(DATA_PATH_ENV)
     want = (asked or DEFAULT_DATA_PATH).strip().lower()
     if want not in ("auto", "fanotify", "fuse"):
         raise ConfigError(f"{DATA_PATH_ENV}={want!r}: expected auto, fanotify or fuse")
-    if want != "fuse" and fmt != "plain":
+    said = f"{want} asked for" if asked else f"auto (the default: {DATA_PATH_ENV} unset)"
+    if want == "fuse":
+        return "fuse", said
+    if fmt != "plain":
         log.warning("data path: FUSE, not fanotify: the node cache %s keeps chunks compressed (format %s), and "
                     "the fanotify path mounts its data files as plain images", where, fmt)
-        return "fuse", (f"{want} asked for, but the node cache keeps chunks compressed (format {fmt}): "
+        return "fuse", (f"{said}, but the node cache keeps chunks compressed (format {fmt}): "
                         "the fanotify path mounts its data files as plain images")
-    if want == "fuse":
-        return "fuse", "fuse asked for" if asked else f"the default ({DATA_PATH_ENV} unset)"
+    keeper = group_keeper(env)
+    if want == "auto" and keeper is None:
+        return "fuse", (f"{said}; no service manager keeps the fanotify group (no $FDSTORE and $NOTIFY_SOCKET), "
+                        "so a kill of every process of ours could leave holes readable as zeros: FUSE")
     why = fan_kernel.probe(where)
     if why is None:
-        return "fanotify", f"{want} asked for; the kernel gives pre-content events"
+        if keeper is None:
+            log.warning("data path: fanotify asked for without a keeper of the group: if every process of ours "
+                        "is killed at once, holes of attached blobs read as zeros until a daemon starts again")
+        return "fanotify", f"{said}; the kernel gives pre-content events; the group is kept by {keeper or 'nobody'}"
     if want == "fanotify":
         raise ConfigError(f"the fanotify data path is not available here: {why}")
     log.info("fanotify pre-content events not available (%s): FUSE data path", why)
-    return "fuse", f"auto asked for; fanotify pre-content events not available: {why}"
+    return "fuse", f"{said}; fanotify pre-content events not available: {why}"
 
 
 @dataclass
@@ -118,7 +149,7 @@ class DaemonConfig:
     kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
     allow_other: bool = True
     control_group: str | None = None  # a group whose members may use the control socket (else root only)
-    data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else fuse
+    data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else auto
     cache_format: str | None = None  # of a new cache: "plain" | "zstd"; None: $LAYERSTORE_CACHE_FORMAT, else plain
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
 

@@ -6,6 +6,11 @@ never mistaken for it; it is healthy when its FUSE mountpoint answers (after kil
 fails with ENOTCONN). It runs in its own session with its output in NODE/daemon.log, so it
 outlives the `layerctl` that started it. Only the recorded pid is ever signalled.
 
+The daemon gets the shim's environment without the service manager's variables (`$NOTIFY_SOCKET`,
+`$FDSTORE`, `$LISTEN_*`): those name the shim's own unit, which does not keep the daemon's
+fanotify group across the daemon's restarts, so with the default data path (`auto`) a daemon the
+shim starts serves FUSE. A daemon run as its own unit (fuse_client/contrib) has them.
+
 On the fanotify data path (LAYERSTORE_DATA_PATH=fanotify|auto in the shim's environment) a small
 **watch** process (`python -m runtime_shim.daemon watch NODE_DIR`, NODE/watch.pid) waits on
 pidfds of the daemon and of the fanotify holder between shim calls (docs/fanotify.md, "Every
@@ -28,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,7 +198,7 @@ class DaemonSupervisor:
         log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             os.write(log_fd, f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(argv)}\n".encode())
-            pid = os.posix_spawn(argv[0], argv, os.environ, setsid=True, file_actions=[
+            pid = os.posix_spawn(argv[0], argv, daemon_environment(os.environ), setsid=True, file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, log_fd, 1),
                 (os.POSIX_SPAWN_DUP2, log_fd, 2),
@@ -268,6 +273,16 @@ def _pidfd(pid: int, start: int | None) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+SERVICE_MANAGER_ENV = ("NOTIFY_SOCKET", "FDSTORE", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID", "WATCHDOG_PID",
+                       "WATCHDOG_USEC")
+
+
+def daemon_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a daemon the shim starts: the shim's, less its service manager's
+    variables (module doc)."""
+    return {k: v for k, v in env.items() if k not in SERVICE_MANAGER_ENV}
 
 
 def _data_path(paths: NodePaths) -> str | None:
