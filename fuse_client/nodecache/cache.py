@@ -465,8 +465,8 @@ class NodeCache:
             await self.flush()
 
     def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        for blob in {op.blob for op in ops if isinstance(op, ci.PutChunk)}:
-            self.files.sync(blob)  # the bytes are durable before the record that vouches for them
+        # the bytes are durable before the record that vouches for them (one journal commit for all)
+        self.files.sync_all({op.blob for op in ops if isinstance(op, ci.PutChunk)})
         self.index.apply(ops)
         for blob, ranges in punches:  # the records are gone before the bytes are
             self.files.punch(blob, ranges)
