@@ -14,7 +14,10 @@
 
 Rounds interleave the formats (order rotated); figures are medians of the rounds.
 
-    python bench/cache_formats.py [--mib N] [--rounds N] [--out FILE]
+    python bench/cache_formats.py [--size quick|full] [--mib N] [--rounds N] [--out FILE]
+
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full: a 32 MiB blob, 5 rounds
+(bench/results/cache_formats.json); quick: 16 MiB, 3 rounds (bench/results/cache_formats-quick.json).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from layerstore.store import Store  # noqa: E402
 
 BLOCKS = (4096, 128 << 10, 1 << 20)
 VARIANTS = (("plain", None), ("zstd", None), ("zstd_no_lru", 0))
+SIZES = {"quick": {"mib": 16, "rounds": 3}, "full": {"mib": 32, "rounds": 5}}
 
 
 def source_bytes(mib: int) -> bytes:
@@ -117,10 +121,18 @@ def hits(store: Store, blob: str, cache_dir: Path, lru: int | None) -> dict[str,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "cache_formats.json")
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE") or "full")
+    ap.add_argument("--mib", type=int, default=None, help="blob size (default: the size's)")
+    ap.add_argument("--rounds", type=int, default=None, help="(default: the size's)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/cache_formats.json (full) or cache_formats-<size>.json")
     args = ap.parse_args()
+    args.mib = args.mib or SIZES[args.size]["mib"]
+    args.rounds = args.rounds or SIZES[args.size]["rounds"]
+    if args.mib < 1 or args.rounds < 1:
+        ap.error("--mib and --rounds must be at least 1")
+    args.out = args.out or REPO / "bench" / "results" / (
+        "cache_formats.json" if args.size == "full" else f"cache_formats-{args.size}.json")
     with tempfile.TemporaryDirectory(prefix="cache-formats-") as tmp:
         work = Path(tmp)
         backend = PosixBackend(work / "store", fsync=False)
@@ -144,7 +156,8 @@ def main() -> int:
                                                            for b in BLOCKS), flush=True)
     med = {name: {str(b): statistics.median(x[str(b)] for x in rs) for b in BLOCKS} for name, rs in rounds.items()}
     result = {
-        "benchmark": "cache_formats", "blob_bytes": size, "chunks": res.chunks, "stored_object_bytes": fetched,
+        "benchmark": "cache_formats", "size": args.size, "blob_bytes": size, "chunks": res.chunks,
+        "stored_object_bytes": fetched,
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "loadavg_1min": loads},
         "disk": {fmt: {**d, "data_per_mb_fetched": round(d["data_file_bytes"] / fetched, 3),
                        "written_per_mb_fetched": round(d["written_bytes"] / fetched, 3)} for fmt, d in disk.items()},

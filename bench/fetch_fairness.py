@@ -28,8 +28,10 @@ here, ~2 s), plus the daemon reading S3 directly (the issue's peer for "over htt
 The prefetch is sized to outlast the readers (every read is made while it runs; the results say
 how many reads ended before it did: `during_prefetch`).
 
-quick (the default, or $BENCH_SIZE): fairness with a 256 MiB prefetch, 4 readers x 10 reads, 2
-rounds; batching with a 128 MiB layer, 2 rounds. full: 512 MiB, 8 x 16, 3 rounds; 128 MiB, 3.
+quick (the default, or $BENCH_SIZE): fairness with a 256 MiB prefetch, 4 readers x 10 reads, one
+round (every contender once, fresh cache each: still the three side by side); batching with a 64
+MiB layer, one round. full: 512 MiB, 8 x 16, 3 rounds; 128 MiB, 3 rounds. (Until issue 19's
+benchmark-time work quick ran 2 rounds and 128 MiB: bench/results/fetch_fairness.json is such a run.)
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from layerstore.store import Store  # noqa: E402
 MiB = 1 << 20
 CHUNK = MiB
 DEFAULT_OUT = ROOT / "bench" / "results" / "fetch_fairness.json"
-SIZES = {"quick": {"big_mib": 256, "readers": 4, "reads": 10, "rounds": 2, "batch_mib": 128},
+SIZES = {"quick": {"big_mib": 256, "readers": 4, "reads": 10, "rounds": 1, "batch_mib": 64},
          "full": {"big_mib": 512, "readers": 8, "reads": 16, "rounds": 3, "batch_mib": 128}}
 CONTENDERS = {"fifo": {"priorities": False}, "priority": {"background_busy": 10**6}, "fair": {}}
 
@@ -343,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in SIZES[args.size].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if bad := [k for k in SIZES[args.size] if getattr(args, k) < 1]:
+        ap.error(", ".join(f"--{k.replace('_', '-')}" for k in bad) + ": must be at least 1")
+    if not (args.rate_mbit > 0 and args.latency_ms >= 0) or any(b < 1 for b in args.batch_sizes):
+        ap.error("--rate-mbit must be > 0, --latency-ms >= 0, every --batch-sizes at least 1")
     parts = set(args.parts.split(","))
+    if unknown := parts - {"fairness", "batching", "batching-s3"}:
+        ap.error(f"--parts: unknown {', '.join(sorted(unknown))} (fairness, batching, batching-s3)")
     out: dict[str, Any] = {"bench": "fetch_fairness", "size": args.size, "git": git_commit(),
                            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            "cpus": os.cpu_count(), "load_at_start": round(os.getloadavg()[0], 1)}

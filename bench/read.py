@@ -52,7 +52,7 @@ fetch concurrency), both measured in every round, and the same cold read on the 
 against the FUSE path's); first over loopback (RGW, the OSD and the
 daemon share the 2 CPUs, no network limit), then over a shaped link, as a store is reached on a
 real node: RGW in a network namespace behind a veth pair with a tbf rate limit
-(bench/burst/netlink.py, bench/burst/cephstore.py), at each rate of `--s3-rates` (default 1 and
+(bench/burst/netlink.py, bench/burst/cephstore.py), at each rate of `--s3-rates` (quick: 1, full: 1 and
 4 Gbit/s). Every pair records the CPU seconds per GB of the client, the daemon, Ceph and the
 machine, and (shaped) the bytes that crossed the link.
 
@@ -63,9 +63,11 @@ see loadavg). The code is in bench/readbench/ (one module per concern; see its _
     python bench/read.py [--size quick|full] [--reps N] [--s3 | --no-s3] [--s3-rates MBIT,...] [--out FILE]
                          [--contenders a,b] [--workloads a,b]
 
-`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full. quick: 256 MiB of large
-files, 3 rounds, S3 with 128 MiB (about 3 minutes; results in bench/results/read-quick.json);
-full: 1 GiB, 7 rounds, S3 with 512 MiB (about 10 minutes; bench/results/read.json).
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full. quick: 128 MiB of large
+files, 2 rounds, S3 with 64 MiB over loopback and 1 Gbit/s (about 1.5 minutes; results in
+bench/results/read-quick.json; 256 MiB, 3 rounds and both links took 4.6 minutes at load 6-13);
+full: 1 GiB, 7 rounds, S3 with 512 MiB over loopback, 1 and 4 Gbit/s (about 10 minutes;
+bench/results/read.json).
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--s3-mib", type=int, default=None)
     ap.add_argument("--s3", action=argparse.BooleanOptionalAction, default=True,
                     help="also: cold reads from S3 on a local Ceph RGW (default on)")
-    ap.add_argument("--s3-rates", default="1000,4000", metavar="MBIT,...",
-                    help="shaped-link rates (Mbit/s) for the S3 pair, besides loopback; empty: loopback only")
+    ap.add_argument("--s3-rates", default=None, metavar="MBIT,...",
+                    help="shaped-link rates (Mbit/s) for the S3 pair, besides loopback; empty: loopback only "
+                         "(default: the size's)")
     ap.add_argument("--contenders", default=",".join(spec.CONTENDERS),
                     help="comma-separated subset of " + ",".join(spec.CONTENDERS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
@@ -113,7 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.out is None:
         args.out = spec.default_out(args.size)
-    args.s3_rates = [float(r) for r in args.s3_rates.split(",") if r]
+    try:
+        args.s3_rates = [float(r) for r in args.s3_rates.split(",") if r.strip()]
+    except ValueError:
+        ap.error(f"--s3-rates: {args.s3_rates!r} is not a comma-separated list of numbers (Mbit/s)")
+    if bad := [r for r in args.s3_rates if not 1 <= r <= 100_000]:
+        ap.error(f"--s3-rates: {', '.join(f'{r:g}' for r in bad)}: each rate must be 1-100000 Mbit/s")
+    if bad := [n for n in ("big_mib", "reps", "s3_mib") if getattr(args, n) < 1]:
+        ap.error(", ".join(f"--{n.replace('_', '-')}" for n in bad) + ": must be at least 1")
     args.contenders = [c for c in args.contenders.split(",") if c]
     args.workloads = [w for w in args.workloads.split(",") if w]
     if unknown := (set(args.contenders) - set(spec.CONTENDERS)) | (set(args.workloads) - set(WORKLOADS)):

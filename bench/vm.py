@@ -19,7 +19,15 @@ backends  time from asking for a sandbox to the first byte of its command's outp
 Under TCG (this node kind: /dev/kvm boots no guest) every guest instruction is translated:
 what KVM would change is said in the results' `kvm_note`.
 
-    python bench/vm.py [--part flatten|backends|all] [--rounds N] [--out bench/results/vm.json]
+    python bench/vm.py [--size quick|full] [--part flatten|backends|all] [--rounds N] [--counts 1,8]
+                       [--caches cold,warm] [--backends runc,microvm,vm] [--out FILE]
+
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full: 3 rounds (creation and two
+boots of each root device), 1 and 8 sandboxes at once, cold and warm (bench/results/vm.json; tens
+of minutes under TCG). quick: one round and one sandbox at a time, cold and warm, every backend
+(bench/results/vm-quick.json): still the container against the microVM against the VM, and the
+multi-device root against the flattened one, in the same run, but every VM boot here is ~10
+CPU-seconds of TCG, so even quick is one of the longest benches (~6 boots).
 
 Needs root, qemu-system-x86, the guest kit (.ci/install.d/guest-kit.sh), runc, mmdebstrap (or the
 Debian tar the Debian tests cache), busybox-static.
@@ -46,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.burst import inputs  # noqa: E402
 from erofs_builder.flatten import build_flattened, build_multidevice  # noqa: E402
 from runtime_shim.backends.base import Confinement  # noqa: E402
 from runtime_shim.vm.kit import find_kit  # noqa: E402
@@ -56,8 +65,8 @@ from runtime_shim.vm.spec import Drive, Stream, VmSpec  # noqa: E402
 LAYERCTL = str(Path(sys.executable).parent / "layerctl")
 GUEST_MIB = 256  # guest RAM of both VM backends (and the containers' memory limit): the same for all
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "layerstore"
-DEBIAN_TAR = CACHE / "tests" / "debian-bookworm-minbase.tar"
 CONFINEMENT = Confinement(memory=GUEST_MIB << 20, cpus=1)
+SIZES: dict[str, dict[str, Any]] = {"quick": {"rounds": 1, "counts": "1"}, "full": {"rounds": 3, "counts": "1,8"}}
 KVM_NOTE = ("Under KVM the guest runs natively: the VM and microVM times to first output drop from tens of "
             "seconds of TCG translation on this shared 2-core machine (the workload CPU seconds, ~9-10 s of QEMU "
             "CPU per boot here, are what KVM removes) to around a second (guest boot ~1.1 s microvm, ~1.7 s q35 "
@@ -75,16 +84,6 @@ def sh(*argv: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     return p
 
 
-def debian_tar() -> Path:
-    if DEBIAN_TAR.is_file() and DEBIAN_TAR.stat().st_size:
-        return DEBIAN_TAR
-    DEBIAN_TAR.parent.mkdir(parents=True, exist_ok=True)
-    part = DEBIAN_TAR.with_suffix(".part")
-    sh("mmdebstrap", "--quiet", "--variant=minbase", "--format=tar", "bookworm", str(part))
-    os.replace(part, DEBIAN_TAR)
-    return DEBIAN_TAR
-
-
 def environment(work: Path) -> dict[str, Any]:
     """The store, the three layer images as files, and the environment's tag (built once, cached)."""
     d = CACHE / "bench-vm"
@@ -96,7 +95,7 @@ def environment(work: Path) -> dict[str, Any]:
     store = str(d / "store")
     sh(LAYERCTL, "store", "init", "--store", store)
     layers = []
-    for role, src in (("base", str(debian_tar())), ("toolkit", "/usr/lib/python3.11"),
+    for role, src in (("base", str(inputs.minbase_tar())), ("toolkit", "/usr/lib/python3.11"),
                       ("workspace", str(ROOT / "erofs_builder"))):
         out = d / f"{role}.erofs"
         r = json.loads(sh(LAYERCTL, "build", src, "--push", "--store", store, "--role", role, "--all-root",
@@ -276,7 +275,8 @@ def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier
             shim.unmount(sb.id)
 
 
-def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list[int]) -> dict[str, Any]:
+def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list[int],
+                 caches: list[str]) -> dict[str, Any]:
     from testkit.shim_support import cleanup_node
 
     from runtime_shim.shim import Shim
@@ -286,7 +286,7 @@ def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list
         node = work / f"node-{name}"
         try:
             with Shim.for_node(node, env["store"]) as shim:
-                for cache in ("cold", "warm"):
+                for cache in caches:
                     for n in counts:
                         if cache == "cold":  # a fresh node each time: empty cache, nothing mounted
                             shim.stop_daemon()
@@ -321,12 +321,26 @@ def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get("BENCH_SIZE") or "full")
     ap.add_argument("--part", choices=["flatten", "backends", "all"], default="all")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--counts", default="1,8")
+    ap.add_argument("--rounds", type=int, default=None, help="flatten rounds (default: the size's)")
+    ap.add_argument("--counts", default=None, help="sandboxes at once, comma-separated (default: the size's)")
+    ap.add_argument("--caches", default="cold,warm", help="node states, comma-separated: cold, warm")
     ap.add_argument("--backends", default="runc,microvm,vm")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "vm.json"))
+    ap.add_argument("--out", default=None, help="default: bench/results/vm.json (full) or vm-<size>.json")
     a = ap.parse_args()
+    size = SIZES[a.size]
+    a.rounds = size["rounds"] if a.rounds is None else a.rounds
+    try:
+        counts = [int(c) for c in (a.counts or size["counts"]).split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--counts: {a.counts!r} is not a comma-separated list of whole numbers")
+    caches = [c for c in a.caches.split(",") if c]
+    if a.rounds < 1 or not counts or min(counts) < 1:
+        ap.error("--rounds and every --counts must be at least 1")
+    if not caches or set(caches) - {"cold", "warm"}:
+        ap.error("--caches: cold, warm or both")
+    a.out = a.out or str(ROOT / "bench" / "results" / ("vm.json" if a.size == "full" else f"vm-{a.size}.json"))
     os.environ.setdefault("LAYERSTORE_VM_ACCEL", "tcg")
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     from runtime_shim.backends import REGISTRY
@@ -334,7 +348,8 @@ def main() -> None:
 
     if "vm" not in REGISTRY.names():
         REGISTRY.register("vm", VmBackend)
-    result: dict[str, Any] = {"benchmark": "vm", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result: dict[str, Any] = {"benchmark": "vm", "size": a.size,
+                              "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "machine": {"cpus": os.cpu_count(), "accel": os.environ["LAYERSTORE_VM_ACCEL"],
                                           "load_at_start": os.getloadavg()},
                               "kvm_note": KVM_NOTE}
@@ -353,7 +368,7 @@ def main() -> None:
             names = [n for n in a.backends.split(",") if n in REGISTRY.names()]
             skipped = [n for n in a.backends.split(",") if n not in REGISTRY.names()]
             result["backends_skipped"] = [n for n in skipped if n not in result.get("backends", {})]
-            ran = backends_run(env, work, names, [int(c) for c in a.counts.split(",")])
+            ran = backends_run(env, work, names, counts, caches)
             failed = [n for n, points in ran.items() if any(p["errors"] or p["first_output_median_s"] is None
                                                             for p in points.values())]
             if failed:  # figures of a run that failed do not replace an earlier run's

@@ -16,11 +16,13 @@ multi-block file flat, which the 6.1 guest's EROFS maps with DAX) or with the bu
 (`--layout default`: tails of at most half a block packed inline, which the guest reads through
 its page cache); the results say how many of the set's bytes each layout leaves to DAX.
 
-    python bench/vm_memory.py [--quick] [--vms N] [--set-mib M] [--layout flat|default] [--out FILE]
+    python bench/vm_memory.py [--size quick|full] [--vms N] [--set-mib M] [--layout flat|default] [--out FILE]
 
---quick: 3 VMs and a 96 MiB set (bench/results/vm_memory-quick.json); default: 8 VMs and 192 MiB
-(bench/results/vm_memory.json). Goal: pmem's peak at most 0.6x of blk's. Needs root,
-qemu-system-x86, the guest kit, busybox-static. TCG here: every boot is ~10 CPU-seconds.
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full: 8 VMs and a 192 MiB set
+(bench/results/vm_memory.json); quick (or --quick): 2 VMs and a 64 MiB set, the fewest that still
+share (bench/results/vm_memory-quick.json; four TCG boots, the floor of this bench's time). Goal:
+pmem's peak at most 0.6x of blk's. Needs root, qemu-system-x86, the guest kit, busybox-static. TCG
+here: every boot is ~10 CPU-seconds.
 """
 
 from __future__ import annotations
@@ -239,14 +241,18 @@ def side(work: Path, layers: dict[str, Any], device: str, vms: int) -> dict[str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", choices=["quick", "full"], default=os.environ.get("BENCH_SIZE") or "full")
+    ap.add_argument("--quick", action="store_true", help="= --size quick")
     ap.add_argument("--vms", type=int, default=None)
     ap.add_argument("--set-mib", type=int, default=None)
     ap.add_argument("--layout", choices=["flat", "default"], default="flat")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    vms = a.vms or (3 if a.quick else 8)
-    set_mib = a.set_mib or (96 if a.quick else 192)
+    a.quick = a.quick or a.size == "quick"
+    vms = a.vms or (2 if a.quick else 8)
+    set_mib = a.set_mib or (64 if a.quick else 192)
+    if vms < 1 or set_mib < 1:
+        ap.error("--vms and --set-mib must be at least 1")
     suffix = ("-quick" if a.quick else "") + ("" if a.layout == "flat" else "-default-layout")
     out = Path(a.out or ROOT / "bench" / "results" / f"vm_memory{suffix}.json")
     work = Path(tempfile.mkdtemp(prefix="vm-memory-"))

@@ -116,10 +116,12 @@ class Size:
 
 
 SIZES: dict[str, Size] = {
-    # quick: one round, without the readahead what-if, so that `make bench SIZE=quick` (every
-    # benchmark) stays near ~10 minutes on a shared machine; the report's quick figures use --rounds 2
+    # quick: one round of the two paths the burst compares (each contender costs ~25-45 s, and the
+    # prefetch and containerd ones a set-up of their own), so that `make bench SIZE=quick` (every
+    # benchmark) stays under ~10 minutes on a shared machine; the report's quick section is `--size quick
+    # --rounds 2 --contenders conventional,lazy,lazy-prefetch,eager,containerd-overlayfs,containerd-layerstore`
     "quick": Size("quick", 16, ("sci-networkx", "web-jinja2", "sci-moreitertools"), rounds=1,
-                  contenders=("conventional", "lazy", "lazy-prefetch", "eager", *CONTAINERD_CONTENDERS)),
+                  contenders=("conventional", "lazy")),
     "full": Size("full", 64, tuple(ENVIRONMENTS)),
 }
 
