@@ -48,12 +48,15 @@ class HasPriority(Protocol):
 
 
 class _Waiter:
-    __slots__ = ("seq", "owner", "event", "granted")
+    __slots__ = ("seq", "owner", "cls", "event", "granted")
 
-    def __init__(self, seq: int, owner: HasPriority) -> None:
+    def __init__(self, seq: int, owner: HasPriority, cls: int) -> None:
         self.seq = seq
         self.owner = owner
-        self.event = trio.Event()
+        self.cls = cls  # its class when last counted in `_urgent_waiting` (`reprioritized` recounts)
+        # Made only when it has to wait: most requests find a slot free at once (one request per
+        # chunk fetched, so it counts: docs/fuse-client.md, "CPU of the fetch path").
+        self.event: trio.Event | None = None
         self.granted = False
 
 
@@ -132,13 +135,14 @@ class PriorityLimiter:
             self.release(owner)
 
     async def acquire(self, owner: HasPriority) -> None:
-        w = _Waiter(next(self._seq), owner)
+        w = _Waiter(next(self._seq), owner, self._cls(owner))
         self._waiters.append(w)
-        if self._cls(owner) == URGENT:
+        if w.cls == URGENT:
             self._urgent_waiting += 1
         self._grant()
         if w.granted:
             return
+        w.event = trio.Event()
         try:
             await w.event.wait()
         except BaseException:
@@ -167,20 +171,22 @@ class PriorityLimiter:
             return
         for w in self._waiters:
             if w.owner is owner:
-                # Waiters are re-classed by their priority when counted; recount the urgent ones.
-                self._urgent_waiting = sum(1 for x in self._waiters if self._cls(x.owner) == URGENT)
+                # Waiters are re-classed by their priority; recount the urgent ones.
+                w.cls = self._cls(owner)
+                self._urgent_waiting = sum(1 for x in self._waiters if x.cls == URGENT)
                 self._grant()
                 return
 
     def _drop(self, w: _Waiter) -> None:
         self._waiters.remove(w)
-        self._urgent_waiting = sum(1 for x in self._waiters if self._cls(x.owner) == URGENT)
+        if w.cls == URGENT:
+            self._urgent_waiting -= 1
 
     def _grant(self) -> None:
         while self._free > 0 and self._waiters:
             # Queues are short (bounded by the prefetch tokens and the readers), so a scan beats
             # keeping a heap consistent under priority changes.
-            if self.fifo:
+            if self.fifo or len(self._waiters) == 1:
                 best = self._waiters[0]
             else:
                 best = min(self._waiters, key=lambda w: (self._cls(w.owner), w.owner.priority, w.seq))
@@ -199,4 +205,5 @@ class PriorityLimiter:
             self._counts[cls] += 1
             self.peak = max(self.peak, self.in_use)
             best.granted = True
-            best.event.set()
+            if best.event is not None:
+                best.event.set()
