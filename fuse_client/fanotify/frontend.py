@@ -3,7 +3,7 @@ file marked, its metadata filled, for the shim to mount EROFS on it directly), t
 and the trio side of an event (fill through `LazyCache`, then answer).
 
 Threads: the event thread only reads events, answers the daemon's own accesses and accesses to
-present chunks (presence is read with `BlobEntry.missing`, under `_lock`, which `before_punch`
+present chunks (presence is read with `BlobEntry.missing`, under `_lock`, which `on_unrecord`
 takes too), journals the rest and hands them to the trio thread with `TrioToken.run_sync_soon`
 (no wait). Everything else (attachments, marks, readers, the fill) lives on the trio thread.
 Every event is answered exactly once: allowed after its chunks are present, denied with EIO on
@@ -48,7 +48,6 @@ RESERVE_MARGIN = 1024
 FD_COUNT_EVERY = 16
 STREAM_GAP = 8 << 20  # a miss this close after the last fill, every chunk between present: the same stream
 TOUCH_FLUSH = 256  # hits batched before their last-use update is handed to the trio thread
-PUNCH_GRACE = 1.0  # seconds between an attached chunk becoming absent and its hole (eviction)
 # A restart's attach of a persisted attachment that fails is tried again (its file stays marked,
 # events on it wait), backing off from RESTORE_RETRY_MIN to RESTORE_RETRY_MAX seconds; after
 # RESTORE_GIVE_UP seconds the waiting events are denied (EIO: their bytes cannot be vouched for).
@@ -136,7 +135,7 @@ class FanotifyFrontEnd:
         self.stats = FrontStats()
         self.attached: dict[str, Attached] = {}
         self._by_key: dict[tuple[int, int], Attached] = {}  # read by the event thread (dict get: atomic)
-        self._lock = threading.Lock()  # presence check + answer in the event thread vs before_punch
+        self._lock = threading.Lock()  # presence check + answer in the event thread vs on_unrecord
         self._pid = os.getpid()
         self._token: trio.lowlevel.TrioToken | None = None
         self._thread: threading.Thread | None = None
@@ -212,7 +211,7 @@ class FanotifyFrontEnd:
     def bind(self, lazy: LazyCache, nursery: trio.Nursery) -> None:
         self.lazy = lazy
         self.nursery = nursery
-        lazy.cache.before_punch = self.before_punch
+        lazy.cache.on_unrecord = self.on_unrecord
 
     async def release(self) -> None:
         """Answer the leftovers, serve the held events; from now on events go straight to the
@@ -232,6 +231,12 @@ class FanotifyFrontEnd:
         # Blobs whose attach failed: the shim mounts those over FUSE (docs/fanotify.md, "Attach failures").
         out["attach_failed"] = dict(sorted(self.attach_failed.items()))
         out["unrestored"] = sorted(self._unrestored)  # persisted attachments not taken back yet (retried)
+        if self.lazy is not None:
+            # Attached blobs are never evicted (window 7): what they hold, and whether the budget is
+            # exceeded because of them (docs/fanotify.md, "Eviction of attached blobs").
+            cache = self.lazy.cache
+            out["unevictable_attached_bytes"] = cache.protected_bytes()
+            out["over_budget"] = cache.budget is not None and cache.usage > cache.budget.size
         return out
 
     def keep_holder(self) -> None:
@@ -263,23 +268,33 @@ class FanotifyFrontEnd:
             except OSError as e:
                 log.warning("blob %s: cannot mark %s again: %s", blob, path, e.strerror)
 
-    def before_punch(self, blob: str) -> float | None:
-        """`NodeCache.before_punch`: an attached blob's file is marked again before a hole is
-        punched in it; taking `_lock` waits for a presence check of the event thread in progress.
-        An eviction then waits `PUNCH_GRACE` before it punches: a read allowed just before its
-        chunks became absent has that long to copy them (docs/fanotify.md, a known limit)."""
+    def on_unrecord(self, blob: str, idxs: list[int]) -> None:
+        """`NodeCache.on_unrecord` (trio thread): chunks of an attached blob found bad are about to
+        become absent (never punched: the blob is protected while attached). Its file is marked
+        again first, so reads of them raise events and are filled with verified bytes written over
+        the bad ones; metadata chunks, which EROFS reads without events, are fetched again now.
+        Taking `_lock` waits for a presence check of the event thread in progress."""
         with self._lock:
             a = self.attached.get(blob)
             if a is None:
-                return None
+                return
             if not a.marked and self.group is not None:
                 try:
                     kernel.mark(self.group, a.path)
                     a.marked = True
                     self.stats.marks += 1
                 except OSError as e:
-                    log.error("blob %s: cannot mark %s again before eviction: %s", blob, a.path, e.strerror)
-        return PUNCH_GRACE
+                    log.error("blob %s: cannot mark %s again: %s", blob, a.path, e.strerror)
+        meta = [i for i in idxs if a.entry.is_meta[i]]
+        if meta and self.lazy is not None and self.nursery is not None:
+            self.nursery.start_soon(self._refill, a, meta)
+
+    async def _refill(self, a: Attached, idxs: list[int]) -> None:
+        assert self.lazy is not None
+        try:
+            await self.lazy.ensure(a.entry, idxs)
+        except LayerstoreError as e:
+            log.error("attached blob %s: fetching %d bad metadata chunk(s) again: %s", a.entry.blob, len(idxs), e)
 
     def _unmark_if_complete(self, a: Attached) -> None:
         if a.marked and self.group is not None and a.entry.complete():
@@ -337,6 +352,10 @@ class FanotifyFrontEnd:
                 self.attached[blob] = a
                 self._by_key[a.key] = a
         try:
+            # Window 7 (docs/fanotify.md): after FAN_ALLOW the kernel's read goes on without us, so
+            # nothing may punch the file while it can be mounted. An eviction of it under way
+            # finishes before this returns; none starts after (durably: recovery keeps it too).
+            await self.lazy.cache.protect(blob)
             await self.lazy.ensure_metadata(a.entry)
             # EROFS reads its metadata through the backing file's page cache (read_mapping_folio),
             # which raises no pre-content event: those chunks must be on disk for as long as the
@@ -392,6 +411,8 @@ class FanotifyFrontEnd:
                 if self.group is not None:
                     with contextlib.suppress(OSError):
                         kernel.unmark(self.group, self.data_file(blob))
+                if self.lazy is not None:
+                    self.lazy.cache.unprotect(blob)
             await self._persist()
             return {"blob": blob, "holder": holder, "removed": True}
         removed = a is not None and holder in a.holders
@@ -412,6 +433,8 @@ class FanotifyFrontEnd:
         if unmark and a.marked and self.group is not None:
             with contextlib.suppress(OSError):
                 kernel.unmark(self.group, a.path)
+        if unmark and self.lazy is not None:  # (a failed restore keeps both: the layer is still mounted)
+            self.lazy.cache.unprotect(a.entry.blob)
 
     async def _persist(self) -> None:
         """Write the attachments (and those not restored yet) to CACHE/fanotify-attached.json: one
@@ -437,6 +460,12 @@ class FanotifyFrontEnd:
         """Take the attachments of the last daemon back (their files were marked by `premark`).
         One that fails stays marked and persisted and is tried again in the background; events
         on its file wait for it (`_handle`), they are not denied as "not attached"."""
+        # Protections a crash left behind (detached, not yet recorded as unprotected) go; the
+        # persisted attachments stay protected (they were since before recovery: `NodeCache.protect`).
+        assert self.lazy is not None
+        dropped = self.lazy.cache.settle_protected(set(previous))
+        if dropped:
+            log.info("%d blob(s) no longer attached are evictable again", len(dropped))
         # Every one counts as not taken back until it is: a persist meanwhile (another blob's
         # restore) keeps them all in the list, and events on their files wait.
         for blob, holders in previous.items():

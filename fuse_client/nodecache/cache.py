@@ -19,11 +19,23 @@ A record says the bytes were verified once, not that they still are: after a res
 someone writing to the data files meanwhile) recovery keeps recorded chunks as `unverified`, and
 nothing serves them until they are re-hashed against the chunk map (`check_unverified`: by the
 fetcher on first demand, by `pin_blob` before a direct mount, by `verify`).
+
+Protected blobs (`protect`): a front end that mounts a blob's data file directly and sees only the
+start of each read (fanotify: after its answer the kernel's read goes on without it) cannot know
+when a read of a chunk has finished; a punch under such a read would hand it a hole (zeros). So
+nothing punches a protected blob's file: eviction skips its chunks and picks other blobs, and a
+chunk found bad loses its record without a punch (`on_unrecord` tells the front end). The set is
+durable (PROTECTED_NAME, written by the journal), so recovery and the first eviction of a
+restarted daemon leave the files alone before the front end takes them back.
+
+Usage counts the bytes each chunk occupies on disk: its length in a plain cache, its stored
+length (the zstd frame, or the plain bytes when kept raw) in a zstd cache.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -36,7 +48,8 @@ import trio
 
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import BadInput, ConfigError
+from layerstore.errors import BadInput, ConfigError, LayerstoreError
+from layerstore.fileio import fsync_dir
 
 from . import frames
 from . import index as ci
@@ -65,6 +78,20 @@ PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning 
 VERIFY_BATCH_BYTES = 32 << 20  # recovered chunks re-hashed per worker-thread call (held busy meanwhile)
 DISK_FULL_INTERVAL = 1.0  # at most one disk-full eviction per this many seconds
 MAX_HOLDER = 256  # bytes of a pin holder's name (utf-8)
+PROTECTED_NAME = "protected.json"  # the protected blobs, {"blobs": [...]} (see `protect`)
+
+
+def read_protected(root: Path) -> set[str]:
+    """The protected blobs recorded in the cache directory (a missing or unreadable file: none)."""
+    try:
+        data = json.loads((Path(root) / PROTECTED_NAME).read_text())
+        return {digestmod.parse(b) for b in data["blobs"]}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, KeyError, TypeError, LayerstoreError) as e:
+        log.error("cache: %s is unreadable (%s): no blob is protected from punches until a front end "
+                  "protects its mounted blobs again", Path(root) / PROTECTED_NAME, e)
+        return set()
 
 
 def check_holder(holder: object) -> str:
@@ -114,11 +141,15 @@ class NodeCache:
         # while it is in use: set by the daemon (the node lease's view: lookups, prefetches, pins
         # in progress, mounts); for `gc_unused`.
         self.in_use: Callable[[], Mapping[str, float]] | None = None
-        # Called with a blob on the trio thread before any hole is queued for its data file (a
-        # front end that watches the files, fanotify, marks it again first: docs/fanotify.md).
-        # It may return seconds to wait before an eviction punches (reads the front end allowed
-        # just before the chunks became absent finish their copy meanwhile).
-        self.before_punch: Callable[[str], float | None] | None = None
+        # Blobs whose data files a front end mounted directly (`protect`): never punched. Durable
+        # (PROTECTED_NAME, written with the next journal batch once `_protected_dirty`).
+        self.protected: set[str] = set()
+        self._protected_dirty = False
+        self._protected_logged = False  # "usage stays above the target because of protected blobs", once
+        # Called on the trio thread with (blob, chunk indexes) just before chunks of a protected blob
+        # become absent without a punch (found bad): the front end makes reads of them raise events
+        # again and may fetch them again (docs/fanotify.md).
+        self.on_unrecord: Callable[[str, list[int]], None] | None = None
         self.map_files = True  # data files may be mapped (see `disable_mapping`)
 
     def close(self) -> None:
@@ -147,6 +178,21 @@ class NodeCache:
     def compressed(self) -> bool:
         """A zstd cache (chunks kept as their store frames)."""
         return self.format == frames.ZSTD
+
+    @staticmethod
+    def disk_bytes(entry: BlobEntry, i: int) -> int:
+        """What chunk i of the blob occupies on disk (what usage and the budget count): its
+        stored length in a zstd cache (`BlobEntry.stored`), its length in a plain one."""
+        stored = entry.stored
+        return stored[i] if stored is not None else entry.cmap.chunks[i].length
+
+    def held_disk_bytes(self, entry: BlobEntry) -> int:
+        """Disk bytes of the blob's chunks under a record (verified and unverified)."""
+        if entry.stored is None:
+            return entry.held_bytes()
+        stored = entry.stored
+        return sum(stored[i] for i, (p, u) in enumerate(zip(entry.present, entry.unverified, strict=True))
+                   if p or u)
 
     def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
         entry = BlobEntry(cmap, fd, compressed=self.compressed)
@@ -182,8 +228,10 @@ class NodeCache:
         crash before that leaves unrecorded bytes, which recovery punches)."""
         if not entry.present[i]:
             return
+        if entry.blob in self.protected and self.on_unrecord is not None:
+            self.on_unrecord(entry.blob, [i])
         entry.present[i] = 0
-        self.usage -= entry.cmap.chunks[i].length
+        self.usage -= self.disk_bytes(entry, i)
         self.corrupt_cached_chunks += 1
         if self.lru is not None:
             self.lru.discard((entry.blob, i))
@@ -287,7 +335,58 @@ class NodeCache:
         return sorted(self.pins.get(blob, ()))
 
     def pinned_bytes(self) -> int:
-        return sum(e.held_bytes() for b, e in self.entries.items() if b in self.pins)
+        return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in self.pins)
+
+    # -- protected blobs (mounted directly by a front end that cannot see a read end) -------------
+    async def protect(self, blob: str) -> None:
+        """From when this returns until `unprotect`, nothing punches the blob's data file (nor
+        removes it): no eviction (budget, explicit, disk full), no `verify`, no recovery. An
+        eviction of the blob already under way finishes first: its chunks were made absent and
+        its punches queued in one step (no await in between), so the flush here, which waits
+        for any batch being applied and applies what is queued, returns after its last punch.
+        Durable when this returns (a restart's recovery and first eviction leave the file alone)."""
+        digestmod.parse(blob)
+        if blob not in self.protected:
+            self.protected.add(blob)
+            self._protected_dirty = True
+        with trio.CancelScope(shield=True):
+            await self.flush()
+
+    def unprotect(self, blob: str) -> None:
+        """Trio thread, no await: the blob is evictable again (its mounts are gone); recorded
+        with the next journal batch (a crash before: it stays protected until a front end
+        settles the set, `settle_protected`)."""
+        if blob in self.protected:
+            self.protected.discard(blob)
+            self._protected_dirty = True
+            self._journal_kick.set()
+            if self.budget is not None and self.usage > self.budget.high:
+                self._evict_kick.set()
+
+    def settle_protected(self, keep: set[str]) -> list[str]:
+        """Trio thread: unprotect every protected blob not in `keep` (a front end at start-up, with
+        the blobs it mounted: protections a crash left behind go). Returns those unprotected."""
+        gone = sorted(self.protected - keep)
+        for blob in gone:
+            self.unprotect(blob)
+        return gone
+
+    def protected_bytes(self) -> int:
+        """Disk bytes held by protected blobs (eviction cannot free them while they are protected)."""
+        return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in self.protected)
+
+    def _write_protected(self, blobs: list[str]) -> None:
+        """Worker thread (the journal's batch): PROTECTED_NAME replaced atomically."""
+        path = self.root / PROTECTED_NAME
+        tmp = path.with_name(f".{PROTECTED_NAME}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps({"blobs": blobs}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(self.root)
 
     # -- recovered chunks: re-hashed before they are served ----------------------------------------
     async def check_unverified(self, entry: BlobEntry, positions: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -315,14 +414,16 @@ class NodeCache:
         pinned = entry.blob in self.pins
         for i in idxs:
             entry.unverified[i] = 0
-            self.usage -= chunks[i].length
+            self.usage -= self.disk_bytes(entry, i)
             log.error("cache: blob %s chunk %d (%s): the cached bytes do not match the digest (changed since they "
                       "were verified); %s", entry.blob, i, chunks[i].digest,
                       "record dropped, not punched (the blob is pinned: its direct mounts read these bytes "
                       "until the chunk is fetched again)" if pinned else "dropped")
         self.corrupt_cached_chunks += len(idxs)
         ops: list[ci.Op] = [ci.DelChunk(entry.blob, i) for i in idxs]
-        self._enqueue(ops, None if pinned else (entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs]))
+        # (a protected blob's bytes stay too: a fetch writes the verified bytes over them)
+        keep = pinned or entry.blob in self.protected
+        self._enqueue(ops, None if keep else (entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs]))
         with trio.CancelScope(shield=True):
             await self.flush()  # punched before the caller writes anything there
 
@@ -374,7 +475,6 @@ class NodeCache:
         """Trio thread, after `write_sync` returned: the positions become servable now and
         durable at the journal's next batch."""
         now = self.clock()
-        chunks = entry.cmap.chunks
         ops: list[ci.Op] = []
         for i in positions:
             if entry.unverified[i]:  # its verified bytes were just written over it
@@ -382,7 +482,7 @@ class NodeCache:
                 entry.present[i] = 1
             elif not entry.present[i]:
                 entry.present[i] = 1
-                self.usage += chunks[i].length
+                self.usage += self.disk_bytes(entry, i)
             entry.last_use[i] = now
             ops.append(ci.PutChunk(entry.blob, i, now, entry.stored[i] if entry.stored is not None else 0))
         self._enqueue(ops)
@@ -392,8 +492,7 @@ class NodeCache:
     def _enqueue(self, ops: list[ci.Op], punches: tuple[str, list[tuple[int, int]]] | None = None) -> None:
         self._pending.extend(ops)
         if punches is not None:
-            if self.before_punch is not None:
-                self.before_punch(punches[0])
+            assert punches[0] not in self.protected
             self._punches.append(punches)
         self._journal_kick.set()
 
@@ -405,19 +504,21 @@ class NodeCache:
         async with self._apply_lock:
             ops, punches = self._pending, self._punches
             self._pending, self._punches = [], []
-            if not ops and not punches:
+            protected = sorted(self.protected) if self._protected_dirty else None
+            self._protected_dirty = False
+            if not ops and not punches and protected is None:
                 return
             try:
                 try:
                     # Not abandonable: a batch half-way through a commit must finish before exit.
-                    await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+                    await trio.to_thread.run_sync(self._apply_sync, ops, punches, protected)
                 except Exception as e:
                     # A full disk: the reserve's blocks go to the index, so that the deletions
                     # eviction needs commit, and its punches free the disk (same batch, at once).
                     if not ci.is_disk_full(e) or not await trio.to_thread.run_sync(self.files.release_reserve):
                         raise
                     log.warning("cache journal: the disk is full; the index gets the reserved blocks")
-                    await trio.to_thread.run_sync(self._apply_sync, ops, punches)
+                    await trio.to_thread.run_sync(self._apply_sync, ops, punches, protected)
                 self.journal_batches += 1
                 self.journal_chunk_records += sum(isinstance(op, ci.PutChunk) for op in ops)
             except Exception:
@@ -427,6 +528,8 @@ class NodeCache:
                 # recovery punches them).
                 self._journal_failures += 1
                 self._pending[:0] = ops
+                if protected is not None:
+                    self._protected_dirty = True  # (written with the next batch)
                 log.exception("cache journal: a batch of %d op(s) failed (retried with the next batch; %d range(s) "
                               "left unpunched); the chunks stay served from memory", len(ops),
                               sum(len(r) for _, r in punches))
@@ -464,9 +567,12 @@ class NodeCache:
             self._journal_kick = trio.Event()
             await self.flush()
 
-    def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]]) -> None:
-        # the bytes are durable before the record that vouches for them (one journal commit for all)
-        self.files.sync_all({op.blob for op in ops if isinstance(op, ci.PutChunk)})
+    def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]],
+                    protected: list[str] | None = None) -> None:
+        if protected is not None:  # (before any punch of the batch: none of them is of a protected blob)
+            self._write_protected(protected)
+        for blob in {op.blob for op in ops if isinstance(op, ci.PutChunk)}:
+            self.files.sync(blob)  # the bytes are durable before the record that vouches for them
         self.index.apply(ops)
         for blob, ranges in punches:  # the records are gone before the bytes are
             self.files.punch(blob, ranges)
@@ -529,6 +635,10 @@ class NodeCache:
                             break
             finally:
                 self._episode = False
+            if self.usage > self.budget.high:
+                # Stuck above the budget (pinned or protected blobs hold it): every commit would
+                # start another pass over every cached chunk; one per SETTLE is enough.
+                await trio.sleep(SETTLE)
 
     def write_failed(self, err: int | None) -> None:
         """A chunk could not be written to the data files (the fetcher calls this). With
@@ -548,15 +658,14 @@ class NodeCache:
         out = []
         busy = self.busy
         for blob, e in self.entries.items() if only is None else [(only, self.entries[only])]:
-            if blob in self.pins:
-                continue  # a holder mounted its data file: never modified
+            if blob in self.pins or blob in self.protected:
+                continue  # a holder or a front end mounted its data file: never punched
             meta = set(e.metadata) if e.open_count else ()
-            chunks = e.cmap.chunks
             pins = e.pins
             unverified = e.unverified
             for i, p in enumerate(e.present):
                 if (p or unverified[i]) and i not in pins and (blob, i) not in busy:
-                    out.append(Candidate(blob, i, chunks[i].length, e.last_use[i], i in meta))
+                    out.append(Candidate(blob, i, self.disk_bytes(e, i), e.last_use[i], i in meta))
         return out
 
     async def evict_to(self, target: int) -> tuple[int, int]:
@@ -564,6 +673,7 @@ class NodeCache:
         allow). Returns (chunks, bytes) dropped."""
         victims = choose_victims(self._candidates(), self.usage, target)
         res = await self.drop([(v.blob, v.index) for v in victims])
+        self._note_protected(target)
         if self.usage > target and self.pins:
             pinned = self.pinned_bytes()
             now = time.monotonic()
@@ -573,6 +683,21 @@ class NodeCache:
                             "be evicted (their files are mounted directly)", self.usage, target, pinned,
                             len(self.pins))
         return res
+
+    def _note_protected(self, target: int) -> None:
+        """Say once (not per eviction pass) that usage stays above a target because protected
+        blobs hold the rest; said again only after a pass met its target."""
+        if self.usage <= target:
+            self._protected_logged = False
+            return
+        if self._protected_logged or not self.protected:
+            return
+        held = self.protected_bytes()
+        if held:
+            self._protected_logged = True
+            log.warning("cache: usage %d stays above the target %d: %d byte(s) of %d blob(s) mounted directly "
+                        "(fanotify) are not evicted while mounted (evictable once detached; "
+                        "`layerctl cache ls`: protected_bytes)", self.usage, target, held, len(self.protected))
 
     async def evict(self, *, blob: str | None = None, all_chunks: bool = False,
                     to_bytes: int | None = None) -> dict[str, int]:
@@ -588,20 +713,26 @@ class NodeCache:
             n, b = await self.evict_to(self.budget.low)
         else:
             raise ConfigError("no cache budget set: say which blob, --all or --to BYTES")
-        return {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": self.usage,
-                "pinned_bytes": self.pinned_bytes()}
+        out: dict[str, object] = {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": self.usage,
+                                  "pinned_bytes": self.pinned_bytes(), "protected_bytes": self.protected_bytes()}
+        if blob and digestmod.parse(blob) in self.protected:
+            out["skipped"] = ("protected: its data file is mounted directly (fanotify data path); "
+                              "evictable once it is detached")
+        return out
 
     async def drop_blob(self, blob: str) -> tuple[int, int]:
         holders = self.pins.get(blob)
         if holders:
             raise BlobPinned(f"blob {blob} is pinned by {', '.join(sorted(holders))} (its cache file is "
                              f"mounted directly): unpin it first")
-        if blob not in self.entries:
+        if blob not in self.entries or blob in self.protected:
             return 0, 0
         return await self.drop([(c.blob, c.index) for c in self._candidates(blob)])
 
     async def drop(self, victims: Sequence[tuple[str, int]]) -> tuple[int, int]:
-        """Evict specific chunks (skipping any that are pinned, busy or absent)."""
+        """Evict specific chunks (skipping any that are pinned, protected, busy or absent). The
+        chunks are made absent and their records' deletion and punches queued in one step, with
+        no await in between (`protect` relies on it), then flushed."""
         flight = Flight(DEMAND, "evict")
         per_blob: dict[str, list[tuple[int, int]]] = {}
         ops: list[ci.Op] = []
@@ -610,28 +741,23 @@ class NodeCache:
         for blob, i in victims:
             e = self.entries.get(blob)
             if (e is None or not (e.present[i] or e.unverified[i]) or i in e.pins or (blob, i) in self.busy
-                    or blob in self.pins):
+                    or blob in self.pins or blob in self.protected):
                 continue
             ref = e.cmap.chunks[i]
             e.present[i] = e.unverified[i] = 0  # from here on no reader starts on it
             self.busy[(blob, i)] = flight
             taken.append((blob, i))
-            self.usage -= ref.length
-            nbytes += ref.length
+            n = self.disk_bytes(e, i)
+            self.usage -= n
+            nbytes += n
             ops.append(ci.DelChunk(blob, i))
             per_blob.setdefault(blob, []).append((ref.offset, ref.length))
         if not taken:
             return 0, 0
+        self._pending.extend(ops)
+        self._punches.extend(per_blob.items())
         try:
-            delay = 0.0
-            if self.before_punch is not None:
-                for blob in per_blob:
-                    delay = max(delay, self.before_punch(blob) or 0.0)
             with trio.CancelScope(shield=True):
-                if delay:
-                    await trio.sleep(delay)
-                self._pending.extend(ops)
-                self._punches.extend(per_blob.items())
                 await self.flush()
         finally:
             for key in taken:
@@ -653,10 +779,11 @@ class NodeCache:
         out = []
         for blob, e in self.entries.items():
             daemon = seen.get(blob, 0.0)
-            why = ("pinned" if blob in self.pins else "open" if e.open_count else "busy" if blob in busy
+            why = ("pinned" if blob in self.pins else "protected" if blob in self.protected
+                   else "open" if e.open_count else "busy" if blob in busy
                    else "reading" if e.pins else "in use" if daemon == math.inf else "")
             last = max(max(e.last_use, default=0.0), files.get(blob, 0.0), daemon if daemon != math.inf else 0.0)
-            out.append(BlobUse(blob, e.held_bytes(), last, why))
+            out.append(BlobUse(blob, self.held_disk_bytes(e), last, why))
         return out
 
     def _file_times(self, blobs: Sequence[str]) -> dict[str, float]:
@@ -700,10 +827,10 @@ class NodeCache:
         next batch, its index records and map). Returns the bytes it held, or None if something
         uses it (pinned, open, in flight, held by a reader) or it is unknown."""
         e = self.entries.get(blob)
-        if (e is None or blob in self.pins or e.open_count or e.pins
+        if (e is None or blob in self.pins or blob in self.protected or e.open_count or e.pins
                 or any(b == blob for b, _ in self.busy)):
             return None
-        held = e.held_bytes()
+        held = self.held_disk_bytes(e)
         del self.entries[blob]  # a request from now on makes a fresh entry (and a fresh data file)
         e.close()
         self.files.remove(blob)
@@ -738,12 +865,15 @@ class NodeCache:
                 continue
             self.corrupt_cached_chunks += len(wrong)
             pinned = blob in self.pins
+            keep = pinned or blob in self.protected
             for i in wrong:
                 log.error("cache verify: blob %s chunk %d (%s) does not match its digest; %s", blob, i,
-                          e.cmap.chunks[i].digest, "unrecorded, not punched (the blob is pinned)" if pinned
-                          else "dropped")
+                          e.cmap.chunks[i].digest, "dropped" if not keep else
+                          f"unrecorded, not punched (the blob is {'pinned' if pinned else 'protected'})")
                 bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": pinned})
-            if pinned:
+            if keep:
+                if blob in self.protected and self.on_unrecord is not None:
+                    self.on_unrecord(blob, list(wrong))
                 self._unrecord(e, wrong)
                 await self.flush()
             else:
@@ -752,11 +882,10 @@ class NodeCache:
 
     def _unrecord(self, e: BlobEntry, idxs: Sequence[int]) -> None:
         """Mark chunks absent and queue the deletion of their records, without punching."""
-        chunks = e.cmap.chunks
         for i in idxs:
             if e.present[i] or e.unverified[i]:
                 e.present[i] = e.unverified[i] = 0
-                self.usage -= chunks[i].length
+                self.usage -= self.disk_bytes(e, i)
         self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
 
     def gauges(self) -> dict[str, float]:
@@ -772,6 +901,8 @@ class NodeCache:
             "cache_corrupt_cached_chunks": self.corrupt_cached_chunks,
             "cache_write_failures": self.write_failures,
             "cache_disk_full": self.disk_full,
+            "cache_protected_blobs": len(self.protected),
+            "cache_protected_bytes": self.protected_bytes(),
         }
         if self.lru is not None:
             g["cache_decompressed_lru_bytes"] = self.lru.size
@@ -794,13 +925,15 @@ class NodeCache:
             held = e.held_bytes()
             unverified += held - e.cached_bytes()
             blobs.append({"blob": blob, "size": e.size, "chunks": len(e.present), "cached_chunks": n,
-                          "cached_bytes": e.cached_bytes(), "unverified_chunks": sum(e.unverified),
+                          "cached_bytes": e.cached_bytes(), "stored_bytes": self.held_disk_bytes(e),
+                          "protected": blob in self.protected, "unverified_chunks": sum(e.unverified),
                           "unverified_bytes": held - e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count,
                           "complete": held == e.size, "pinned_by": sorted(self.pins.get(blob, ()))})
         pins = [{"blob": blob, "holder": h, "since": since, "path": str(self.files.path(blob).absolute())}
                 for blob, holders in sorted(self.pins.items()) for h, since in sorted(holders.items())]
         return {"format": self.format, "used_bytes": self.usage, "disk_bytes": disk,
                 "pinned_bytes": self.pinned_bytes(), "pins": pins,
+                "protected_bytes": self.protected_bytes(), "protected": sorted(self.protected),
                 "unverified_bytes": unverified, "verified_chunks": self.verified_chunks,
                 "corrupt_cached_chunks": self.corrupt_cached_chunks, "write_failures": self.write_failures,
                 "disk_full": self.disk_full,

@@ -13,7 +13,7 @@ from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject
 
 from . import index as ci
-from .cache import NodeCache
+from .cache import NodeCache, read_protected
 from .files import BlobFiles, punch_hole
 
 log = logging.getLogger("layerstore.fuse.cache")
@@ -23,12 +23,16 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
     """Load the index and make the data files agree with it: committed chunks whose bytes
     are missing lose their record, bytes without a record are punched out, data files
     without a map are removed. Recorded chunks whose bytes are there are kept *unverified*:
-    counted in usage, evictable, but served only once re-hashed (`check_unverified`)."""
+    counted in usage (their stored length in a zstd cache: what they occupy on disk), evictable,
+    but served only once re-hashed (`check_unverified`). The files of pinned and protected blobs
+    (`NodeCache.protect`: mounted directly) are never punched: their unrecorded bytes stay
+    (not served; a fetch writes over them) until a recovery finds the blob unprotected."""
     cache = NodeCache(root, files, index, **kw)  # type: ignore[arg-type]
     files.ensure_reserve()
     committed = index.committed()
     stored = index.stored_lengths() if cache.compressed else {}
     pins = cache.pins = index.pins()
+    protected = cache.protected = read_protected(root)
     ops: list[ci.Op] = []
     dropped = punched = kept = 0
     for blob, data in index.maps():
@@ -37,7 +41,7 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
         except CorruptObject as e:
             log.warning("cache: dropping blob %s with a corrupt chunk map: %s", blob, e)
             ops.append(ci.DelBlob(blob))
-            if blob not in pins:  # a pinned file stays until its last holder unpins
+            if blob not in pins and blob not in protected:  # a mounted file stays until its mounts are gone
                 files.remove(blob)
             committed.pop(blob, None)
             continue
@@ -59,8 +63,10 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
                 entry.stored[idx] = n
             entry.unverified[idx] = 1
             entry.last_use[idx] = last_use
-            cache.usage += ref.length
+            cache.usage += n
             kept += 1
+        if blob in protected:
+            extents = []  # (a front end mounted it: a read it allowed may still be copying these)
         if blob in pins:
             # Never touch the bytes of a pinned file: a holder mounted it as an image.
             lost = entry.size - entry.held_bytes()
@@ -79,7 +85,7 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
     for blob in committed:  # records without a map
         ops.append(ci.DelBlob(blob))
     for blob in list(files.blobs()):
-        if blob not in cache.entries and blob not in pins:
+        if blob not in cache.entries and blob not in pins and blob not in protected:
             files.remove(blob)
     if ops:
         index.apply(ops)

@@ -53,7 +53,26 @@ class Reader:
 
 
 class Cache:
-    before_punch = None
+    on_unrecord = None
+    budget = None
+    usage = 0
+
+    def __init__(self) -> None:
+        self.protected: set[str] = set()
+
+    async def protect(self, blob: str) -> None:
+        self.protected.add(blob)
+
+    def unprotect(self, blob: str) -> None:
+        self.protected.discard(blob)
+
+    def settle_protected(self, keep: set[str]) -> list[str]:
+        gone = sorted(self.protected - keep)
+        self.protected &= keep
+        return gone
+
+    def protected_bytes(self) -> int:
+        return 0
 
     def pin(self, entry: Entry, idxs: list[int]) -> None:
         pass
@@ -138,8 +157,9 @@ def test_concurrent_attaches_all_persisted(front, monkeypatch: pytest.MonkeyPatc
 
 def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # type: ignore[no-untyped-def]
     """After a restart, the attach of a persisted blob fails twice (a store outage): its file
-    stays marked, an event on it (held until `release`) is neither denied nor allowed unfilled;
-    it waits, is filled once a retry takes the blob back, and is allowed."""
+    stays marked and protected from punches, an event on it (held until `release`) is neither
+    denied nor allowed unfilled; it waits, is filled once a retry takes the blob back, and is
+    allowed."""
     fe, r, marks = front
     cache = fe.cache_dir
     (cache / handover.ATTACHED_NAME).write_text(json.dumps({"blobs": {"a": ["h1"], "b": ["h2"]}}))
@@ -147,6 +167,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
     fe.premark(list(previous))
     lazy = Lazy()
     lazy.failing["b"] = 2
+    lazy.cache.protected = {"a", "b", "z"}  # (recovered: z was detached just before the crash)
     fd = os.open(cache / "b", os.O_RDONLY)
     st = os.fstat(fd)
     seen: dict[str, object] = {}
@@ -161,6 +182,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
             fe.take_events(slow)  # (what the event thread does with them: held until release)
             await fe.restore(previous)
             seen["unrestored"] = fe.stats_json()["unrestored"]
+            seen["protected"] = set(lazy.cache.protected)
             seen["persisted"] = handover.load_attachments(cache)  # (a's restore wrote the list: b kept)
             await fe.release()
             await trio.sleep(0.05)
@@ -172,6 +194,9 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
 
     trio.run(main)
     assert seen["unrestored"] == ["b"]
+    # b, still mounted and not taken back, stays protected from punches; z (detached) is evictable
+    assert seen["protected"] == {"a", "b"}
+    assert lazy.cache.protected == {"a", "b"}
     assert seen["persisted"] == {"a": ["h1"], "b": ["h2"]}
     assert seen["answers_before"] == []  # neither denied nor allowed while b was not taken back
     assert pipe_answers(r) == [(fd, True, 0)]
