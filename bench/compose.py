@@ -35,8 +35,9 @@ device, no process, no namespace, no directory.
 
     python bench/compose.py [--size quick|full] [--scales 1000,10000] [--clients 1,4] [--out FILE]
 
-`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 1,000 and 10,000, 1 client,
-20 CLI calls per point, 6 A/B blocks, one round (~4 minutes, most of it teardown: see docs/benchmarks-compose.md);
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 1,000 and 3,000, 1 client,
+5 CLI calls per point, 2 A/B blocks, one round (~1 minute; at 10,000 it took ~5 minutes, most of it
+the unmounts, which slow down with every mount in the table: see docs/benchmarks-compose.md);
 full: 1 and 4 clients, two rounds, 50 CLI calls per point, 20 A/B blocks (medians of the rounds are reported, and
 each round's headline figures with the machine's load while it ran); mounted30k: 10,000 and 30,000, 1 client,
 no fsync A/B (~10-15 minutes here). `--mounted 10000,30000` (= `--scales`) sets the scales of any size. Every

@@ -30,8 +30,10 @@ same daemon whose store is the service in front of that same bucket: one layer o
 `--daemon-mib` MiB pushed once, a fresh cache and mount for every read, the two kinds alternating
 within each round.
 
-`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 128 MiB a run, 2 rounds
-(under a minute); full: 256 MiB a run, 3 rounds (about two minutes). `--size-mib`/`--repeat` win.
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick: 64 MiB a run, one round, a
+32 MiB layer for the daemon (about a minute; 128 MiB and 2 rounds took ~4 minutes at load 8-17);
+full: 256 MiB a run, 3 rounds, 64 MiB. `--size-mib`/`--repeat`/`--daemon-mib` win. (The committed
+bench/results/store_throughput.json is a run of the earlier quick size: 128 MiB, 2 rounds.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ from layerstore.store import DEFAULT_WORKERS, MAX_OBJECT_SIZE, Store  # noqa: E4
 
 MiB = 1 << 20
 DEFAULT_OUT = ROOT / "bench" / "results" / "store_throughput.json"
-SIZES = {"quick": {"size_mib": 128, "repeat": 2}, "full": {"size_mib": 256, "repeat": 3}}
+SIZES = {"quick": {"size_mib": 64, "repeat": 1, "daemon_mib": 32},
+         "full": {"size_mib": 256, "repeat": 3, "daemon_mib": 64}}
 
 
 def make_chunk(seed: int, size: int) -> bytes:
@@ -277,14 +280,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, help="rounds over every point; medians are reported")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--workdir", type=Path, help="where the local store and the cluster live (default: a temp dir)")
-    ap.add_argument("--daemon-mib", type=int, default=64, help="layer size of the daemon cold read (0: skip it)")
+    ap.add_argument("--daemon-mib", type=int, default=None,
+                    help="layer size of the daemon cold read (0: skip it; default: the size's)")
     ap.add_argument("--ceph-dir", type=Path, help="use a cluster left running by `ceph_cluster.py start DIR`")
     args = ap.parse_args(argv)
     if args.size_mib is None:
         args.size_mib = SIZES[args.size]["size_mib"]
     if args.repeat is None:
         args.repeat = SIZES[args.size]["repeat"]
-    clients = [int(c) for c in args.clients.split(",")]
+    if args.daemon_mib is None:
+        args.daemon_mib = SIZES[args.size]["daemon_mib"]
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        ap.error(f"--clients: {args.clients!r} is not a comma-separated list of whole numbers")
+    if min(clients, default=0) < 1 or args.size_mib < 1 or args.repeat < 1 or args.chunk_kib < 1 or args.batch < 1 \
+            or args.daemon_mib < 0:
+        ap.error("--clients, --size-mib, --repeat, --chunk-kib and --batch must be at least 1, --daemon-mib at least 0")
     backends = args.backends.split(",")
     unknown = set(backends) - {"local", "cephfs", "s3", "http", "http-s3"}
     if unknown:
