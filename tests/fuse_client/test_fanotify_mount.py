@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from testkit.erofs_helpers import assert_trees_equal, snapshot_tree
+from testkit.fanotify_cycles import remount_cold
 from testkit.fanotify_helpers import (
     DATA_PATHS,
     mounted_layer,
@@ -27,6 +28,7 @@ from testkit.fuse_helpers import CountingBackend, make_tree
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import request_json
 from fuse_client.fanotify import handover
+from fuse_client.nodecache.files import BlobFiles
 from layerstore import keys
 
 pytestmark = pytest.mark.root
@@ -125,23 +127,39 @@ def test_a_store_outage_is_eio_then_reads_recover(backend: CountingBackend, src:
 @needs_fanotify
 def test_an_evicted_range_raises_events_again(backend: CountingBackend, src: Path, layer: BuiltLayer,
                                               tmp_path: Path) -> None:
-    """Complete: the mark is dropped; evicted: marked again before the holes are punched, and
-    the same mount's next reads fill the holes (never zeros)."""
-    with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
-                                                                            tmp_path) as mnt:
+    """Window 7 (docs/fanotify.md): while attached, an eviction request punches nothing of the blob
+    (a read the daemon allowed may still be copying); complete, its mark is dropped. Detached (the
+    shim unmounted it), it is evicted; attached again, the evicted ranges raise events again and
+    are filled (never zeros)."""
+    files = BlobFiles(tmp_path / "cache")
+    with node_daemon(backend.url, tmp_path, "fanotify") as ds:
         d = ds[-1]
-        assert_trees_equal(snapshot_tree(src, root_meta=False), snapshot_tree(mnt, root_meta=False))
-        request_json(d.cache_dir, "POST", "/prefetch", {"blob": layer.blob, "all": True, "wait": True})
-        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()  # (a fill completes it)
-        fan = d.stats()["fanotify"]
-        assert fan["attached"][layer.blob]["marked"] is False and fan["unmarks"] >= 1
+        with mounted_layer(d, layer.blob, "fanotify", tmp_path) as mnt:
+            assert_trees_equal(snapshot_tree(src, root_meta=False), snapshot_tree(mnt, root_meta=False))
+            request_json(d.cache_dir, "POST", "/prefetch", {"blob": layer.blob, "all": True, "wait": True})
+            assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()  # (a fill completes it)
+            fan = d.stats()["fanotify"]
+            assert fan["attached"][layer.blob]["marked"] is False and fan["unmarks"] >= 1
+            held = files.allocated_bytes(layer.blob)
+            for ask in ({"all": True}, {"blob": layer.blob}, {"to_bytes": 0}):
+                res = request_json(d.cache_dir, "POST", "/cache/evict", ask)
+                assert res["evicted_bytes"] == 0 and res["protected_bytes"] == layer.size, (ask, res)
+                assert ("blob" not in ask) or "protected" in res["skipped"]
+            assert files.allocated_bytes(layer.blob) == held  # nothing punched under the mount
+            assert d.stats()["fanotify"]["unevictable_attached_bytes"] == layer.size
+            assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+        # detached (unmounted): evictable again
+        res = request_json(d.cache_dir, "POST", "/cache/evict", {"all": True})
+        assert res["evicted_bytes"] == layer.size and res["protected_bytes"] == 0, res
+        assert files.allocated_bytes(layer.blob) < held
         fetched = d.stats()["blobs"][layer.blob]["fetched_bytes"]
-        request_json(d.cache_dir, "POST", "/cache/evict", {"all": True})
-        assert d.stats()["fanotify"]["attached"][layer.blob]["marked"] is True
-        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
-        st = d.stats()
-        assert st["blobs"][layer.blob]["fetched_bytes"] > fetched
-        assert st["fanotify"]["filled"] >= 1
+        filled = d.stats()["fanotify"]["filled"]
+        with mounted_layer(d, layer.blob, "fanotify", tmp_path) as mnt:  # attached again: marked again
+            assert d.stats()["fanotify"]["attached"][layer.blob]["marked"] is True
+            assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+            st = d.stats()
+            assert st["blobs"][layer.blob]["fetched_bytes"] > fetched
+            assert st["fanotify"]["filled"] > filled
 
 
 def _readers(mnt: Path, src: Path, files: list[Path], stop: threading.Event, errors: list[BaseException],
@@ -163,37 +181,42 @@ def _readers(mnt: Path, src: Path, files: list[Path], stop: threading.Event, err
     return [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(n)]
 
 
+def _wait_reads(reads: list[int], n: int, errors: list[BaseException]) -> None:
+    before = sum(reads)
+    while sum(reads) < before + n and not errors:
+        threading.Event().wait(0.01)
+
+
 @needs_fanotify
 def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src: Path, layer: BuiltLayer,
                                                    tmp_path: Path) -> None:
     """The group lives on in the holder: reads in the gap wait, the next daemon answers what the
-    dead one had read (its journal) and the rest; no read fails, none returns wrong bytes. Chunks
-    are evicted before each kill so that the readers keep needing fills."""
+    dead one had read (its journal) and the rest; no read fails, none returns wrong bytes. Each
+    cycle starts on a cold mount (detached, evicted, attached again: an attached blob is never
+    evicted) so that the readers need fills across the kill."""
     files = _files(src)
-    stop = threading.Event()
     errors: list[BaseException] = []
     reads = [0] * 16
     with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp_path) as mnt:
         generation = handover.holder_generation(tmp_path / "cache")
-        threads = _readers(mnt, src, files, stop, errors, reads, 16)
-        for t in threads:
-            t.start()
-        try:
-            for _ in range(2):  # (bench/daemon_restart.py: 100)
-                request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
-                before = sum(reads)
-                while sum(reads) < before + 16 and not errors:
-                    threading.Event().wait(0.01)
+        for cycle in range(2):  # (bench/daemon_restart.py: 100)
+            if cycle:
+                assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
+            stop = threading.Event()
+            threads = _readers(mnt, src, files, stop, errors, reads, 16)
+            for t in threads:
+                t.start()
+            try:
+                _wait_reads(reads, 16, errors)
                 ds[-1].kill9()
                 ds.append(start_daemon(backend.url, tmp_path / "cache", tmp_path / "mnt", "fanotify"))
-            before = sum(reads)
-            while sum(reads) < before + 32 and not errors:
-                threading.Event().wait(0.01)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
+                _wait_reads(reads, 32, errors)
+                assert ds[-1].stats()["fanotify"]["filled"] >= 1  # (the readers needed the new daemon's fills)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
         assert not errors, errors[:3]
         assert handover.holder_generation(tmp_path / "cache") == generation  # the same group throughout
         assert ds[-1].stats()["fanotify"]["attached"][layer.blob]["holders"] == ["test"]
@@ -226,32 +249,38 @@ def test_holder_and_daemon_killed_new_group_new_generation_right_bytes(backend: 
 def test_daemon_upgrade_while_16_readers_read(backend: CountingBackend, src: Path, layer: BuiltLayer,
                                               tmp_path: Path) -> None:
     """`layerctl daemon-upgrade` (`fanotify.upgrade`): SIGTERM, the same arguments started again;
-    reads in the gap wait and complete, none fails, none is wrong."""
+    reads in the gap wait and complete, none fails, none is wrong. The readers start on a cold
+    mount (only metadata attached), and after the upgrade on a cold one again (detached, evicted,
+    attached: the new daemon fills it)."""
     from fuse_client.fanotify.upgrade import upgrade
 
     files = _files(src)
-    stop = threading.Event()
     errors: list[BaseException] = []
     reads = [0] * 16
     new_pid = None
     with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp_path) as mnt:
-        threads = _readers(mnt, src, files, stop, errors, reads, 16)
-        for t in threads:
-            t.start()
         try:
-            request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
-            res = upgrade(tmp_path / "cache", log=tmp_path / "upgraded.log")
-            new_pid = res["new_pid"]
-            assert res["old_pid"] == ds[-1].pid and res["data_path"] == "fanotify"
-            request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
-            before = sum(reads)
-            while sum(reads) < before + 32 and not errors:
-                threading.Event().wait(0.01)
+            for cycle in range(2):
+                if cycle:
+                    assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
+                stop = threading.Event()
+                threads = _readers(mnt, src, files, stop, errors, reads, 16)
+                for t in threads:
+                    t.start()
+                try:
+                    if not cycle:
+                        res = upgrade(tmp_path / "cache", log=tmp_path / "upgraded.log")
+                        new_pid = res["new_pid"]
+                        assert res["old_pid"] == ds[-1].pid and res["data_path"] == "fanotify"
+                    _wait_reads(reads, 32, errors)
+                finally:
+                    stop.set()
+                    for t in threads:
+                        t.join(60)
+            fan = request_json(tmp_path / "cache", "GET", "/stats")["fanotify"]
+            assert fan["filled"] >= 1  # (the new daemon filled the cold mount)
         finally:
-            stop.set()
-            for t in threads:
-                t.join(60)
             if new_pid is not None:
                 os.kill(new_pid, 15)
                 os.waitpid(new_pid, 0)
