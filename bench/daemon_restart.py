@@ -1,10 +1,15 @@
 """16 sandboxes reading in a loop while the node daemon is killed with -9 and restarted N times
 (issue 18; docs/fanotify.md): on the fanotify data path every read must complete with the right
-bytes. Chunks are evicted before each kill, so the readers keep needing fills across the gap.
+bytes. Each cycle starts on a cold mount (the layer unmounted, detached, evicted, attached and
+mounted again: an attached blob is never evicted, docs/fanotify.md window 7), so the readers need
+fills across the gap.
 
-    sudo .venv/bin/python bench/daemon_restart.py [--restarts 100] [--readers 16] [--kill-all]
+    sudo .venv/bin/python bench/daemon_restart.py [--restarts N] [--readers 16] [--kill-all]
 
-Writes bench/results/daemon_restart.json: restarts, reads, failed reads, wrong reads, the gaps
+N defaults to 100 (`BENCH_SIZE=full`, and the kill-all run: 30) or 8 at `BENCH_SIZE=quick` (what
+`make bench` runs: about a minute).
+
+Writes bench/results/daemon_restart.json (daemon_restart-quick.json at quick): restarts, reads, failed reads, wrong reads, the gaps
 (kill to the next daemon answering), the load average, and what the successors answered.
 
 `--kill-all` (bench/results/daemon_restart-kill-all.json): the daemon is started by the runtime
@@ -36,6 +41,7 @@ for p in (ROOT, ROOT / "tests" / "support"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from testkit.fanotify_cycles import remount_cold  # noqa: E402
 from testkit.fanotify_helpers import mounted_layer, node_daemon, process_marks, read_uncached, start_daemon  # noqa: E402,E501
 from testkit.fuse_helpers import build_and_push, make_tree  # noqa: E402
 
@@ -70,15 +76,18 @@ class Readers:
         self.reads = [0] * n
         self.failed: list[str] = []
         self.wrong: list[str] = []
-        self.threads = [threading.Thread(target=self.read_loop, args=(k,), daemon=True) for k in range(n)]
+        self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.read_loop, args=(k, self.stop), daemon=True)
+                        for k in range(len(self.reads))]
         for t in self.threads:
             t.start()
 
-    def read_loop(self, k: int) -> None:
-        rng = random.Random(k)
-        while not self.stop.is_set():
+    def read_loop(self, k: int, stop: threading.Event) -> None:
+        rng = random.Random(k * 7919 + self.reads[k])
+        while not stop.is_set():
             rel = rng.choice(self.files)
             try:
                 got = read_uncached(self.root / rel)
@@ -102,6 +111,14 @@ class Readers:
         self.stop.set()
         for t in self.threads:
             t.join(120)
+        self.threads = []
+
+    def cold_cycle(self, cache: Path, blob: str, holder: str) -> int:
+        """Stop reading, make the layer cold again (`remount_cold`), read again; the bytes evicted."""
+        self.join()
+        evicted = remount_cold(cache, blob, self.root, holder)
+        self.start()
+        return evicted
 
     def summary(self) -> dict[str, Any]:
         return {"readers": len(self.reads), "reads": self.total(), "failed_reads": len(self.failed),
@@ -149,7 +166,7 @@ def kill_all(args: argparse.Namespace) -> int:
                     if rec is not None and is_alive(rec):
                         break
                     time.sleep(0.01)
-                request_json(paths.cache, "POST", "/cache/evict", {"all": True})
+                evicted = readers.cold_cycle(paths.cache, layer.blob, "bench") if i else 0
                 time.sleep(random.uniform(0.05, 0.3))
                 ident = handover.read_identity(paths.cache)
                 assert ident is not None
@@ -175,7 +192,7 @@ def kill_all(args: argparse.Namespace) -> int:
                     except Exception:  # (not up yet)
                         time.sleep(0.005)
                 cycles.append({"marks_back_s": round(marks, 4), "daemon_back_s": round(daemon, 3),
-                               "wrong_reads": len(readers.wrong) - w0})
+                               "wrong_reads": len(readers.wrong) - w0, "evicted_before": evicted})
                 print(f"cycle {i + 1}/{args.restarts}: marks back after {marks:.3f} s, daemon after {daemon:.2f} s, "
                       f"reads {readers.total()}, failed {len(readers.failed)}, wrong {len(readers.wrong)}", flush=True)
             readers.wait_reads()
@@ -212,14 +229,18 @@ def kill_all(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--restarts", type=int, default=100)
+    ap.add_argument("--restarts", type=int, default=None,
+                    help="cycles (default: 100, 30 with --kill-all; 8 at BENCH_SIZE=quick)")
     ap.add_argument("--readers", type=int, default=16)
     ap.add_argument("--kill-all", action="store_true", help="kill the holder too: the watch's regroup window")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    quick = os.environ.get("BENCH_SIZE", "full") == "quick"
+    if args.restarts is None:
+        args.restarts = 8 if quick else 30 if args.kill_all else 100
     if args.out is None:
-        args.out = ROOT / "bench" / "results" / ("daemon_restart-kill-all.json" if args.kill_all
-                                                 else "daemon_restart.json")
+        args.out = ROOT / "bench" / "results" / ("daemon_restart" + ("-kill-all" if args.kill_all else "")
+                                                 + ("-quick" if quick else "") + ".json")
     if args.kill_all:
         return kill_all(args)
     with tempfile.TemporaryDirectory(prefix="daemon-restart-", dir="/var/tmp") as tmpd:
@@ -227,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         backend, layer, want = pushed_layer(tmp)
         gaps: list[float] = []
         answered = {"leftovers": 0, "unknown": 0}
+        filled_by_successors = 0
+        evicted: list[int] = []
         t0 = time.monotonic()
         with node_daemon(backend.url, tmp, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp) as mnt:
@@ -234,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             readers.start()
             try:
                 for i in range(args.restarts):
-                    request_json(ds[-1].cache_dir, "POST", "/cache/evict", {"all": True})
+                    if i:  # (the first mount is cold already)
+                        evicted.append(readers.cold_cycle(ds[-1].cache_dir, layer.blob, "test"))
                     time.sleep(random.uniform(0.05, 0.3))
                     fan = ds[-1].stats()["fanotify"]
                     answered["leftovers"] += fan["leftovers_answered"]
                     answered["unknown"] += fan["unknown_answered"]
+                    filled_by_successors += fan["filled"] if i else 0
                     k0 = time.monotonic()
                     ds[-1].kill9()
                     ds.append(start_daemon(backend.url, tmp / "cache", tmp / "mnt", "fanotify"))
@@ -251,11 +276,14 @@ def main(argv: list[str] | None = None) -> int:
             fan = ds[-1].stats()["fanotify"]
             answered["leftovers"] += fan["leftovers_answered"]
             answered["unknown"] += fan["unknown_answered"]
+            filled_by_successors += fan["filled"]
         result = {
             "restarts": args.restarts, **readers.summary(),
             "gap_seconds": {"min": round(min(gaps), 3), "median": round(sorted(gaps)[len(gaps) // 2], 3),
                             "max": round(max(gaps), 3)} if gaps else None,
-            "answered_by_successors": answered, "seconds": round(time.monotonic() - t0, 1),
+            "answered_by_successors": answered, "filled_by_successors": filled_by_successors,
+            "evicted_bytes_per_cold_cycle": round(sum(evicted) / len(evicted)) if evicted else None,
+            "size": "quick" if quick else "full", "seconds": round(time.monotonic() - t0, 1),
             "loadavg": os.getloadavg(), "blob_bytes": layer.size,
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
