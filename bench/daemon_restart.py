@@ -9,8 +9,9 @@ fills across the gap.
 N defaults to 100 (`BENCH_SIZE=full`, and the kill-all run: 30) or 8 at `BENCH_SIZE=quick` (what
 `make bench` runs: about a minute).
 
-Writes bench/results/daemon_restart.json (daemon_restart-quick.json at quick): restarts, reads, failed reads, wrong reads, the gaps
-(kill to the next daemon answering), the load average, and what the successors answered.
+Writes bench/results/daemon_restart.json (daemon_restart-quick.json at quick): restarts, reads,
+failed reads, wrong reads, the gaps (kill to the next daemon answering), the load average, and
+what the successors answered and filled.
 
 `--kill-all` (bench/results/daemon_restart-kill-all.json): the daemon is started by the runtime
 shim's supervisor (runtime_shim.daemon, with its watch process), and each cycle kills the daemon

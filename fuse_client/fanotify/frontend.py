@@ -364,7 +364,9 @@ class FanotifyFrontEnd:
             if not a.meta_pinned:
                 self.lazy.cache.pin(a.entry, a.entry.metadata)
                 a.meta_pinned = True
-            await self.lazy.cache.flush()
+            # (again: a concurrent attach of the blob that failed meanwhile dropped it; this also
+            # commits the metadata chunks' records)
+            await self.lazy.cache.protect(blob)
         except BaseException:
             if not a.holders:
                 # (a restore keeps the mark: the layer is still mounted on the file)

@@ -151,13 +151,15 @@ async def test_protect_before_an_eviction_chose_its_victims_skips_the_blob(store
     a, b = put_blob(store, 4), put_blob(store, 5)
     async with running_lazy_cache(store, tmp_path / "cache", budget=Budget(N * CHUNK)) as lazy:
         cache: NodeCache = lazy.cache
-        ea = await filled(lazy, a)
-        await cache.protect(a.blob)
+        await lazy.entry(a.blob)
+        await cache.protect(a.blob)  # (attached while cold: its fills alone pass the high watermark)
         punches = Punches(cache)
+        ea = await filled(lazy, a)
         eb = await filled(lazy, b)  # over the high watermark: the budget's loop evicts, b only
         with trio.fail_after(10):
             while cache.usage > Budget(N * CHUNK).high and any(eb.present):
                 await trio.sleep(0.02)
+        await cache.flush()  # (the eviction's punches are applied under the journal's lock)
         assert all(ea.present) and not any(eb.present)
         assert cache.usage == N * CHUNK > cache.budget.high  # type: ignore[union-attr]
         assert punches.blobs() == {b.blob}
