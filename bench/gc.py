@@ -1,6 +1,6 @@
 """Garbage collection against the backend's own bare rates (issue 13, docs/benchmarks-gc.md).
 
-A store of `--chunks` chunk objects (quick 8,000, full 100,000), half of them garbage, plus
+A store of `--chunks` chunk objects (quick 6,000, full 100,000), half of them garbage, plus
 chunk maps of 200 chunks and environments, on the local backend and on S3 (radosgw of a real
 single-node Ceph started here through testkit.ceph_cluster, unless `--ceph-dir DIR` names one
 left running). Per round: a bare `list_info` of the whole store, one `layergc.collect` (grace 0;
@@ -10,7 +10,7 @@ Goal: the collection within 1.5x of bare list + bare delete.
 
     python bench/gc.py [--size quick|full] [--chunks N] [--rounds N] [--backends local,s3] [--profile]
 
-`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick (8,000 chunks, 1 round,
+`--size` defaults to $BENCH_SIZE (as `make bench` sets it), else quick (6,000 chunks, 1 round,
 about a minute with the Ceph start, most of it filling S3 and writing the garbage back through
 radosgw, ~300 objects/s here; bench/results/gc-quick.json); full: 100,000 chunks, 2 rounds
 (bench/results/gc.json). `--profile` adds a collection under cProfile per backend
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 
 from bench.gcbench import session  # noqa: E402
 
-SIZES = {"quick": {"chunks": 8_000, "rounds": 1}, "full": {"chunks": 100_000, "rounds": 2}}
+SIZES = {"quick": {"chunks": 6_000, "rounds": 1}, "full": {"chunks": 100_000, "rounds": 2}}
 RESULTS = ROOT / "bench" / "results"
 
 

@@ -64,8 +64,9 @@ see loadavg). The code is in bench/readbench/ (one module per concern; see its _
                          [--contenders a,b] [--workloads a,b]
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full. quick: 128 MiB of large
-files, 2 rounds, S3 with 64 MiB over loopback and 1 Gbit/s (about 1.5 minutes; results in
-bench/results/read-quick.json; 256 MiB, 3 rounds and both links took 4.6 minutes at load 6-13);
+files, 2 rounds, no all-in-page-cache section, S3 with 64 MiB over loopback and 1 Gbit/s (about 2
+minutes; results in bench/results/read-quick.json; 256 MiB, 3 rounds, the hot section and both
+links took 4.6 minutes at load 6-13);
 full: 1 GiB, 7 rounds, S3 with 512 MiB over loopback, 1 and 4 Gbit/s (about 10 minutes;
 bench/results/read.json).
 """
@@ -100,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contenders", default=",".join(spec.CONTENDERS),
                     help="comma-separated subset of " + ",".join(spec.CONTENDERS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(WORKLOADS))
-    ap.add_argument("--hot", action=argparse.BooleanOptionalAction, default=True, help="the all-in-page-cache section")
+    ap.add_argument("--hot", action=argparse.BooleanOptionalAction, default=None,
+                    help="the all-in-page-cache section (default: full only)")
     ap.add_argument("--hit-path", action=argparse.BooleanOptionalAction, default=True,
                     help="the cost of one FUSE request on the cache-hit path")
     ap.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",

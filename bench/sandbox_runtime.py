@@ -17,7 +17,10 @@ such a namespace would pay); runc runs in the same namespace.
 Needs root. Writes bench/results/sandbox_runtime.json (or sandbox_runtime-private-ns.json). Does not
 change the shim's default.
 
-    python bench/sandbox_runtime.py [--sandboxes 20] [--burst 16] [--rounds 3] [--private-mount-ns]
+    python bench/sandbox_runtime.py [--sandboxes N] [--burst N] [--rounds N] [--private-mount-ns]
+
+Defaults from $BENCH_SIZE (as `make bench` sets it), else quick: 10 one at a time per runtime, 2
+bursts of 16; full: 60, 4 bursts of 32.
 """
 
 from __future__ import annotations
@@ -111,13 +114,15 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     size = os.environ.get("BENCH_SIZE", "quick")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sandboxes", type=int, default=20 if size == "quick" else 60, help="one at a time, per runtime")
+    ap.add_argument("--sandboxes", type=int, default=10 if size == "quick" else 60, help="one at a time, per runtime")
     ap.add_argument("--burst", type=int, default=16 if size == "quick" else 32, help="sandboxes at once")
     ap.add_argument("--rounds", type=int, default=2 if size == "quick" else 4, help="bursts per runtime")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--private-mount-ns", action="store_true",
                     help="run in a private mount namespace without /sys/fs/cgroup/unified (crun unwrapped)")
     a = ap.parse_args(argv)
+    if min(a.sandboxes, a.burst, a.rounds) < 1:
+        ap.error("--sandboxes, --burst and --rounds must be at least 1")
     if os.geteuid() != 0:
         print("sandbox_runtime: needs root (mounts, runc, crun)", file=sys.stderr)
         return 2
