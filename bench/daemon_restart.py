@@ -77,6 +77,7 @@ class Readers:
         self.reads = [0] * n
         self.failed: list[str] = []
         self.wrong: list[str] = []
+        self.wrong_at: list[float] = []  # when each wrong read ended (time.monotonic)
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -96,6 +97,7 @@ class Readers:
                 self.failed.append(f"{rel}: {e}")
                 continue
             if got != self.want[rel]:
+                self.wrong_at.append(time.monotonic())
                 self.wrong.append(str(rel))
             self.reads[k] += 1
 
@@ -149,7 +151,8 @@ def kill_all(args: argparse.Namespace) -> int:
         target = tmp / "layer"
         target.mkdir()
         readers = Readers(args.readers, target, want)
-        cycles: list[dict[str, float]] = []
+        cycles: list[dict[str, Any]] = []
+        last_kill = 0.0
         rec = sup.start(backend.url)
         with state.write() as t:
             t.put_daemon(rec)
@@ -194,9 +197,16 @@ def kill_all(args: argparse.Namespace) -> int:
                         time.sleep(0.005)
                 cycles.append({"marks_back_s": round(marks, 4), "daemon_back_s": round(daemon, 3),
                                "wrong_reads": len(readers.wrong) - w0, "evicted_before": evicted})
+                if i:  # wrong reads that ended since the last cycle's kill, in seconds after it
+                    cycles[-2]["wrong_read_ends_s"] = [round(t - last_kill, 3) for t in readers.wrong_at
+                                                       if last_kill <= t < k0]
+                last_kill = k0
                 print(f"cycle {i + 1}/{args.restarts}: marks back after {marks:.3f} s, daemon after {daemon:.2f} s, "
                       f"reads {readers.total()}, failed {len(readers.failed)}, wrong {len(readers.wrong)}", flush=True)
             readers.wait_reads()
+            if cycles:
+                cycles[-1]["wrong_read_ends_s"] = [round(t - last_kill, 3) for t in readers.wrong_at
+                                                   if t >= last_kill]
         finally:
             if started:
                 readers.join()
