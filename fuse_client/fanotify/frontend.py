@@ -30,6 +30,7 @@ from typing import Any
 import trio
 
 from fuse_client.nodecache import BlobEntry, LazyCache, Reader
+from fuse_client.nodecache.cache import protect_before_open
 from layerstore.errors import BadInput, LayerstoreError
 
 from . import abi, handover, kernel
@@ -256,8 +257,14 @@ class FanotifyFrontEnd:
     # -- marks ---------------------------------------------------------------------------------
     def premark(self, blobs: list[str]) -> None:
         """Before the cache is opened (recovery may punch): mark the data files of the blobs the
-        last daemon had attached (a file that is gone is skipped)."""
+        last daemon had attached (a file that is gone is skipped), and record them as protected
+        from punches (window 7), so that recovery and the first evictions leave them alone even if
+        the last daemon did not record that (an upgrade from a version without protections)."""
         assert self.group is not None
+        try:
+            protect_before_open(self.cache_dir, blobs)
+        except (OSError, LayerstoreError) as e:
+            log.error("cannot record the attached blobs as protected before recovery: %s", e)
         for blob in blobs:
             path = self.data_file(blob)
             try:

@@ -94,6 +94,30 @@ def read_protected(root: Path) -> set[str]:
         return set()
 
 
+def write_protected(root: Path, blobs: Iterable[str]) -> None:
+    """Blocking: PROTECTED_NAME replaced atomically (synced, then renamed, the directory synced)."""
+    path = Path(root) / PROTECTED_NAME
+    tmp = path.with_name(f".{PROTECTED_NAME}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps({"blobs": sorted(blobs)}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def protect_before_open(root: Path, blobs: Iterable[str]) -> None:
+    """Blocking, before the cache is opened: make sure `blobs` are recorded as protected, so that
+    recovery and the first evictions leave their files alone (a front end with mounts that outlived
+    its daemon: they may have been attached by a version that did not record protections)."""
+    want = {digestmod.parse(b) for b in blobs}
+    have = read_protected(root)
+    if not want <= have:
+        write_protected(root, have | want)
+
+
 def check_holder(holder: object) -> str:
     if not isinstance(holder, str) or not holder or len(holder.encode()) > MAX_HOLDER:
         raise BadInput(f"a pin holder is a non-empty string of at most {MAX_HOLDER} bytes, got {holder!r}")
@@ -375,18 +399,6 @@ class NodeCache:
         """Disk bytes held by protected blobs (eviction cannot free them while they are protected)."""
         return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in self.protected)
 
-    def _write_protected(self, blobs: list[str]) -> None:
-        """Worker thread (the journal's batch): PROTECTED_NAME replaced atomically."""
-        path = self.root / PROTECTED_NAME
-        tmp = path.with_name(f".{PROTECTED_NAME}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps({"blobs": blobs}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(self.root)
 
     # -- recovered chunks: re-hashed before they are served ----------------------------------------
     async def check_unverified(self, entry: BlobEntry, positions: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -570,7 +582,7 @@ class NodeCache:
     def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]],
                     protected: list[str] | None = None) -> None:
         if protected is not None:  # (before any punch of the batch: none of them is of a protected blob)
-            self._write_protected(protected)
+            write_protected(self.root, protected)
         for blob in {op.blob for op in ops if isinstance(op, ci.PutChunk)}:
             self.files.sync(blob)  # the bytes are durable before the record that vouches for them
         self.index.apply(ops)

@@ -19,11 +19,12 @@ from testkit.fuse_helpers import running_lazy_cache
 from testkit.nodecache_formats import compressible
 
 from fuse_client.nodecache import NodeCache
-from fuse_client.nodecache.cache import PROTECTED_NAME, read_protected
+from fuse_client.nodecache.cache import PROTECTED_NAME, protect_before_open, read_protected
 from fuse_client.nodecache.cachedir import FORMAT_ENV
 from fuse_client.nodecache.eviction import Budget
 from fuse_client.nodecache.files import BlobFiles
 from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
+from layerstore.errors import LayerstoreError
 from layerstore.store import Store
 
 CHUNK = 64 * 1024
@@ -261,3 +262,37 @@ def test_a_zstd_cache_counts_stored_bytes_in_usage_budget_and_eviction(
     assert seen["recovered"] == usage <= budget.high
     assert seen["plain"] > budget.size
     assert seen["evicted"] == 0
+
+
+def test_blobs_recorded_before_open_are_protected_from_recovery(store: Store, tmp_path: Path) -> None:
+    """The fanotify front end's `premark` records the persisted attachments before the cache opens
+    (`protect_before_open`): a cache whose last daemon recorded no protection (an upgrade from a
+    version without them) still keeps a mounted file's unrecorded bytes through recovery."""
+    a = put_blob(store, 10)
+    root = tmp_path / "cache"
+    files = BlobFiles(root)
+
+    async def fill() -> None:
+        async with running_lazy_cache(store, root) as lazy:
+            await lazy.ensure(await lazy.entry(a.blob), [0])
+
+    trio.run(fill)
+    fd = os.open(files.path(a.blob), os.O_WRONLY)
+    os.pwrite(fd, b"x" * CHUNK, 5 * CHUNK)  # a fill allowed before the crash, its record not committed
+    os.close(fd)
+    assert read_protected(root) == set()
+    protect_before_open(root, [a.blob])
+    protect_before_open(root, [a.blob])  # (idempotent)
+    seen: dict[str, object] = {}
+
+    async def reopen() -> None:
+        async with running_lazy_cache(store, root) as lazy:
+            seen["protected"] = set(lazy.cache.protected)
+            entry = lazy.cache.get(a.blob)
+            seen["present"] = entry is not None and (entry.unverified[0], entry.unverified[5])
+
+    trio.run(reopen)
+    assert seen == {"protected": {a.blob}, "present": (1, 0)}  # chunk 5 not served (no record) ...
+    assert files.allocated_bytes(a.blob) >= 2 * CHUNK  # ... and not punched
+    with pytest.raises(LayerstoreError):
+        protect_before_open(root, ["not a digest"])
