@@ -23,8 +23,8 @@ what KVM would change is said in the results' `kvm_note`.
                        [--caches cold,warm] [--backends runc,microvm,vm] [--out FILE]
 
 `--size` defaults to $BENCH_SIZE (as `make bench` sets it), else full: 3 rounds (creation and two
-boots of each root device), 1 and 8 sandboxes at once, cold and warm (bench/results/vm.json; tens
-of minutes under TCG). quick: one round and one sandbox at a time, cold and warm, every backend
+boots of each root device), 1 and 8 sandboxes at once, cold and warm (bench/results/vm.json).
+quick: one round and one sandbox at a time, cold and warm, every backend
 (bench/results/vm-quick.json): still the container against the microVM against the VM, and the
 multi-device root against the flattened one, in the same run, but every VM boot here is ~10
 CPU-seconds of TCG, so even quick is one of the longest benches (~6 boots).
