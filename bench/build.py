@@ -390,6 +390,8 @@ def main() -> None:
     ap.add_argument("--throughput-only", action="store_true",
                     help="only the throughput rounds, appended to 'rootfs_more_runs' of the existing results")
     args = ap.parse_args()
+    if (args.runs is not None and args.runs < 1) or not args.versions:
+        ap.error("--runs must be at least 1, and --versions name at least one release")
     full = args.size == "full"
     if args.throughput_only:
         kept = json.loads(RESULTS.read_text())

@@ -64,8 +64,15 @@ def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
     contenders = tuple(a.contenders.split(",")) if a.contenders else size.contenders
     if a.readset_only is not None:
         a.output = a.readset_only
-    opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes,
-                   rate_mbit=float(a.rate_mbit) if a.rate_mbit else size.rate_mbit,
+    try:
+        rate = float(a.rate_mbit) if a.rate_mbit is not None else float(size.rate_mbit)
+    except ValueError:
+        ap.error(f"--rate-mbit: {a.rate_mbit!r} is not a number (Mbit/s)")
+    if not 1 <= rate <= 100_000:
+        ap.error(f"--rate-mbit: {rate:g}: the link must be 1-100000 Mbit/s")
+    if (a.sandboxes is not None and a.sandboxes < 1) or (a.rounds is not None and a.rounds < 1):
+        ap.error("--sandboxes and --rounds must be at least 1")
+    opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes, rate_mbit=rate,
                    environments=envs, contenders=contenders,
                    output=a.output or REPO / "bench" / "results" / f"burst-{size.name}.json",
                    readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs,
@@ -84,8 +91,8 @@ def parse_nodes(ap: argparse.ArgumentParser, a: argparse.Namespace) -> NodeOptio
             shapes = spec.Shape.parse(a.nodes, a.per_node, rates or (1000.0,))
     except ValueError as e:
         ap.error(str(e))
-    if any(r <= 0 for s in shapes for r in (s.rate_mbit,)):
-        ap.error("--rate-mbit must be > 0")
+    if any(not 1 <= s.rate_mbit <= 100_000 for s in shapes):
+        ap.error("--rate-mbit: the link must be 1-100000 Mbit/s")
     if not shapes:
         ap.error("--nodes: no shape")
     if a.environments:

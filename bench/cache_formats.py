@@ -127,8 +127,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/cache_formats.json (full) or cache_formats-<size>.json")
     args = ap.parse_args()
-    args.mib = args.mib or SIZES[args.size]["mib"]
-    args.rounds = args.rounds or SIZES[args.size]["rounds"]
+    args.mib = SIZES[args.size]["mib"] if args.mib is None else args.mib
+    args.rounds = SIZES[args.size]["rounds"] if args.rounds is None else args.rounds
     if args.mib < 1 or args.rounds < 1:
         ap.error("--mib and --rounds must be at least 1")
     args.out = args.out or REPO / "bench" / "results" / (

@@ -79,12 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = spec.SIZES[args.size]
-    args.scales = [int(x) for x in args.scales.split(",")] if args.scales else size["scales"]
-    args.clients = [int(x) for x in args.clients.split(",")] if args.clients else size["clients"]
+    try:
+        args.scales = [int(x) for x in args.scales.split(",")] if args.scales else size["scales"]
+        args.clients = [int(x) for x in args.clients.split(",")] if args.clients else size["clients"]
+    except ValueError:
+        ap.error("--scales and --clients take comma-separated whole numbers")
+    if not args.scales or min(args.scales) < 1 or args.scales != sorted(set(args.scales)):
+        ap.error("--scales: ascending numbers of mounted sandboxes, each at least 1")
+    if not args.clients or min(args.clients) < 1:
+        ap.error("--clients: each at least 1")
     args.cli = size["cli"] if args.cli is None else args.cli
     args.rounds = size["rounds"] if args.rounds is None else args.rounds
     args.ab_blocks = size["ab_blocks"] if args.ab_blocks is None else args.ab_blocks
     args.vs_plain_blocks = size["vs_plain_blocks"] if args.vs_plain_blocks is None else args.vs_plain_blocks
+    if args.rounds < 1 or min(args.cli, args.ab_blocks, args.vs_plain_blocks) < 0:
+        ap.error("--rounds must be at least 1; --cli, --ab-blocks and --vs-plain-blocks at least 0")
     return args
 
 

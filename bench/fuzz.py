@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated parser names")
     ap.add_argument("--seed", type=int, default=12)
     args = ap.parse_args()
-    args.inputs = args.inputs or SIZES[args.size]
+    args.inputs = SIZES[args.size] if args.inputs is None else args.inputs
     if args.inputs < 1:
         ap.error("--inputs must be at least 1")
     oci = fuzzing.OciTarget.create()

@@ -249,8 +249,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.quick = a.quick or a.size == "quick"
-    vms = a.vms or (2 if a.quick else 8)
-    set_mib = a.set_mib or (64 if a.quick else 192)
+    vms = (2 if a.quick else 8) if a.vms is None else a.vms
+    set_mib = (64 if a.quick else 192) if a.set_mib is None else a.set_mib
     if vms < 1 or set_mib < 1:
         ap.error("--vms and --set-mib must be at least 1")
     suffix = ("-quick" if a.quick else "") + ("" if a.layout == "flat" else "-default-layout")
