@@ -10,7 +10,8 @@ list and a `store_once` per object. Nothing measured changes: the node still rea
 from the same store through the same link.
 
 A cache entry is built in a temporary directory and renamed into place only when every layer was
-pushed, so an interrupted build is never taken for a cached one.
+pushed, so an interrupted build is never taken for a cached one; the four most recently used
+entries are kept.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 # What decides the bytes a push writes: the builder, the store's object formats, the CLI's build command.
 CODE = ("erofs_builder", "layerstore", "layerctl/cmd_build.py")
 COPY_THREADS = 16
+KEEP = 4  # cache entries kept (the quick, full and tiny input sets, and one more)
 
 
 def code_digest() -> str:
@@ -58,6 +60,7 @@ def built(layers: dict[str, Layer], layerctl: str, build_json: Any) -> tuple[Pat
     entry = root / cache_key(layers)
     results = entry / "layers.json"
     if results.is_file():
+        os.utime(results)  # recently used: kept by the pruning below
         return entry / "store", json.loads(results.read_text())
     tmp = root / f".{entry.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,9 +73,21 @@ def built(layers: dict[str, Layer], layerctl: str, build_json: Any) -> tuple[Pat
         res = build_json("build", str(layer.tar_gz), "--push", "--store", store, "--role", layer.role, "--json")
         out[name] = res[0] if isinstance(res, list) else res
     (tmp / "layers.json").write_text(json.dumps(out, indent=1) + "\n")
-    shutil.rmtree(entry, ignore_errors=True)
-    os.replace(tmp, entry)
-    return entry / "store", out
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # a concurrent run published the same entry first: same inputs, same objects
+        shutil.rmtree(tmp, ignore_errors=True)
+    prune(root)
+    return entry / "store", json.loads(results.read_text())
+
+
+def prune(root: Path, keep: int = KEEP) -> None:
+    """Keep the `keep` most recently used entries (each a few hundred MB; every change to the
+    builder's code makes a new one)."""
+    entries = sorted((p for p in root.iterdir() if (p / "layers.json").is_file()),
+                     key=lambda p: (p / "layers.json").stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_store(src: Path, dst_url: str) -> int:
