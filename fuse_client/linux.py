@@ -112,18 +112,29 @@ def umount(target: str | os.PathLike[str], *, lazy: bool = False) -> None:
         raise MountError(f"umount {os.fsdecode(target)}: {os.strerror(err)}")
 
 
-def detach(path: str | os.PathLike[str]) -> bool:
-    """Unmount `path`, lazily if it is busy or dead; True if something was mounted there.
+UNMOUNTED = "unmounted"
+DETACHED_LAZILY = "detached lazily"
+
+
+def detach_how(path: str | os.PathLike[str]) -> str | None:
+    """Unmount `path`, lazily if it is busy or dead. None if nothing was mounted there, else
+    UNMOUNTED, or DETACHED_LAZILY: the mount is gone from the tree but a process (or a mount
+    stacked on it, detached lazily itself) may still read through it, so what backs it must stay.
 
     O(1): asks the kernel directly instead of looking `path` up in mountinfo first. EINVAL = not
     a mount point. Symlinks are not followed (a target is a directory the shim made or was given)."""
-    for flags in (0, MNT_DETACH):  # lazily when busy (a process inside) or a dead FUSE below it
+    for flags, how in ((0, UNMOUNTED), (MNT_DETACH, DETACHED_LAZILY)):  # busy: a process inside, a dead FUSE
         err = umount2(path, flags)
         if err == 0:
-            return True
+            return how
         if err in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
-            return False
+            return None
     raise MountError(f"umount {os.fsdecode(path)}: {os.strerror(err)}")
+
+
+def detach(path: str | os.PathLike[str]) -> bool:
+    """`detach_how`: True if something was mounted there."""
+    return detach_how(path) is not None
 
 
 def bind_private(path: str | os.PathLike[str]) -> None:

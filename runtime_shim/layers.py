@@ -30,6 +30,7 @@ FUSE file.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -43,6 +44,8 @@ from .errors import ShimError
 from .overlay import SAFE, explain
 from .paths import NodePaths
 from .state import ATTACHED_PREFIX, MOUNTED, MOUNTING, LayerMount, Txn, fuse_generation, this_process
+
+log = logging.getLogger("layerstore.shim.layers")
 
 DIRECT = "direct"  # the generation of a direct mount: it reads no daemon's file
 CLAIMED = "claimed"
@@ -129,9 +132,19 @@ class LayerMounts:
 
     def unmount(self, lm: LayerMount) -> None:
         """Unmount first, then drop the pin of a direct mount (never the other way round: the
-        cache may reuse an unpinned file), or the attachment of a fanotify one."""
-        detach(lm.mountpoint)
+        cache may reuse an unpinned file), or the attachment of a fanotify one. A busy mount
+        is detached lazily and keeps both: a process left reading through it (or through a
+        sandbox's overlay detached lazily above it) must never read a range the cache punched
+        once unpinned or detached (docs/fanotify.md, window 7). The pin stays until the shim's
+        next recovery reconciles pins (`recover._reconcile_pins`); the attachment, persisted by
+        the daemon, stays until it is detached by hand. Logged, as both hold cache space."""
+        how = linux.detach_how(lm.mountpoint)
         rmdir_quiet(lm.mountpoint)
+        if how == linux.DETACHED_LAZILY and (lm.pin or lm.generation.startswith(ATTACHED_PREFIX)):
+            log.warning("layer %s: its mount %s was busy and was detached lazily; blob %s stays %s (a process may "
+                        "still read through the detached mount)", lm.blob, lm.mountpoint, lm.blob,
+                        "pinned" if lm.pin else "attached")
+            return
         if lm.generation.startswith(ATTACHED_PREFIX):
             with contextlib.suppress(LayerstoreError, AttributeError):
                 self.blobs.detach(lm.blob, self.holder(lm.blob))  # type: ignore[attr-defined]
