@@ -245,8 +245,12 @@ def cache_evict_cmd(cache_dir: Path, blob: str | None, evict_all: bool, to_bytes
     if as_json:
         emit_json(res)
     else:
+        held = res.get("protected_bytes") or 0
         click.echo(f"evicted {res['evicted_chunks']} chunk(s), {human_bytes(res['evicted_bytes'])}; "
-                   f"{human_bytes(res['used_bytes'])} used")
+                   f"{human_bytes(res['used_bytes'])} used"
+                   + (f" ({human_bytes(held)} of it in attached blobs, not evictable while mounted)" if held else ""))
+        if res.get("skipped"):
+            click.echo(f"skipped: {res['skipped']}")
 
 
 @cache_group.command("gc")
