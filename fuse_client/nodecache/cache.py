@@ -583,8 +583,8 @@ class NodeCache:
                     protected: list[str] | None = None) -> None:
         if protected is not None:  # (before any punch of the batch: none of them is of a protected blob)
             write_protected(self.root, protected)
-        for blob in {op.blob for op in ops if isinstance(op, ci.PutChunk)}:
-            self.files.sync(blob)  # the bytes are durable before the record that vouches for them
+        # the bytes are durable before the record that vouches for them (one journal commit for all)
+        self.files.sync_all({op.blob for op in ops if isinstance(op, ci.PutChunk)})
         self.index.apply(ops)
         for blob, ranges in punches:  # the records are gone before the bytes are
             self.files.punch(blob, ranges)
