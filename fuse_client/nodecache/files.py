@@ -116,10 +116,6 @@ class BlobFiles:
                 except LayerstoreError:
                     continue
 
-    def sync(self, blob: str) -> None:
-        """Make the data written so far to one blob's file durable."""
-        self.sync_all((blob,))
-
     def sync_all(self, blobs: Iterable[str]) -> None:
         """Make the data written so far to these blobs' files durable (any descriptor of a file
         will do). Writeback of every file is started first and only then is each one

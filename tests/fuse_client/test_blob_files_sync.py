@@ -42,7 +42,7 @@ def test_sync_all_syncs_each_existing_file_once_and_closes_them(tmp_path, monkey
     assert [kind for kind, _ in events] == ["start"] * 3 + ["sync"] * 3, "every writeback starts before any sync"
     assert _open_fds() == before
     events.clear()
-    files.sync(present[0])  # one file: nothing to group, straight to fdatasync
+    files.sync_all([present[0]])  # one file: nothing to group, straight to fdatasync
     assert events == [("sync", files.path(present[0]).stat().st_ino)]
 
 def test_a_failed_sync_is_raised_and_leaks_nothing(tmp_path, monkeypatch):
