@@ -59,11 +59,26 @@ def summarize(raw: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
         out["errors"] = [{"index": b["index"], "env": b["env"], "rc": b.get("rc"), "error": b.get("error", "")[-600:]}
                          for b in failed[:5]]
     out["facts"] = raw.get("facts", {})
+    sub = subtracted_writes(out.get("disk_write_bytes"), out.get("uppers_disk_write_bytes"), out["facts"])
+    if sub is not None:
+        out["disk_write_bytes_subtracted"] = sub
     return out
 
 
+def subtracted_writes(node: int | None, uppers_disk: int | None, facts: dict[str, Any]) -> int | None:
+    """The old estimate of node disk writes without the uppers, from the same run: what both disks
+    wrote (as if the uppers had been on the node disk) less the uppers' allocated bytes summed at
+    each sandbox's end. It misses the journal, metadata and deleted files the tasks cause, which
+    the uppers disk now takes by construction."""
+    uppers = ((facts or {}).get("disk_breakdown") or {}).get("uppers")
+    if not isinstance(node, int) or not isinstance(uppers_disk, int) or not isinstance(uppers, int):
+        return None
+    return node + uppers_disk - uppers
+
+
 ROUND_KEYS = ("all_started_s", "all_finished_s", "p50_started_s", "p50_finished_s", "bytes_fetched",
-              "disk_write_bytes", "mem_peak_bytes", "mem_peak_anon_bytes", "failed", "machine_cpu_busy_s",
+              "disk_write_bytes", "uppers_disk_write_bytes", "disk_write_bytes_subtracted", "mem_peak_bytes",
+              "mem_peak_anon_bytes", "failed", "machine_cpu_busy_s",
               "loadavg_before", "loadavg_after")
 
 
@@ -108,6 +123,11 @@ def add_ratios(results: dict[str, Any]) -> None:
             r["all_started_speedup"] = _ratio(base.get("all_started_s"), c.get("all_started_s"))
             r["all_finished_speedup"] = _ratio(base.get("all_finished_s"), c.get("all_finished_s"))
             r["disk_write_ratio"] = _ratio(c.get("disk_write_bytes"), base.get("disk_write_bytes"))
+            if "uppers_disk_write_bytes" in c:  # the node disk held no uppers: the ratio above leaves them out
+                r["uppers_disk_write_ratio"] = _ratio(c.get("uppers_disk_write_bytes"),
+                                                      base.get("uppers_disk_write_bytes"))
+                r["disk_write_ratio_subtracted"] = _ratio(c.get("disk_write_bytes_subtracted"),
+                                                          base.get("disk_write_bytes_subtracted"))
             r["bytes_fetched_ratio"] = _ratio(c.get("bytes_fetched"), base.get("bytes_fetched"))
             r["mem_peak_ratio"] = _ratio(c.get("mem_peak_bytes"), base.get("mem_peak_bytes"))
         r["fetched_over_read"] = _ratio(c.get("bytes_fetched"), read_bytes)

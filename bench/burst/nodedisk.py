@@ -5,6 +5,12 @@ counts what this contender wrote and nothing else (other work on the machine wri
 The loop device uses direct I/O on its backing file, so the backing file adds no second page cache.
 Re-making the file system per contender also gives every contender the same cold node: empty, with no
 page cache left from the one before (unmounting drops it).
+
+The uppers disk (issue 19): a second one of these per node, made with the same options and mounted at
+NODE/sandboxes for every contender alike, so the sandboxes' uppers and overlay work directories (and
+whatever else lives in a sandbox's directory: its OCI bundle, the shim's record file and trash) are
+written there and the node disk's counters leave the tasks' own writes out by construction. The
+uppers disk's own counters show that both paths write about the same there.
 """
 
 from __future__ import annotations
@@ -87,6 +93,17 @@ class NodeDisk:
             subprocess.run([*mkfs, self.device], check=True)
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "ext4", self.device, str(self.mountpoint)], check=True)
+
+    def fresh_at(self, mountpoint: Path) -> None:
+        """`fresh`, mounted at `mountpoint` (the uppers disk: inside the node directory, which
+        changes per contender). Unmount it before the node disk it sits in."""
+        if os.path.ismount(self.mountpoint) and self.mountpoint != mountpoint:
+            self.unmount()
+        self.mountpoint = mountpoint
+        if self.device is not None:
+            self.state_file.write_text(json.dumps({"device": self.device, "mountpoint": str(mountpoint),
+                                                   "owner": os.getpid()}))
+        self.fresh()
 
     def counters(self) -> DiskCounters:
         syncfs(self.mountpoint)

@@ -46,19 +46,24 @@ def shape_markdown(label: str, sh: dict[str, Any]) -> list[str]:
     for name in in_order(cs):
         d = cs[name].get("disk_split")
         if d:
+            up = fmt_mb(d["uppers"])
+            if "uppers_disk_written" in d:
+                up += f" (not on the node disk; uppers disk: {fmt_mb(d['uppers_disk_written'])} written)"
             lines.append(f"| {LABELS.get(name, name)} | {fmt_mb(d['disk_written'])} | {fmt_mb(d['layer_data'])} | "
-                         f"{fmt_mb(d['cache_index'])} | {fmt_mb(d['uppers'])} | {fmt_mb(d['state'])} | "
+                         f"{fmt_mb(d['cache_index'])} | {up} | {fmt_mb(d['state'])} | "
                          f"{fmt_mb(d['rest'])} | "
                          f"{fmt_mb(d['process_written'])} |")
     lines += ["", "| contender | all-started speed-up | all-finished speed-up | store bytes | disk writes | "
-              "disk writes without uppers | peak memory |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "disk writes without uppers | same, by subtraction | uppers disk writes | peak memory |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in in_order(cs):
         r = cs[name].get("ratios")
         if r:
             lines.append(f"| {LABELS.get(name, name)} | {fmt_x(r.get('all_started_speedup'))} | "
                          f"{fmt_x(r.get('all_finished_speedup'))} | {fmt_x(r.get('store_bytes_ratio'))} | "
                          f"{fmt_x(r.get('disk_write_ratio'))} | {fmt_x(r.get('disk_write_ratio_no_uppers'))} | "
-                         f"{fmt_x(r.get('mem_peak_ratio'))} |")
+                         f"{fmt_x(r.get('disk_write_ratio_subtracted'))} | "
+                         f"{fmt_x(r.get('uppers_disk_write_ratio'))} | {fmt_x(r.get('mem_peak_ratio'))} |")
     goals = sh.get("goals")
     if goals:
         lines += ["", "Issue 19's goals for lazy: " + "; ".join(

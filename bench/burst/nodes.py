@@ -132,6 +132,7 @@ class ClusterBench(Bench):
         self.nopts = nopts
         self.clink: ClusterLink | None = None
         self.node_disks: list[NodeDisk] = []
+        self.uppers_disks: list[NodeDisk] = []  # each node's uppers disk, at NODE/sandboxes during a burst
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -226,14 +227,20 @@ class ClusterBench(Bench):
             d = NodeDisk(self.run_dir / f"node{i}.img", self.run_dir / f"node{i}", size_gib=gib, inodes=inodes)
             d.attach()
             self.node_disks.append(d)
+            u = NodeDisk(self.run_dir / f"uppers{i}.img", self.run_dir / f"uppers{i}", size_gib=gib, inodes=inodes)
+            u.attach()
+            self.uppers_disks.append(u)
         self.cleanup.push("node disks", self._nodes_down)
 
     def _nodes_down(self) -> None:
         from .lazy import sweep_mounts
 
         disks, self.node_disks = self.node_disks, []
+        uppers, self.uppers_disks = self.uppers_disks, []
         if self.clink is not None:
             self.clink.set_nodes(0)  # nothing of a node outlives its namespace (ours by construction)
+        for u in uppers:  # (each sits in its node's disk)
+            u.detach()
         for d in disks:
             with contextlib.suppress(Exception):
                 sweep_mounts(d.mountpoint)
@@ -253,10 +260,12 @@ class ClusterBench(Bench):
         try:
             for i in range(n):
                 disk = self.node_disks[i]
+                self.uppers_disks[i].unmount()
                 sweep_mounts(disk.mountpoint)
                 disk.fresh()
                 node = disk.mountpoint / name
                 node.mkdir()
+                self.uppers_disks[i].fresh_at(node / "sandboxes")  # the sandboxes' directories, apart
                 cg = cgroups.MemoryCgroup(f"{cg_root}/{name}-n{i}")
                 cg.create()
                 groups.append(cg)
@@ -286,6 +295,7 @@ class ClusterBench(Bench):
             inputs.log(f"{name}: {n} nodes ready in {time.monotonic() - t_setup:.1f} s")
             ports0, q0 = self.clink.port_stats(), self.clink.qdisc_stats()
             disk0 = [d.counters() for d in self.node_disks[:n]]
+            up0 = [d.counters() for d in self.uppers_disks[:n]]
             cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
             mem = ClusterMemory(groups)
             mem.start()
@@ -298,6 +308,7 @@ class ClusterBench(Bench):
             mem.stop()
             ports1, q1 = self.clink.port_stats(), self.clink.qdisc_stats()
             disk1 = [d.counters() for d in self.node_disks[:n]]
+            up1 = [d.counters() for d in self.uppers_disks[:n]]
             cpu1 = cpu_seconds()
             used = [d.used_bytes() for d in self.node_disks[:n]]
             kpeak = [g.kernel_peak() for g in groups]
@@ -315,6 +326,8 @@ class ClusterBench(Bench):
             stop_all(procs)
             for g in groups:
                 g.remove()
+            for u in self.uppers_disks:
+                u.unmount()
         inputs.log(f"{name}: nodes torn down in {time.monotonic() - t_down:.1f} s")
         raws = []
         for i in range(n):
@@ -339,6 +352,7 @@ class ClusterBench(Bench):
                 "failed": s["failed"], "all_started_s": s["all_started_s"],
                 "all_finished_s": s["all_finished_s"], "fetched_bytes": fetched, "sent_bytes": sent,
                 "disk_write_bytes": disk1[i].minus(disk0[i]).write_bytes, "disk_used_bytes": used[i],
+                "uppers_disk_write_bytes": up1[i].minus(up0[i]).write_bytes,
                 "mem_peak_bytes": mem.peak_node[i], "mem_peak_anon_bytes": mem.peak_node_anon[i],
                 "mem_peak_node_side_bytes": kpeak[i], "facts": raws[i].get("facts", {}),
                 "phases_median_s": s.get("phases_median_s", {}),
@@ -352,6 +366,7 @@ class ClusterBench(Bench):
             "qdisc_bytes": delta(q1.get("bytes"), q0.get("bytes")),
             "qdisc_drops": delta(q1.get("drops"), q0.get("drops")),
             "disk_write_bytes": sum(x["disk_write_bytes"] for x in per_node),
+            "uppers_disk_write_bytes": sum(x["uppers_disk_write_bytes"] for x in per_node),
             "disk_used_bytes": sum(used),
             "mem_peak_bytes": mem.peak_total,
             "mem_peak_anon_bytes": mem.peak_total_anon,
@@ -393,9 +408,14 @@ def disk_split(per_node: list[dict[str, Any]], contender: str) -> dict[str, int]
     (node cache / tar.gz + extracted), cache index, uppers, runc + shim state, the rest (journal,
     metadata, rewrites), and what the daemon / puller process itself wrote. Pure."""
     tot = {"disk_written": 0, "layer_data": 0, "cache_index": 0, "uppers": 0, "state": 0, "process_written": 0}
+    apart = any("uppers_disk_write_bytes" in x for x in per_node)  # the uppers were on a disk of their own
+    if apart:
+        tot["uppers_disk_written"] = 0
     for x in per_node:
         b = (x.get("facts") or {}).get("disk_breakdown") or {}
         tot["disk_written"] += int(x.get("disk_write_bytes") or 0)
+        if apart:
+            tot["uppers_disk_written"] += int(x.get("uppers_disk_write_bytes") or 0)
         if contender == "conventional":
             tot["layer_data"] += int(b.get("content", 0)) + int(b.get("snapshots", 0))
             tot["state"] += int(b.get("runc_state", 0))
@@ -406,7 +426,10 @@ def disk_split(per_node: list[dict[str, Any]], contender: str) -> dict[str, int]
             tot["state"] += int(b.get("shim_state", 0)) + int(b.get("runc_state", 0))
             tot["process_written"] += int(b.get("daemon_write_bytes", 0))
         tot["uppers"] += int(b.get("uppers", 0))
-    tot["rest"] = tot["disk_written"] - tot["layer_data"] - tot["cache_index"] - tot["uppers"] - tot["state"]
+    tot["rest"] = (tot["disk_written"] - tot["layer_data"] - tot["cache_index"] - tot["state"]
+                   - (0 if apart else tot["uppers"]))
+    if apart:  # the old estimate, from the same run: both disks' writes less the uppers' allocated bytes
+        tot["subtracted"] = tot["disk_written"] + tot["uppers_disk_written"] - tot["uppers"]
     return tot
 
 
@@ -422,8 +445,14 @@ def add_cluster_ratios(shape: dict[str, Any]) -> None:
         return round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
 
     def no_uppers(c: dict[str, Any]) -> int | None:
+        """Node disk writes without the uppers: by construction when they had a disk of their own."""
         d = c.get("disk_split") or {}
-        return d["disk_written"] - d["uppers"] if "disk_written" in d else None
+        if "disk_written" not in d:
+            return None
+        return d["disk_written"] if "uppers_disk_written" in d else d["disk_written"] - d["uppers"]
+
+    def split(c: dict[str, Any], key: str) -> int | None:
+        return (c.get("disk_split") or {}).get(key)
 
     for c in cs.values():
         if c.get("skipped"):
@@ -434,6 +463,8 @@ def add_cluster_ratios(shape: dict[str, Any]) -> None:
             "store_bytes_ratio": r(c.get("bytes_fetched"), base.get("bytes_fetched")),
             "disk_write_ratio": r(c.get("disk_write_bytes"), base.get("disk_write_bytes")),
             "disk_write_ratio_no_uppers": r(no_uppers(c), no_uppers(base)),
+            "disk_write_ratio_subtracted": r(split(c, "subtracted"), split(base, "subtracted")),
+            "uppers_disk_write_ratio": r(split(c, "uppers_disk_written"), split(base, "uppers_disk_written")),
             "mem_peak_ratio": r(c.get("mem_peak_bytes"), base.get("mem_peak_bytes")),
         }
     lazy = cs.get("lazy")

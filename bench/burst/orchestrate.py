@@ -102,6 +102,7 @@ class Bench:
         self.link: Link | None = None
         self.store: StoreProcess | None = None
         self.disk: NodeDisk | None = None
+        self.uppers_disk: NodeDisk | None = None  # at NODE/sandboxes during a burst (nodedisk.py)
         self.layers: dict[str, inputs.Layer] = {}
         self.results: dict[str, Any] = {}
         self.lazy: Any = None  # bench.burst.lazy.LayerstoreSetup when available
@@ -206,6 +207,9 @@ class Bench:
         self.disk = NodeDisk(self.run_dir / "nodedisk.img", self.run_dir / "node")
         self.disk.attach()
         self.cleanup.push("node disk", self.disk.detach)
+        self.uppers_disk = NodeDisk(self.run_dir / "uppersdisk.img", self.run_dir / "uppers")
+        self.uppers_disk.attach()
+        self.cleanup.push("uppers disk", self.uppers_disk.detach)  # (LIFO: before the node disk it sits in)
 
     def _setup_contenders(self) -> None:
         assert self.store is not None and self.link is not None
@@ -315,9 +319,13 @@ class Bench:
     # -- one contender -----------------------------------------------------------------------
     def _run_contender(self, name: str, sandboxes: list[str]) -> dict[str, Any]:
         assert self.disk is not None and self.link is not None and self.store is not None
+        assert self.uppers_disk is not None
         self.disk.fresh()
         node = self.disk.mountpoint / name
         node.mkdir()
+        # the sandboxes' directories (uppers, work, bundles) on a disk of their own, for every contender
+        self.uppers_disk.fresh_at(node / "sandboxes")
+        self.cleanup.push(f"uppers disk {name}", self.uppers_disk.unmount)
         cg = cgroups.MemoryCgroup(f"lsburst-{os.getpid()}/{name}")
         cg.create()
         self.cleanup.push(f"cgroup {name}", cg.remove)
@@ -346,7 +354,7 @@ class Bench:
         try:
             if proc.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"{name}: the runner did not start")
-            link0, disk0 = self.link.counters(), self.disk.counters()
+            link0, disk0, up0 = self.link.counters(), self.disk.counters(), self.uppers_disk.counters()
             qdisc0 = self.link.qdisc_stats()
             cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
             cg.start_sampling()
@@ -355,7 +363,7 @@ class Bench:
             line = proc.stdout.readline().strip()
             if not line.startswith("DONE"):
                 raise RuntimeError(f"{name}: the runner failed")
-            link1, disk1 = self.link.counters(), self.disk.counters()
+            link1, disk1, up1 = self.link.counters(), self.disk.counters(), self.uppers_disk.counters()
             qdisc1 = self.link.qdisc_stats()
             cpu1 = cpu_seconds()
             cg.stop_sampling()
@@ -367,13 +375,15 @@ class Bench:
         finally:
             self.cleanup.pop(f"runner {name}")
             cg.stop_sampling()
+            self.cleanup.pop(f"uppers disk {name}")
         raw = json.loads(out_file.read_text())
         measured = {
             "link_rx_bytes": link1.minus(link0).rx_bytes,
             "link_tx_bytes": link1.minus(link0).tx_bytes,
             "qdisc_bytes": delta(qdisc1.get("bytes"), qdisc0.get("bytes")),
             "qdisc_drops": delta(qdisc1.get("drops"), qdisc0.get("drops")),
-            "disk_write_bytes": disk1.minus(disk0).write_bytes,
+            "disk_write_bytes": disk1.minus(disk0).write_bytes,  # without the sandboxes' dirs: uppers disk
+            "uppers_disk_write_bytes": up1.minus(up0).write_bytes,
             "disk_read_bytes": disk1.minus(disk0).read_bytes,
             "disk_used_bytes": used,
             "mem_peak_bytes": cg.peak_usage_sampled,
@@ -443,6 +453,7 @@ def cleanup_stale_runs(root: Path) -> None:
         from .lazy import sweep_mounts
 
         sweep_mounts(d)
+        NodeDisk(d / "uppersdisk.img", d / "uppers").cleanup_stale()
         NodeDisk(d / "nodedisk.img", d / "node").cleanup_stale()
         shutil.rmtree(d, ignore_errors=True)
 

@@ -195,16 +195,20 @@ def _disk_lines(results: dict[str, Any]) -> list[str]:
         state = b.get("runc_state", 0) + b.get("shim_state", 0)
         uppers = b.get("uppers", 0)
         written = c.get("disk_write_bytes") or 0
-        rest = written - layers - index - state - uppers
+        apart = "uppers_disk_write_bytes" in c  # the sandboxes' directories were on the uppers disk
+        rest = written - layers - index - state - (0 if apart else uppers)
         procs = b.get("daemon_write_bytes", b.get("agent_write_bytes"))
+        up = f"{fmt_mb(uppers)} (uppers disk: {fmt_mb(c.get('uppers_disk_write_bytes'))} written)" if apart \
+            else fmt_mb(uppers)
         rows.append(f"| {LABELS.get(name, name)} | {fmt_mb(written)} | {fmt_mb(layers)} | {fmt_mb(index)} "
-                    f"| {fmt_mb(uppers)} "
+                    f"| {up} "
                     f"| {fmt_mb(state)} | {fmt_mb(rest)} | {fmt_mb(procs)} |")
     if not rows:
         return []
     return ["", "Where the node disk writes went (median round; MB allocated at the end of the burst, uppers "
             "summed at each sandbox's end; the rest is the ext4 journal and metadata, data rewritten, and "
-            "files deleted before or after writeback):", "",
+            "files deleted before or after writeback; with an uppers disk the sandboxes' directories are "
+            "not on the node disk and its writes leave the uppers out by construction):", "",
             "| contender | disk written | layer data (lazy: node cache; conventional: tar.gz + extracted) "
             "| cache index (LMDB) | uppers | runc + shim state | rest | written by the daemon / puller process |",
             "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]

@@ -87,6 +87,30 @@ def test_disk_split_and_goals() -> None:
     assert "| layerstore lazy | 1.00 | 79.00 |" in md and "skipped: x" in md and "**missed**" in md
 
 
+def test_uppers_disk_split_and_ratios() -> None:
+    """With an uppers disk the node disk's writes leave the uppers out by construction: no subtraction,
+    and the old estimate (both disks less the uppers' bytes) is kept beside it."""
+    conv = _contender("conventional", 20.0, 80.0, 160 * MB, 750 * MB, 10 * MB, 700 * MB)
+    lazy = _contender("lazy", 1.0, 30.0, 50 * MB, 60 * MB, 10 * MB, 50 * MB)
+    for c, up in ((conv, 30 * MB), (lazy, 32 * MB)):
+        for x in c["per_node"]:
+            x["uppers_disk_write_bytes"] = up
+        c["disk_split"] = disk_split(c["per_node"], "conventional" if c is conv else "lazy")
+    d = lazy["disk_split"]
+    assert d["uppers_disk_written"] == 64 * MB and d["uppers"] == 20 * MB
+    assert d["rest"] == 120 * MB - 100 * MB - 2 * MB - 2 * MB  # the uppers are not on the node disk
+    assert d["subtracted"] == 120 * MB + 64 * MB - 20 * MB
+    shape: dict[str, Any] = {"nodes": 2, "per_node": 2, "rate_mbit": 1000, "sandboxes": 4,
+                             "contenders": {"conventional": conv, "lazy": lazy}}
+    add_cluster_ratios(shape)
+    r = lazy["ratios"]
+    assert r["disk_write_ratio_no_uppers"] == round(120 / 1500, 3) == r["disk_write_ratio"]
+    assert r["disk_write_ratio_subtracted"] == round(164 / (1500 + 60 - 20), 3)
+    assert r["uppers_disk_write_ratio"] == round(64 / 60, 3)
+    md = "\n".join(nodereport.shape_markdown("2x2@1000", shape))
+    assert "uppers disk: 64.0 written" in md and f"| {r['disk_write_ratio_subtracted']:.2f}x |" in md
+
+
 def test_render_into_docs(tmp_path: Path) -> None:
     results = {"size": "quick", "started": "t", "machine": {"cpus": 2, "kernel": "k"}, "code": {"commit": "c"},
                "environments": {"e": []}, "shapes": {}, "notes": ["n1"]}

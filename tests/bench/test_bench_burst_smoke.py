@@ -64,6 +64,25 @@ def test_summarize_and_ratios() -> None:
     assert "eager" not in r["goals"]
 
 
+def test_uppers_disk_ratios() -> None:
+    """The node disk without the sandboxes' directories, the uppers disk, and the old estimate by
+    subtraction from the same run (both disks' writes less the uppers' allocated bytes)."""
+    def one(node: int, uppers_disk: int, uppers: int) -> dict[str, Any]:
+        raw = dict(_raw(0.0, [1.0], [2.0]), facts={"disk_breakdown": {"uppers": uppers}})
+        return metrics.summarize(raw, dict(_measured(1, node), uppers_disk_write_bytes=uppers_disk))
+
+    conv, lazy = one(700 * 10**6, 50 * 10**6, 40 * 10**6), one(60 * 10**6, 52 * 10**6, 40 * 10**6)
+    assert lazy["disk_write_bytes_subtracted"] == 72 * 10**6
+    results: dict[str, Any] = {"contenders": {"conventional": metrics.combine([conv]), "lazy": metrics.combine([lazy])}}
+    metrics.add_ratios(results)
+    r = results["contenders"]["lazy"]["ratios"]
+    assert r["disk_write_ratio"] == round(60 / 700, 3) and r["uppers_disk_write_ratio"] == round(52 / 50, 3)
+    assert r["disk_write_ratio_subtracted"] == round(72 / 710, 3)
+    assert results["contenders"]["lazy"]["rounds"][0]["uppers_disk_write_bytes"] == 52 * 10**6
+    no_facts = metrics.summarize(_raw(0.0, [1.0], [2.0]), dict(_measured(1, 5), uppers_disk_write_bytes=3))
+    assert "disk_write_bytes_subtracted" not in no_facts  # nothing to subtract: no figure, not a guess
+
+
 def test_failed_sandbox_has_no_all_started() -> None:
     raw = _raw(0.0, [1.0, 2.0], [3.0, 4.0])
     raw["sandboxes"][1].update(started=None, rc=1, error="boom")
