@@ -213,7 +213,9 @@ class Daemon:
         cfg = self.config
         self._token = trio.lowlevel.current_trio_token()
         cache_dir, mountpoint = Path(cfg.cache_dir).absolute(), Path(cfg.mountpoint).absolute()
-        if not mountpoint.is_dir() and not linux.is_mount(mountpoint):
+        # (is_mount first: a predecessor killed with -9 left a dead FUSE mount here, whose stat
+        # fails with ENOTCONN unless its attributes were cached; cleared below)
+        if not linux.is_mount(mountpoint) and not mountpoint.is_dir():
             raise ConfigError(f"mountpoint {mountpoint} is not a directory")
         with contextlib.ExitStack() as stack:
             front = self.fanotify = await self._fanotify_start(cache_dir, stack)
