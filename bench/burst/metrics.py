@@ -76,6 +76,14 @@ def subtracted_writes(node: int | None, uppers_disk: int | None, facts: dict[str
     return node + uppers_disk - uppers
 
 
+def charged_writes(node: Any, uppers_disk: Any, base_uppers_disk: Any) -> int | None:
+    """Node disk writes charged with what a contender wrote on the uppers disk beyond the baseline's
+    (the shim's per-sandbox records, syncs and deletions land there too): the conservative reading."""
+    if not all(isinstance(x, int) for x in (node, uppers_disk, base_uppers_disk)):
+        return None
+    return node + max(0, uppers_disk - base_uppers_disk)
+
+
 ROUND_KEYS = ("all_started_s", "all_finished_s", "p50_started_s", "p50_finished_s", "bytes_fetched",
               "disk_write_bytes", "uppers_disk_write_bytes", "disk_write_bytes_subtracted", "mem_peak_bytes",
               "mem_peak_anon_bytes", "failed", "machine_cpu_busy_s",
@@ -128,6 +136,9 @@ def add_ratios(results: dict[str, Any]) -> None:
                                                       base.get("uppers_disk_write_bytes"))
                 r["disk_write_ratio_subtracted"] = _ratio(c.get("disk_write_bytes_subtracted"),
                                                           base.get("disk_write_bytes_subtracted"))
+                r["disk_write_ratio_charged"] = _ratio(
+                    charged_writes(c.get("disk_write_bytes"), c.get("uppers_disk_write_bytes"),
+                                   base.get("uppers_disk_write_bytes")), base.get("disk_write_bytes"))
             r["bytes_fetched_ratio"] = _ratio(c.get("bytes_fetched"), base.get("bytes_fetched"))
             r["mem_peak_ratio"] = _ratio(c.get("mem_peak_bytes"), base.get("mem_peak_bytes"))
         r["fetched_over_read"] = _ratio(c.get("bytes_fetched"), read_bytes)

@@ -54,14 +54,16 @@ def shape_markdown(label: str, sh: dict[str, Any]) -> list[str]:
                          f"{fmt_mb(d['rest'])} | "
                          f"{fmt_mb(d['process_written'])} |")
     lines += ["", "| contender | all-started speed-up | all-finished speed-up | store bytes | disk writes | "
-              "disk writes without uppers | same, by subtraction | uppers disk writes | peak memory |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "disk writes without uppers | charged with the uppers disk's excess | same, by subtraction | "
+              "uppers disk writes | peak memory |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in in_order(cs):
         r = cs[name].get("ratios")
         if r:
             lines.append(f"| {LABELS.get(name, name)} | {fmt_x(r.get('all_started_speedup'))} | "
                          f"{fmt_x(r.get('all_finished_speedup'))} | {fmt_x(r.get('store_bytes_ratio'))} | "
                          f"{fmt_x(r.get('disk_write_ratio'))} | {fmt_x(r.get('disk_write_ratio_no_uppers'))} | "
+                         f"{fmt_x(r.get('disk_write_ratio_charged'))} | "
                          f"{fmt_x(r.get('disk_write_ratio_subtracted'))} | "
                          f"{fmt_x(r.get('uppers_disk_write_ratio'))} | {fmt_x(r.get('mem_peak_ratio'))} |")
     goals = sh.get("goals")

@@ -465,6 +465,10 @@ def add_cluster_ratios(shape: dict[str, Any]) -> None:
             "disk_write_ratio_no_uppers": r(no_uppers(c), no_uppers(base)),
             "disk_write_ratio_subtracted": r(split(c, "subtracted"), split(base, "subtracted")),
             "uppers_disk_write_ratio": r(split(c, "uppers_disk_written"), split(base, "uppers_disk_written")),
+            "disk_write_ratio_charged": r(metrics.charged_writes(split(c, "disk_written"),
+                                                                 split(c, "uppers_disk_written"),
+                                                                 split(base, "uppers_disk_written")),
+                                          split(base, "disk_written")),
             "mem_peak_ratio": r(c.get("mem_peak_bytes"), base.get("mem_peak_bytes")),
         }
     lazy = cs.get("lazy")

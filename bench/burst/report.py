@@ -211,7 +211,25 @@ def _disk_lines(results: dict[str, Any]) -> list[str]:
             "not on the node disk and its writes leave the uppers out by construction):", "",
             "| contender | disk written | layer data (lazy: node cache; conventional: tar.gz + extracted) "
             "| cache index (LMDB) | uppers | runc + shim state | rest | written by the daemon / puller process |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
+            "|---|---:|---:|---:|---:|---:|---:|---:|", *rows, *_uppers_disk_lines(results)]
+
+
+def _uppers_disk_lines(results: dict[str, Any]) -> list[str]:
+    """With an uppers disk: node disk writes against the conventional path's, the same charged with
+    the contender's excess on the uppers disk, the old subtraction estimate, and the uppers disks."""
+    cs = results.get("contenders", {})
+    rows = []
+    for name in contenders_in_order(results):
+        r = cs[name].get("ratios") or {}
+        if name == "conventional" or "uppers_disk_write_ratio" not in r:
+            continue
+        rows.append(f"- {LABELS.get(name, name)}: node disk {fmt_x(r.get('disk_write_ratio'))}, charged with its "
+                    f"excess on the uppers disk {fmt_x(r.get('disk_write_ratio_charged'))}, by the old "
+                    f"subtraction {fmt_x(r.get('disk_write_ratio_subtracted'))}; uppers disk "
+                    f"{fmt_x(r.get('uppers_disk_write_ratio'))}")
+    if not rows:
+        return []
+    return ["", "Node disk writes without the uppers, against the conventional path (median round):", "", *rows]
 
 
 def update_docs(doc: Path, section: str, size: str = "quick") -> None:

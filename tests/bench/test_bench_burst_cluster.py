@@ -107,6 +107,7 @@ def test_uppers_disk_split_and_ratios() -> None:
     assert r["disk_write_ratio_no_uppers"] == round(120 / 1500, 3) == r["disk_write_ratio"]
     assert r["disk_write_ratio_subtracted"] == round(164 / (1500 + 60 - 20), 3)
     assert r["uppers_disk_write_ratio"] == round(64 / 60, 3)
+    assert r["disk_write_ratio_charged"] == round((120 + 4) / 1500, 3)
     md = "\n".join(nodereport.shape_markdown("2x2@1000", shape))
     assert "uppers disk: 64.0 written" in md and f"| {r['disk_write_ratio_subtracted']:.2f}x |" in md
 

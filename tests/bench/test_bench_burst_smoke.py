@@ -78,6 +78,8 @@ def test_uppers_disk_ratios() -> None:
     r = results["contenders"]["lazy"]["ratios"]
     assert r["disk_write_ratio"] == round(60 / 700, 3) and r["uppers_disk_write_ratio"] == round(52 / 50, 3)
     assert r["disk_write_ratio_subtracted"] == round(72 / 710, 3)
+    assert r["disk_write_ratio_charged"] == round((60 + 2) / 700, 3)  # the 2 MB more on its uppers disk
+    assert metrics.charged_writes(10, 3, 5) == 10 and metrics.charged_writes(10, None, 5) is None
     assert results["contenders"]["lazy"]["rounds"][0]["uppers_disk_write_bytes"] == 52 * 10**6
     no_facts = metrics.summarize(_raw(0.0, [1.0], [2.0]), dict(_measured(1, 5), uppers_disk_write_bytes=3))
     assert "disk_write_bytes_subtracted" not in no_facts  # nothing to subtract: no figure, not a guess
