@@ -4,7 +4,7 @@ bytes. Each cycle starts on a cold mount (the layer unmounted, detached, evicted
 mounted again: an attached blob is never evicted, docs/fanotify.md window 7), so the readers need
 fills across the gap.
 
-    sudo .venv/bin/python bench/daemon_restart.py [--restarts N] [--readers 16] [--kill-all]
+    sudo .venv/bin/python bench/daemon_restart.py [--restarts N] [--readers 16] [--kill-all [--fd-store]]
 
 N defaults to 100 (`BENCH_SIZE=full`, and the kill-all run: 30) or 8 at `BENCH_SIZE=quick` (what
 `make bench` runs: about a minute).
@@ -21,6 +21,20 @@ until the watch's new group, or the new holder's, shows the mark; holes read as 
 the window), until a
 daemon answers again (`daemon_back`), and the reads that returned wrong bytes (zeros read in the
 window) or failed.
+
+`--kill-all --fd-store` (bench/results/daemon_restart-kill-all-fdstore.json; 30 cycles, 4 at
+quick): the default configuration, the one `auto` takes fanotify in. A stand-in service manager
+(testkit.fdstore_manager, in this process: it plays PID 1 and is never killed) owns the notify
+socket, keeps the group the daemon stores with FDSTORE=1, and restarts a daemon that dies with
+the stored fds at 3.. (LISTEN_FDS, LISTEN_FDNAMES, LISTEN_PID), `$FDSTORE` and `$NOTIFY_SOCKET`
+set and no `$LAYERSTORE_DATA_PATH` (checked: /stats says fanotify, because of the fd store). No
+shim watch runs (the shim is not involved). Each cycle: a cold mount, the readers reading for
+0.02-0.12 s, then the daemon and the holder killed with -9 at once. Measured per cycle: whether the
+blob still had holes at the kill (`marked_at_kill`: its mark stays until the blob is complete),
+until the manager's next daemon answers (`daemon_back`), until every reader has completed a read
+started after the kill (`reads_back`), whether the group stayed the same, and the failed and
+wrong reads. Exits 1 on any failed or wrong read, or a read still waiting 30 s after the next
+daemon answered (`cycles_with_a_stuck_read`: see docs/fanotify.md, "Status", for the one seen).
 """
 
 from __future__ import annotations
@@ -53,13 +67,14 @@ from layerstore.backends.posix import PosixBackend  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 
 
-def pushed_layer(tmp: Path) -> tuple[PosixBackend, BuiltLayer, dict[Path, bytes]]:
+def pushed_layer(tmp: Path, big: tuple[int, ...] = (8 << 20, 2 << 20)) -> tuple[PosixBackend, BuiltLayer,
+                                                                                 dict[Path, bytes]]:
     """A local store under `tmp` with one layer pushed, and the layer's files' bytes by path."""
     backend = PosixBackend(tmp / "store", fsync=False)
     backend.create()
     store = Store(backend)
     store.init()
-    src = make_tree(tmp / "src", small=200, big=(8 << 20, 2 << 20))
+    src = make_tree(tmp / "src", small=200, big=big)
     layer = build_and_push(store, src, tmp / "image.erofs")
     files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file() and not p.is_symlink())
     return backend, layer, {rel: (src / rel).read_bytes() for rel in files}
@@ -78,6 +93,8 @@ class Readers:
         self.failed: list[str] = []
         self.wrong: list[str] = []
         self.wrong_at: list[float] = []  # when each wrong read ended (time.monotonic)
+        self.since: float | None = None  # (`mark`) and when each reader's first read started since it ended
+        self.first_after: list[float | None] = [None] * n
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -91,6 +108,7 @@ class Readers:
         rng = random.Random(k * 7919 + self.reads[k])
         while not stop.is_set():
             rel = rng.choice(self.files)
+            t0 = time.monotonic()
             try:
                 got = read_uncached(self.root / rel)
             except OSError as e:
@@ -100,6 +118,19 @@ class Readers:
                 self.wrong_at.append(time.monotonic())
                 self.wrong.append(str(rel))
             self.reads[k] += 1
+            since = self.since
+            if since is not None and t0 >= since and self.first_after[k] is None:
+                self.first_after[k] = time.monotonic()
+
+    def mark(self, t: float) -> None:
+        """From now on note, per reader, when its first read that started at or after `t` ended."""
+        self.first_after = [None] * len(self.reads)
+        self.since = t
+
+    def all_back(self) -> float | None:
+        """When the last reader completed its first read started since `mark` (None: not yet)."""
+        ends = self.first_after
+        return None if any(e is None for e in ends) else max(e for e in ends if e is not None)
 
     def total(self) -> int:
         return sum(self.reads)
@@ -238,20 +269,159 @@ def kill_all(args: argparse.Namespace) -> int:
     return 0
 
 
+STUCK_AFTER = 30.0  # seconds a read may still wait after the next daemon answers before it counts as stuck
+
+
+def spread(xs: list[float], ndigits: int = 3) -> dict[str, float] | None:
+    xs = sorted(xs)
+    return {"min": round(xs[0], ndigits), "median": round(xs[len(xs) // 2], ndigits),
+            "max": round(xs[-1], ndigits)} if xs else None
+
+
+def kill_all_fd_store(args: argparse.Namespace) -> int:
+    """The `--kill-all --fd-store` run (module doc): the default data path under a stand-in
+    service manager that keeps the group; every process of ours killed at once each cycle."""
+    from testkit.fanotify_helpers import stop_holder
+    from testkit.fdstore_manager import FdStoreManager
+
+    from fuse_client.control import attach, detach
+    from fuse_client.fanotify import handover
+    from fuse_client.linux import mount_erofs, umount
+
+    for k in ("LAYERSTORE_DATA_PATH", "LAYERSTORE_DAEMON_WATCH"):
+        os.environ.pop(k, None)  # (the daemon's own default decides: auto)
+    t_start = time.monotonic()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="daemon-kill-all-fdstore-", dir="/var/tmp") as tmpd:
+        tmp = Path(tmpd)
+        # (a bigger blob than the other modes': the readers must not have filled it all before the
+        # kill, or no read needs the group; `marked_at_kill` says whether holes were left)
+        backend, layer, want = pushed_layer(tmp, (24 << 20, 8 << 20, 2 << 20))
+        cache, target = tmp / "cache", tmp / "layer"
+        target.mkdir()
+        mgr = FdStoreManager(backend.url, cache, tmp / "mnt", tmp)
+        readers = Readers(args.readers, target, want)
+        cycles: list[dict[str, Any]] = []
+        answered = {"leftovers": 0, "unknown": 0}
+        filled_by_successors = 0
+        stuck: list[int] = []  # cycles where a read waited STUCK_AFTER beyond the next daemon's answer
+        started = mounted = False
+        try:
+            pid = mgr.start()
+            stats = request_json(cache, "GET", "/stats")
+            choice = {"data_path": stats["data_path"], "data_path_reason": stats["data_path_reason"]}
+            if stats["data_path"] != "fanotify" or "fd store" not in stats["data_path_reason"]:
+                raise RuntimeError(f"the default data path under the manager is not fanotify by the fd store: {choice}")
+            got = attach(cache, layer.blob, "bench")
+            assert got is not None and got["data_path"] == "fanotify", got
+            stored = mgr.wait_stored()
+            generation = handover.holder_generation(cache)
+            if generation != "fanotify:" + stored.removeprefix("fanotify-"):
+                raise RuntimeError(f"the holder's group {generation} is not the stored one {stored}")
+            mount_erofs(Path(got["path"]), target)
+            mounted = True
+            readers.start()
+            started = True
+            for i in range(args.restarts):
+                evicted = readers.cold_cycle(cache, layer.blob, "bench") if i else 0
+                time.sleep(random.uniform(0.02, 0.12))  # (sooner than the other modes: holes left)
+                stats = request_json(cache, "GET", "/stats")
+                if stats["pid"] != pid or stats["data_path"] != "fanotify":
+                    raise RuntimeError(f"cycle {i + 1}: /stats {stats['pid']} {stats['data_path']}")
+                if i:  # (what this successor answered and filled so far)
+                    answered["leftovers"] += stats["fanotify"]["leftovers_answered"]
+                    answered["unknown"] += stats["fanotify"]["unknown_answered"]
+                    filled_by_successors += stats["fanotify"]["filled"]
+                ident = handover.read_identity(cache)
+                assert ident is not None
+                marked = process_marks(ident[0]) >= 1  # (the blob still had holes)
+                w0, f0 = len(readers.wrong), len(readers.failed)
+                k0 = time.monotonic()
+                readers.mark(k0)
+                os.kill(pid, 9)  # every process of ours at once: the daemon, the holder (no watch runs)
+                os.kill(ident[0], 9)
+                pid = mgr.wait_answering(not_pid=pid, timeout=120)
+                daemon_back = time.monotonic() - k0
+                while (back := readers.all_back()) is None:
+                    if time.monotonic() - k0 > 120:
+                        raise RuntimeError(f"cycle {i + 1}: readers stuck 120 s after the kill")
+                    time.sleep(0.005)
+                same = handover.holder_generation(cache) == generation
+                if back - k0 > daemon_back + STUCK_AFTER:
+                    stuck.append(i + 1)
+                cycles.append({"daemon_back_s": round(daemon_back, 3), "reads_back_s": round(back - k0, 3),
+                               "fds_passed": mgr.starts[-1][2], "same_group": same, "marked_at_kill": marked,
+                               "wrong_reads": len(readers.wrong) - w0, "failed_reads": len(readers.failed) - f0,
+                               "evicted_before": evicted})
+                print(f"cycle {i + 1}/{args.restarts}: holes {marked}, daemon after {daemon_back:.2f} s, every reader "
+                      f"done a read after {back - k0:.2f} s, reads {readers.total()}, failed {len(readers.failed)}, "
+                      f"wrong {len(readers.wrong)}, same group {same}", flush=True)
+            readers.wait_reads()
+            fan = request_json(cache, "GET", "/stats")["fanotify"]
+            answered["leftovers"] += fan["leftovers_answered"]
+            answered["unknown"] += fan["unknown_answered"]
+            filled_by_successors += fan["filled"]
+        finally:
+            if started:
+                readers.join()
+            if args.daemon_log is not None:
+                args.daemon_log.write_text(mgr.log_text())
+            if mounted:
+                with contextlib.suppress(OSError):
+                    umount(target, lazy=True)
+            with contextlib.suppress(Exception):
+                detach(cache, layer.blob, "bench")
+            mgr.close()
+            stop_holder(cache)
+        quick = os.environ.get("BENCH_SIZE", "full") == "quick"
+        result = {
+            "mode": "kill-all under a stand-in service manager keeping the group (fd store; the default data "
+                    "path): daemon and holder killed -9 at once, no shim watch; the manager restarts the daemon "
+                    "with the stored group (Restart=on-failure, RestartSec=100ms)",
+            **choice, "cycles": len(cycles), **readers.summary(),
+            "daemon_back_seconds": spread([c["daemon_back_s"] for c in cycles]),
+            "reads_back_seconds": spread([c["reads_back_s"] for c in cycles]),
+            "every_cycle_same_group": all(c["same_group"] for c in cycles),
+            "cycles_with_a_stuck_read": stuck,
+            "cycles_killed_with_holes": sum(c["marked_at_kill"] for c in cycles),
+            "daemon_starts": len(mgr.starts), "spawn_errors": mgr.spawn_errors,
+            "answered_by_successors": answered, "filled_by_successors": filled_by_successors,
+            "evicted_bytes_per_cold_cycle": round(sum(c["evicted_before"] for c in cycles[1:]) / (len(cycles) - 1))
+            if len(cycles) > 1 else None,
+            "size": "quick" if quick else "full", "seconds": round(time.monotonic() - t_start, 1),
+            "loadavg_before": load_before, "loadavg": os.getloadavg(), "blob_bytes": layer.size,
+            "per_cycle": cycles,
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "per_cycle"}, indent=2))
+    return 0 if not readers.failed and not readers.wrong and not stuck and result["every_cycle_same_group"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--restarts", type=int, default=None,
                     help="cycles (default: 100, 30 with --kill-all; 8 at BENCH_SIZE=quick)")
     ap.add_argument("--readers", type=int, default=16)
     ap.add_argument("--kill-all", action="store_true", help="kill the holder too: the watch's regroup window")
+    ap.add_argument("--fd-store", action="store_true",
+                    help="with --kill-all: under a stand-in service manager keeping the group (the default data path)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--daemon-log", type=Path, default=None, help="with --fd-store: keep the daemons' log there")
     args = ap.parse_args(argv)
     quick = os.environ.get("BENCH_SIZE", "full") == "quick"
+    if args.fd_store and not args.kill_all:
+        ap.error("--fd-store goes with --kill-all")
+    if args.restarts is not None and args.restarts < 1 or args.readers < 1:
+        ap.error("--restarts and --readers must be at least 1")
     if args.restarts is None:
-        args.restarts = 8 if quick else 30 if args.kill_all else 100
+        args.restarts = (4 if args.fd_store else 8) if quick else 30 if args.kill_all else 100
     if args.out is None:
         args.out = ROOT / "bench" / "results" / ("daemon_restart" + ("-kill-all" if args.kill_all else "")
+                                                 + ("-fdstore" if args.fd_store else "")
                                                  + ("-quick" if quick else "") + ".json")
+    if args.fd_store:
+        return kill_all_fd_store(args)
     if args.kill_all:
         return kill_all(args)
     with tempfile.TemporaryDirectory(prefix="daemon-restart-", dir="/var/tmp") as tmpd:
