@@ -60,14 +60,16 @@ class DirectGet:
         from botocore.httpsession import get_cert_path
 
         self._base = f"{endpoint.rstrip('/')}/{bucket}/"
+        self._path = f"{urlsplit(endpoint).path.rstrip('/')}/{bucket}/"
         self._region = region
         self._credentials = credentials
         kwargs: dict[str, Any] = {}
         if urlsplit(endpoint).scheme == "https":
             kwargs["ca_certs"] = ca_bundle or get_cert_path(True)
-        self._http = urllib3.PoolManager(num_pools=1, maxsize=pool, retries=False,
-                                         timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
-                                         **kwargs)
+        # One host: its connection pool itself (a PoolManager would parse every URL again).
+        self._http = urllib3.connection_from_url(endpoint, maxsize=pool, retries=False,
+                                                 timeout=urllib3.Timeout(connect=connect_timeout, read=read_timeout),
+                                                 **kwargs)
 
     def get(self, name: str, range_header: str | None, max_size: int | None) -> bytes | None:
         """The object's bytes (or the range's), or None for any status but 200/206 (the caller
@@ -78,11 +80,12 @@ class DirectGet:
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
-        url = self._base + quote(name, safe="/~")
-        request = AWSRequest(method="GET", url=url, headers={"Range": range_header} if range_header else {})
+        quoted = quote(name, safe="/~")
+        headers = {"Range": range_header} if range_header else {}
+        request = AWSRequest(method="GET", url=self._base + quoted, headers=headers)
         S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", self._region).add_auth(request)
-        resp = self._http.request("GET", url, headers=dict(request.headers.items()), preload_content=False,
-                                  decode_content=False, redirect=False, retries=False)
+        resp = self._http.urlopen("GET", self._path + quoted, headers=dict(request.headers.items()),
+                                  preload_content=False, decode_content=False, redirect=False, retries=False)
         try:
             if resp.status not in OK:
                 resp.drain_conn()
@@ -109,7 +112,7 @@ class DirectGet:
             resp.release_conn()
 
     def close(self) -> None:
-        self._http.clear()
+        self._http.close()
 
 
 def object_length(content_range: str | None, content_length: int | None) -> int | None:
