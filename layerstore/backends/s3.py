@@ -155,7 +155,8 @@ class S3Backend(Backend):
         # by botocore; no credentials: botocore's path says what is missing.
         credentials = core.get_credentials()
         endpoint_url = client.meta.endpoint_url
-        if self._direct_wanted and credentials is not None and usable(endpoint_url, "s3" in kwargs):
+        if self._direct_wanted and credentials is not None and usable(endpoint_url, "s3" in kwargs,
+                                                                       client.meta.config.signature_version):
             self._direct = DirectGet(endpoint_url, self.bucket, client.meta.region_name, credentials,
                                      pool=self._pool, connect_timeout=self._timeouts[0],
                                      read_timeout=self._timeouts[1], ca_bundle=core.get_config_variable("ca_bundle"))

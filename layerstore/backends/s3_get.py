@@ -17,7 +17,7 @@ GET either (`response_checksum_validation = when_required`), and every chunk is 
 blake3 id against the signed digest above this layer.
 
 It is used only where its request is the one botocore would send: a custom path-style endpoint
-(RGW, MinIO), no proxy from the environment, credentials present (else botocore's path reports
+(RGW, MinIO), SigV4, no proxy from the environment, credentials present (else botocore's path reports
 what is missing). AWS's virtual-hosted endpoints keep botocore's path.
 """
 
@@ -43,10 +43,12 @@ class BodyCutShort(Exception):
     """The connection ended before the length the headers declared: temporary, asked again."""
 
 
-def usable(endpoint: str | None, path_style: bool) -> bool:
-    """May the direct GET replace botocore's for this endpoint?"""
+def usable(endpoint: str | None, path_style: bool, signature_version: str | None) -> bool:
+    """May the direct GET replace botocore's for this endpoint and signature version?"""
     if not endpoint or not path_style or any(os.environ.get(v) for v in _PROXY_VARS):
         return False
+    if signature_version not in (None, "s3v4", "v4"):
+        return False  # e.g. an old server configured for SigV2 ("s3"): botocore signs that
     return urlsplit(endpoint).scheme in ("http", "https")
 
 
@@ -88,7 +90,7 @@ class DirectGet:
                                   preload_content=False, decode_content=False, redirect=False, retries=False)
         try:
             if resp.status not in OK:
-                resp.drain_conn()
+                resp.close()  # not drained: an error body can be as long as its sender likes
                 return None
             declared = resp.headers.get("Content-Length")
             length = int(declared) if declared is not None and declared.isdigit() else None

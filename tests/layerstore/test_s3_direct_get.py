@@ -15,6 +15,7 @@ import pytest
 from testkit.ceph_cluster import CephCluster
 
 from layerstore.backends.s3 import S3Backend
+from layerstore.backends.s3_get import usable
 from layerstore.errors import CorruptObject, NotFound, StoreUnavailable
 
 MiB = 1 << 20
@@ -175,3 +176,15 @@ def test_reads_from_rgw_go_direct_and_match(ceph: CephCluster, s3_env: dict[str,
         b.client.meta.events.register("before-send.s3.GetObject", lambda request, **_: sent2.append(request.url))
         assert b.load("k/obj") == data
         assert len(sent2) == 1
+
+
+def test_direct_get_only_where_its_request_is_botocores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    assert usable("http://127.0.0.1:7480", True, "s3v4")
+    assert usable("https://rgw.example:443", True, None)
+    assert not usable(None, True, None)  # AWS's own endpoints: botocore resolves them
+    assert not usable("http://127.0.0.1:7480", False, None)  # virtual-hosted addressing
+    assert not usable("http://127.0.0.1:7480", True, "s3")  # SigV2
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
+    assert not usable("http://127.0.0.1:7480", True, None)
