@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -150,6 +151,7 @@ class FanotifyFrontEnd:
         self._leftovers: list[Pending] = []
         self._reserved: list[int] = []
         self._unknown_batch = False  # the predecessor died while reading a batch of events
+        self._unknown_range = range(0)  # the fd numbers its unknown events may have
         self._high = 0  # the fd bound promised in the journal header (`abi.unknown_fd_bound`)
         self.attach_failed: dict[str, str] = {}  # blob -> why its last attach failed (served over FUSE)
         self._claim: tuple[socket.socket, int] | None = None  # this daemon's claim on the holder
@@ -181,7 +183,8 @@ class FanotifyFrontEnd:
             # (capped: this daemon never holds an event fd beyond the journal, nor beyond its fd limit)
             nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             cap = min(high + RESERVE_MARGIN, self.journal.slots - 1, nofile - 256)
-            self._reserve_numbers(range(3, cap + 1))
+            self._unknown_range = range(3, cap + 1)
+            self._reserve_numbers(self._unknown_range)
         else:
             self._reserve_numbers([p.fd for p in self._leftovers])
         self._high = high
@@ -780,6 +783,40 @@ class FanotifyFrontEnd:
             return await self._answer_unknown({p.fd for p in pending})
         return True
 
+    def _answer_unreserved(self, known: set[int]) -> int:
+        """The numbers of the predecessor's range that were open here when the group was taken
+        over, so not reserved (this daemon's fd layout differs from the dead one's): an unknown
+        event of its may be pending under any of them, and nobody else would ever answer it (its
+        reader would wait forever; seen under bench/daemon_restart.py --kill-all --fd-store).
+        Each is allowed by number (every attached blob is complete by now) unless it may be an
+        event of ours: a free number is held while it is answered, so no event of ours can get
+        it; an open one is answered only if it is not a marked data file (an event's fd is)."""
+        assert self.group is not None
+        reserved = set(self._reserved)
+        answered = 0
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for n in self._unknown_range:
+                if n in known or n in reserved:
+                    continue
+                held = fcntl.fcntl(null, fcntl.F_DUPFD_CLOEXEC, n)
+                try:
+                    if held != n:
+                        try:
+                            st = os.fstat(n)
+                        except OSError:  # (closed just now: it could become an event of ours)
+                            continue
+                        key = (st.st_dev, st.st_ino)  # (looked up now: an attach may have come meanwhile)
+                        if key in self._by_key or key in self._premarked.values():
+                            continue
+                    if kernel.respond(self.group, n, allow=True):
+                        answered += 1
+                finally:
+                    os.close(held)
+        finally:
+            os.close(null)
+        return answered
+
     async def _answer_unknown(self, known: set[int]) -> bool:
         assert self.lazy is not None and self.group is not None
         log.warning("the previous daemon died reading events: filling %d attached blob(s) completely, then "
@@ -798,6 +835,7 @@ class FanotifyFrontEnd:
         for n in self._reserved:
             if n not in known and kernel.respond(self.group, n, allow=True):
                 answered += 1
+        answered += self._answer_unreserved(known)
         self.stats.unknown_answered += answered
         log.warning("allowed %d unknown event(s) of the previous daemon", answered)
         return True
