@@ -24,7 +24,10 @@ store URL's `endpoint=` and `region=` override them. See docs/s3-backend.md.
   listing resumes where it failed instead of starting over.
 
 One boto3 client is shared by every thread (clients are thread-safe; sessions are not, so the
-session is used only to build the client, under a lock).
+session is used only to build the client, under a lock). Object reads on a custom path-style
+endpoint skip botocore's per-request pipeline (`s3_get.DirectGet`: botocore's SigV4 signer,
+urllib3, about half the CPU per GET); any answer but 200/206 is asked again through botocore, so
+errors are classified and translated in one place (docs/s3-backend.md, "CPU per GB read").
 """
 
 from __future__ import annotations
