@@ -10,24 +10,32 @@ expire), sent through urllib3 (botocore's own HTTP library) with the backend's p
 timeouts, the body read in one call into one buffer (http.client allocates the declared length
 once and fills it from the socket).
 
-It only answers the success case (200, 206). Any other status returns None and the caller asks
-botocore the same request again, so every error is parsed, classified and translated by the one
-path that always did it. There is no transport checksum to check: botocore checks none on a plain
-GET either (`response_checksum_validation = when_required`), and every chunk is verified by its
-blake3 id against the signed digest above this layer.
+It answers the success case (200, 206) and the store's temporary failures (5xx, 429: raised as
+the `ClientError` botocore would raise, from the error document's Code and Message, so that a
+throttling store gets no more requests than before). Any other status returns None and the
+caller asks botocore the same request again, so those answers (404, 403, 416, redirects...) are
+parsed, classified and translated by the one path that always did it.
+
+There is no transport checksum to check: botocore checks none on a plain GET either
+(`response_checksum_validation = when_required`, set by the backend), and every chunk is
+verified by its blake3 id against the signed digest above this layer, so a CRC would check the
+same bytes twice.
 
 It is used only where its request is the one botocore would send: a custom path-style endpoint
-(RGW, MinIO), SigV4, no proxy from the environment, credentials present (else botocore's path reports
-what is missing). AWS's virtual-hosted endpoints keep botocore's path.
+(RGW, MinIO), SigV4, no proxy from the environment, credentials present (else botocore's path
+reports what is missing). AWS's virtual-hosted endpoints keep botocore's path.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 OK = (200, 206)
+MAX_ERROR_BODY = 64 << 10  # an S3 error document is a few hundred bytes
+_ERROR_FIELDS = {name: re.compile(rf"<{name}>([^<]{{0,512}})</{name}>") for name in ("Code", "Message")}
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
@@ -74,11 +82,11 @@ class DirectGet:
                                                  **kwargs)
 
     def get(self, name: str, range_header: str | None, max_size: int | None) -> bytes | None:
-        """The object's bytes (or the range's), or None for any status but 200/206 (the caller
-        then asks botocore). Raises `BodyTooLong` before reading a body longer than `max_size`
-        (judged by the whole object's length in the headers, and by the bytes themselves when
-        the headers say nothing), `BodyCutShort` when fewer bytes than declared arrive, and
-        urllib3's errors for a connection that fails."""
+        """The object's bytes (or the range's); botocore's `ClientError` for a 5xx or 429; None
+        for any other status (the caller then asks botocore). Raises `BodyTooLong` before
+        reading a body longer than `max_size` (judged by the whole object's length in the
+        headers, and by the bytes themselves when the headers say nothing), `BodyCutShort` when
+        fewer bytes than declared arrive, and urllib3's errors for a connection that fails."""
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
 
@@ -90,6 +98,8 @@ class DirectGet:
                                   preload_content=False, decode_content=False, redirect=False, retries=False)
         try:
             if resp.status not in OK:
+                if resp.status >= 500 or resp.status == 429:
+                    raise server_error(resp.status, resp.reason, resp.read(MAX_ERROR_BODY))
                 resp.close()  # not drained: an error body can be as long as its sender likes
                 return None
             declared = resp.headers.get("Content-Length")
@@ -111,6 +121,8 @@ class DirectGet:
                 raise BodyCutShort(f"{len(data)} of {length} bytes")
             return data
         finally:
+            if resp.status not in OK:
+                resp.close()
             resp.release_conn()
 
     def close(self) -> None:
@@ -124,3 +136,14 @@ def object_length(content_range: str | None, content_length: int | None) -> int 
     if total.isdigit():
         return int(total)
     return content_length
+
+
+def server_error(status: int, reason: str | None, body: bytes) -> Exception:
+    """The `ClientError` botocore raises for a GetObject answered `status` with this error
+    document (its Code and Message; the status and reason when there is none)."""
+    from botocore.exceptions import ClientError
+
+    text = body.decode("utf-8", "replace")
+    fields = {name: m.group(1) if (m := pattern.search(text)) else None for name, pattern in _ERROR_FIELDS.items()}
+    error = {"Code": fields["Code"] or str(status), "Message": fields["Message"] or (reason or "")}
+    return ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")

@@ -138,7 +138,14 @@ def test_server_errors_are_retried_and_unavailable(fake: Any) -> None:
     server, b = fake(lambda _: _response("503 Slow Down", {"Content-Length": str(len(xml))}, xml))
     with pytest.raises(StoreUnavailable, match="slow down"):
         b.load("k")
-    assert len(server.requests) == 4  # 2 attempts, each direct then botocore
+    assert len(server.requests) == 2  # 2 attempts, each one request: no more load on a throttling store
+
+
+def test_server_error_without_a_document_is_unavailable(fake: Any) -> None:
+    server, b = fake(lambda _: _response("500 Internal Server Error", {"Content-Length": "0"}, b""))
+    with pytest.raises(StoreUnavailable, match="Internal Server Error"):
+        b.load("k")
+    assert len(server.requests) == 2
 
 
 def test_client_config_checks_no_transport_checksum(fake: Any) -> None:
