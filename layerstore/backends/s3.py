@@ -26,8 +26,9 @@ store URL's `endpoint=` and `region=` override them. See docs/s3-backend.md.
 One boto3 client is shared by every thread (clients are thread-safe; sessions are not, so the
 session is used only to build the client, under a lock). Object reads on a custom path-style
 endpoint skip botocore's per-request pipeline (`s3_get.DirectGet`: botocore's SigV4 signer,
-urllib3, about half the CPU per GET); any answer but 200/206 is asked again through botocore, so
-errors are classified and translated in one place (docs/s3-backend.md, "CPU per GB read").
+urllib3, about half the CPU per GET); a 5xx or 429 becomes botocore's own `ClientError`, any
+other answer but 200/206 is asked again through botocore, so errors are classified and
+translated in one place (docs/s3-backend.md, "CPU per GB read").
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ class S3Backend(Backend):
                     raise
                 if data is not None:
                     return data
-                # Not 200/206: botocore asks again and parses, classifies and raises the answer.
+                # Not 200/206 (nor 5xx/429, raised above): botocore asks again and parses,
+                # classifies and raises the answer.
             try:
                 resp = client.get_object(**kwargs)
             except ClientError as e:

@@ -118,7 +118,7 @@ class DirectGet:
                 return data
             data = resp.read()  # one allocation of the declared length, filled from the socket
             if len(data) != length:
-                raise BodyCutShort(f"{len(data)} of {length} bytes")
+                raise BodyCutShort(f"the body ended after {len(data)} of {length} bytes")
             return data
         finally:
             if resp.status not in OK:
