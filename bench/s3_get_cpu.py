@@ -7,10 +7,13 @@ node daemon's fetcher does (a chunk object's size limit), over 1 thread and over
 and reports its own CPU (`resource.getrusage(RUSAGE_SELF)`, user + system) per GB read, after
 a warm-up that builds the client and opens connections. RGW's and the OSD's CPU are not counted.
 
-`--peer DIR` runs the same measurements against the code of another checkout (e.g.
-`git worktree add /tmp/base <commit>`, through PYTHONPATH), interleaved with this one round by
-round, alternating which goes first: the A/B of a change, with each round's ratio (the machine
-is shared: the load averages are recorded). `--profile N` instead prints a cProfile of N
+Without `--peer` the two contenders are this checkout's two read paths, interleaved round by
+round: the direct signed GET (`s3_get.DirectGet`, the default where it applies) against
+botocore's own `get_object` pipeline (`S3Backend(direct_get=False)`), with each round's ratio.
+`--peer DIR` instead runs this checkout against the code of another checkout (e.g.
+`git worktree add /tmp/base <commit>`, through PYTHONPATH), each with its default read path,
+interleaved the same way: the A/B of a change (the machine is shared: the load averages are
+recorded). `--profile N` instead prints a cProfile of N
 sequential GETs in this checkout (no results file).
 
     python bench/s3_get_cpu.py [--size quick|full] [--rounds N] [--peer DIR] [--out FILE]
@@ -37,7 +40,8 @@ THREADS = (1, 16)
 BUCKET = "s3-get-cpu"
 
 
-def child(endpoint: str, bucket: str, objects: int, threads: int, profile: bool) -> dict[str, Any]:
+def child(endpoint: str, bucket: str, objects: int, threads: int, profile: bool,
+          direct: bool | None = None) -> dict[str, Any]:
     """Load every object once over `threads` threads, in this process (run through `--child`)."""
     import resource
     from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +50,8 @@ def child(endpoint: str, bucket: str, objects: int, threads: int, profile: bool)
     from layerstore.store import MAX_OBJECT_SIZE
 
     limit = MAX_OBJECT_SIZE["chunks"]
-    backend = S3Backend(bucket, "bench", endpoint=endpoint)
+    backend = (S3Backend(bucket, "bench", endpoint=endpoint) if direct is None
+               else S3Backend(bucket, "bench", endpoint=endpoint, direct_get=direct))
     keys = [f"obj/{i:06d}" for i in range(objects)]
     # Warm-up: the client, its endpoint resolution and a connection per thread.
     with ThreadPoolExecutor(threads) as pool:
@@ -79,9 +84,10 @@ def child(endpoint: str, bucket: str, objects: int, threads: int, profile: bool)
 
 
 def measure(code: Path, endpoint: str, objects: int, threads: int, env: dict[str, str],
-            profile: bool = False) -> dict[str, Any]:
+            profile: bool = False, direct: bool | None = None) -> dict[str, Any]:
     full_env = {**os.environ, **env, "PYTHONPATH": str(code)}
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", endpoint, BUCKET, str(objects), str(threads)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", endpoint, BUCKET, str(objects), str(threads),
+            {None: "default", True: "direct", False: "botocore"}[direct]]
     if profile:
         argv.append("--child-profile")
     r = subprocess.run(argv, env=full_env, capture_output=True, text=True, check=False)
@@ -110,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="print a cProfile of N sequential GETs (this checkout) and exit")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--child", nargs=4, metavar=("ENDPOINT", "BUCKET", "OBJECTS", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=5, metavar=("ENDPOINT", "BUCKET", "OBJECTS", "THREADS", "PATH"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        e, b, n, t = args.child
-        print(json.dumps(child(e, b, int(n), int(t), args.child_profile)))
+        e, b, n, t, how = args.child
+        print(json.dumps(child(e, b, int(n), int(t), args.child_profile,
+                               {"default": None, "direct": True, "botocore": False}[how])))
         return 0
     size = SIZES[args.size]
     rounds = args.rounds or size["rounds"]
@@ -125,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--peer {args.peer}: not a checkout of this project")
     objects = max(size["objects"], args.profile)
     out_path = args.out or RESULTS / ("s3-get-cpu.json" if args.size == "quick" else f"s3-get-cpu-{args.size}.json")
-    codes = {"this": ROOT} | ({"peer": args.peer.resolve()} if args.peer else {})
+    # contender -> (checkout, read path: None = the backend's default); the first over the second is the ratio
+    codes: dict[str, tuple[Path, bool | None]] = (
+        {"this": (ROOT, None), "peer": (args.peer.resolve(), None)} if args.peer
+        else {"direct": (ROOT, True), "botocore": (ROOT, False)})
+    first, second = codes
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     from testkit.ceph_cluster import CephCluster
 
@@ -151,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(codes) if rnd % 2 == 0 else list(reversed(codes))
                 for threads in THREADS:
                     for code in order:
-                        r = measure(codes[code], cluster.endpoint, objects, threads, env)
+                        r = measure(codes[code][0], cluster.endpoint, objects, threads, env, direct=codes[code][1])
                         runs[code][threads].append(r)
-                        print(f"round {rnd} threads {threads:2d} {code:4s} cpu {r['cpu_s']:.3f} s for "
+                        print(f"round {rnd} threads {threads:2d} {code:8s} cpu {r['cpu_s']:.3f} s for "
                               f"{r['bytes'] / MiB:.0f} MiB: {per_gb(r):.2f} s/GB, "
                               f"{r['cpu_s'] / r['gets'] * 1e3:.2f} ms/GET, {r['bytes'] / r['seconds'] / MiB:.0f} MiB/s",
                               flush=True)
@@ -166,11 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "MiB_per_s_median": round(statistics.median(
                                               r["bytes"] / r["seconds"] / MiB for r in rs), 1)}
                          for t, rs in per.items()}
-    if "peer" in codes:
-        results["this_over_peer_paired"] = {
-            f"threads_{t}": [round(per_gb(a) / per_gb(b), 3)
-                             for a, b in zip(runs["this"][t], runs["peer"][t], strict=True)]
-            for t in THREADS}
+    results[f"{first}_over_{second}_paired"] = {
+        f"threads_{t}": [round(per_gb(a) / per_gb(b), 3) for a, b in zip(runs[first][t], runs[second][t], strict=True)]
+        for t in THREADS}
     doc = {"benchmark": "s3_get_cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "params": {**size, "rounds": rounds, "object_size": MiB, "threads": list(THREADS),
                       "commit": commit_of(ROOT), "peer_commit": commit_of(args.peer) if args.peer else None},
