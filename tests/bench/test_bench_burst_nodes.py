@@ -77,6 +77,7 @@ def test_burst_two_nodes_tiny(tmp_path: Path, run_root: Path) -> None:
         for node in c["per_node"]:
             assert node["sandboxes"] == 2 and node["failed"] == 0
             assert node["fetched_bytes"] > 0 and node["disk_write_bytes"] > 0
+            assert node["uppers_disk_write_bytes"] > 0  # the sandboxes' directories were on their own disk
             assert node["mem_peak_bytes"] > 0
         # the store side carried what every node received (frames: a little more than the payload)
         assert c["store_bridge_tx_bytes"] >= 0.9 * c["bytes_fetched"]
