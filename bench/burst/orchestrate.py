@@ -320,6 +320,7 @@ class Bench:
     def _run_contender(self, name: str, sandboxes: list[str]) -> dict[str, Any]:
         assert self.disk is not None and self.link is not None and self.store is not None
         assert self.uppers_disk is not None
+        self.uppers_disk.unmount()  # (a contender that failed before its runner started may have left it)
         self.disk.fresh()
         node = self.disk.mountpoint / name
         node.mkdir()
@@ -453,8 +454,9 @@ def cleanup_stale_runs(root: Path) -> None:
         from .lazy import sweep_mounts
 
         sweep_mounts(d)
-        NodeDisk(d / "uppersdisk.img", d / "uppers").cleanup_stale()
-        NodeDisk(d / "nodedisk.img", d / "node").cleanup_stale()
+        # every loop device the run attached: node and uppers disks, one node's or a cluster's
+        for state in d.glob("*.state.json"):
+            NodeDisk(d / (state.name[:-len(".state.json")] + ".img"), d / "node").cleanup_stale()
         shutil.rmtree(d, ignore_errors=True)
 
 
