@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from abkit import commit_of, write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MiB = 1 << 20
@@ -119,11 +121,6 @@ def measure(code: Path, store_dir: Path, blob: str, request: int) -> dict[str, f
     return json.loads(out.strip().splitlines()[-1])
 
 
-def commit_of(checkout: Path) -> str | None:
-    """The commit a checkout is at (what the figures are of), if it is a git work tree."""
-    r = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or None
-
 
 def summarise(runs: list[dict[str, float]], kind: str) -> dict[str, float]:
     if kind == "big":
@@ -174,16 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             kind: round(statistics.median(a["cpu_s"] / a[unit] / (b["cpu_s"] / b[unit])
                                           for a, b in zip(runs["this"][kind], runs["peer"][kind], strict=True)), 3)
             for kind, unit in (("big", "bytes"), ("small", "chunks"))}
-    doc = {"benchmark": "fetch_cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "params": {**size, "rounds": rounds, "peer_commit": commit_of(args.peer) if args.peer else None,
-                      "commit": commit_of(ROOT),
-                      "big_request": MiB, "small_request": 16 * SMALL_CHUNK},
-           "duration_s": round(time.monotonic() - t0, 1), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
-           "machine": {"cpus": os.cpu_count()}, "results": results}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(results, indent=1, sort_keys=True))
-    print(f"results written to {out_path}")
+    params = {**size, "rounds": rounds, "peer_commit": commit_of(args.peer) if args.peer else None,
+              "commit": commit_of(ROOT), "big_request": MiB, "small_request": 16 * SMALL_CHUNK}
+    write_results(out_path, "fetch_cpu", params, results, started=t0, load_at_start=load0)
     return 0
 
 

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from abkit import commit_of, write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MiB = 1 << 20
@@ -98,10 +100,6 @@ def measure(code: Path, endpoint: str, objects: int, threads: int, env: dict[str
         return {}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
-
-def commit_of(checkout: Path) -> str | None:
-    r = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return r.stdout.strip() or None
 
 
 def per_gb(r: dict[str, Any]) -> float:
@@ -181,15 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     results[f"{first}_over_{second}_paired"] = {
         f"threads_{t}": [round(per_gb(a) / per_gb(b), 3) for a, b in zip(runs[first][t], runs[second][t], strict=True)]
         for t in THREADS}
-    doc = {"benchmark": "s3_get_cpu", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "params": {**size, "rounds": rounds, "object_size": MiB, "threads": list(THREADS),
-                      "commit": commit_of(ROOT), "peer_commit": commit_of(args.peer) if args.peer else None},
-           "duration_s": round(time.monotonic() - t0, 1), "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg(),
-           "machine": {"cpus": os.cpu_count()}, "results": results}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(results, indent=1, sort_keys=True))
-    print(f"results written to {out_path}")
+    params = {**size, "rounds": rounds, "object_size": MiB, "threads": list(THREADS),
+              "commit": commit_of(ROOT), "peer_commit": commit_of(args.peer) if args.peer else None}
+    write_results(out_path, "s3_get_cpu", params, results, started=t0, load_at_start=load0)
     return 0
 
 
