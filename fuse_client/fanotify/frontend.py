@@ -550,6 +550,7 @@ class FanotifyFrontEnd:
             os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(10)
+        self._free_reserved()  # (numbers a takeover reserved and `release` did not get to free)
         for a in list(self.attached.values()):
             a.reader.close()
         self.journal.close()

@@ -370,7 +370,7 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
         if on_started is not None:
             on_started(proc.pid)
         vm = QemuVm(proc)
-        conns = _accept_all(listeners, proc)
+        conns = accept_streams(listeners, proc)
         vm.conns = list(conns.values())
         targets = {"stdout": _sink_fd(stdout, 1), "stderr": _sink_fd(stderr, 2)}
         for name, conn in conns.items():
@@ -403,10 +403,18 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
                 os.unlink(path)
 
 
-def _accept_all(listeners: dict[str, socket.socket], proc: subprocess.Popen[bytes]) -> dict[str, socket.socket]:
+def accept_streams(listeners: dict[str, socket.socket], proc: subprocess.Popen[bytes]) -> dict[str, socket.socket]:
+    """One accepted connection per listener (name -> connection), as the VMM connects its streams;
+    ShimError if the VMM exits first or CONNECT_TIMEOUT passes."""
     conns: dict[str, socket.socket] = {}
     deadline = time.monotonic() + CONNECT_TIMEOUT
-    waiting = dict(listeners)
+    # poll, not select: the caller (a long-lived shim host: the snapshotter, a service) may hold
+    # descriptors numbered 1024 and up, which select() refuses.
+    poller = select.poll()
+    waiting: dict[int, tuple[str, socket.socket]] = {}
+    for name, ls in listeners.items():
+        poller.register(ls, select.POLLIN)
+        waiting[ls.fileno()] = (name, ls)
     try:
         while waiting:
             if proc.poll() is not None:
@@ -414,12 +422,11 @@ def _accept_all(listeners: dict[str, socket.socket], proc: subprocess.Popen[byte
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ShimError(f"{QEMU} did not connect its streams within {CONNECT_TIMEOUT:.0f} s")
-            ready, _, _ = select.select(list(waiting.values()), [], [], min(left, 0.1))
-            for ls in ready:
-                name = next(n for n, s in waiting.items() if s is ls)
+            for fd, _events in poller.poll(min(left, 0.1) * 1000):
+                name, ls = waiting.pop(fd)
+                poller.unregister(fd)
                 conn, _ = ls.accept()
                 conns[name] = conn
-                del waiting[name]
     except BaseException:
         for c in conns.values():
             c.close()
