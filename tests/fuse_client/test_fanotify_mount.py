@@ -212,7 +212,11 @@ def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src
                 ds[-1].kill9()
                 ds.append(start_daemon(backend.url, tmp_path / "cache", tmp_path / "mnt", "fanotify"))
                 _wait_reads(reads, 32, errors)
-                assert ds[-1].stats()["fanotify"]["filled"] >= 1  # (the readers needed the new daemon's fills)
+                # Every file once more, whole, through the new daemon: what the dead one left unfilled
+                # is filled now. (Whether the readers themselves still needed fills after the kill
+                # depends on the machine's speed: bench/daemon_restart.py counts the successors' fills.)
+                for rel in files:
+                    assert read_uncached(mnt / rel) == (src / rel).read_bytes(), rel
             finally:
                 stop.set()
                 for t in threads:
