@@ -5,10 +5,12 @@ fetched again; on fanotify, kill -9 of the daemon while sandboxes read: reads wa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,9 +164,13 @@ def test_an_evicted_range_raises_events_again(backend: CountingBackend, src: Pat
             assert st["fanotify"]["filled"] > filled
 
 
-def _readers(mnt: Path, src: Path, files: list[Path], stop: threading.Event, errors: list[BaseException],
-             reads: list[int], n: int) -> list[threading.Thread]:
+@contextlib.contextmanager
+def _reading(mnt: Path, src: Path, files: list[Path], errors: list[BaseException], reads: list[int],
+             n: int = 16) -> Iterator[None]:
+    """n threads reading random files of `mnt` and comparing them with `src` while the block runs
+    (reads[k] counts reader k's right reads; a failure or wrong bytes goes to `errors`)."""
     want = {rel: (src / rel).read_bytes() for rel in files}
+    stop = threading.Event()
 
     def reader(k: int) -> None:
         rng = random.Random(k)
@@ -178,7 +184,15 @@ def _readers(mnt: Path, src: Path, files: list[Path], stop: threading.Event, err
         except BaseException as e:
             errors.append(e)
 
-    return [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(n)]
+    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
 
 
 def _wait_reads(reads: list[int], n: int, errors: list[BaseException]) -> None:
@@ -203,11 +217,7 @@ def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src
         for cycle in range(2):  # (bench/daemon_restart.py: 100)
             if cycle:
                 assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
-            stop = threading.Event()
-            threads = _readers(mnt, src, files, stop, errors, reads, 16)
-            for t in threads:
-                t.start()
-            try:
+            with _reading(mnt, src, files, errors, reads):
                 _wait_reads(reads, 16, errors)
                 ds[-1].kill9()
                 ds.append(start_daemon(backend.url, tmp_path / "cache", tmp_path / "mnt", "fanotify"))
@@ -217,10 +227,6 @@ def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src
                 # depends on the machine's speed: bench/daemon_restart.py counts the successors' fills.)
                 for rel in files:
                     assert read_uncached(mnt / rel) == (src / rel).read_bytes(), rel
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(60)
         assert not errors, errors[:3]
         assert handover.holder_generation(tmp_path / "cache") == generation  # the same group throughout
         assert ds[-1].stats()["fanotify"]["attached"][layer.blob]["holders"] == ["test"]
@@ -268,20 +274,12 @@ def test_daemon_upgrade_while_16_readers_read(backend: CountingBackend, src: Pat
             for cycle in range(2):
                 if cycle:
                     assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
-                stop = threading.Event()
-                threads = _readers(mnt, src, files, stop, errors, reads, 16)
-                for t in threads:
-                    t.start()
-                try:
+                with _reading(mnt, src, files, errors, reads):
                     if not cycle:
                         res = upgrade(tmp_path / "cache", log=tmp_path / "upgraded.log")
                         new_pid = res["new_pid"]
                         assert res["old_pid"] == ds[-1].pid and res["data_path"] == "fanotify"
                     _wait_reads(reads, 32, errors)
-                finally:
-                    stop.set()
-                    for t in threads:
-                        t.join(60)
             fan = request_json(tmp_path / "cache", "GET", "/stats")["fanotify"]
             assert fan["filled"] >= 1  # (the new daemon filled the cold mount)
         finally:
