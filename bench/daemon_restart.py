@@ -40,7 +40,6 @@ daemon answered (`cycles_with_a_stuck_read`: see docs/fanotify.md, "Status", for
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -161,11 +160,11 @@ class Readers:
 
 def kill_all(args: argparse.Namespace) -> int:
     """The `--kill-all` run (module doc)."""
-    from testkit.fanotify_helpers import holder_marks, stop_holder
+    from testkit.fanotify_helpers import holder_marks, stop_holder, unmount_and_detach
 
-    from fuse_client.control import attach, detach
+    from fuse_client.control import attach
     from fuse_client.fanotify import handover
-    from fuse_client.linux import mount_erofs, umount
+    from fuse_client.linux import mount_erofs
     from runtime_shim.daemon import DaemonSupervisor, is_alive
     from runtime_shim.paths import NodePaths
     from runtime_shim.state import NodeState
@@ -241,10 +240,7 @@ def kill_all(args: argparse.Namespace) -> int:
         finally:
             if started:
                 readers.join()
-            with contextlib.suppress(OSError):
-                umount(target, lazy=True)
-            with contextlib.suppress(Exception):
-                detach(paths.cache, layer.blob, "bench")
+            unmount_and_detach(paths.cache, layer.blob, "bench", target)
             with state.read() as t:
                 rec = t.daemon()
             sup.stop(rec)
@@ -281,12 +277,12 @@ def spread(xs: list[float], ndigits: int = 3) -> dict[str, float] | None:
 def kill_all_fd_store(args: argparse.Namespace) -> int:
     """The `--kill-all --fd-store` run (module doc): the default data path under a stand-in
     service manager that keeps the group; every process of ours killed at once each cycle."""
-    from testkit.fanotify_helpers import stop_holder
+    from testkit.fanotify_helpers import stop_holder, unmount_and_detach
     from testkit.fdstore_manager import FdStoreManager
 
-    from fuse_client.control import attach, detach
+    from fuse_client.control import attach
     from fuse_client.fanotify import handover
-    from fuse_client.linux import mount_erofs, umount
+    from fuse_client.linux import mount_erofs
 
     for k in ("LAYERSTORE_DATA_PATH", "LAYERSTORE_DAEMON_WATCH"):
         os.environ.pop(k, None)  # (the daemon's own default decides: auto)
@@ -305,7 +301,7 @@ def kill_all_fd_store(args: argparse.Namespace) -> int:
         answered = {"leftovers": 0, "unknown": 0}
         filled_by_successors = 0
         stuck: list[int] = []  # cycles where a read waited STUCK_AFTER beyond the next daemon's answer
-        started = mounted = False
+        started = False
         try:
             pid = mgr.start()
             stats = request_json(cache, "GET", "/stats")
@@ -319,7 +315,6 @@ def kill_all_fd_store(args: argparse.Namespace) -> int:
             if generation != "fanotify:" + stored.removeprefix("fanotify-"):
                 raise RuntimeError(f"the holder's group {generation} is not the stored one {stored}")
             mount_erofs(Path(got["path"]), target)
-            mounted = True
             readers.start()
             started = True
             for i in range(args.restarts):
@@ -366,11 +361,7 @@ def kill_all_fd_store(args: argparse.Namespace) -> int:
                 readers.join()
             if args.daemon_log is not None:
                 args.daemon_log.write_text(mgr.log_text())
-            if mounted:
-                with contextlib.suppress(OSError):
-                    umount(target, lazy=True)
-            with contextlib.suppress(Exception):
-                detach(cache, layer.blob, "bench")
+            unmount_and_detach(cache, layer.blob, "bench", target)
             mgr.close()
             stop_holder(cache)
         quick = os.environ.get("BENCH_SIZE", "full") == "quick"

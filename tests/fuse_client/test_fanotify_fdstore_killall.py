@@ -8,21 +8,20 @@ manager's next daemon has the group back."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from testkit.fanotify_helpers import needs_fanotify, read_uncached, stop_holder
+from testkit.fanotify_helpers import needs_fanotify, read_uncached, stop_holder, unmount_and_detach
 from testkit.fdstore_manager import FdStoreManager
 from testkit.fuse_helpers import CountingBackend, make_tree, wait_until
 
 from erofs_builder.build import BuiltLayer
-from fuse_client.control import attach, detach, request_json
+from fuse_client.control import attach, request_json
 from fuse_client.fanotify import handover
-from fuse_client.linux import mount_erofs, umount
+from fuse_client.linux import mount_erofs
 
 pytestmark = [pytest.mark.root, needs_fanotify]
 
@@ -42,7 +41,6 @@ def test_default_path_under_a_manager_a_read_in_the_kill_all_gap_waits_and_is_ri
     mgr = FdStoreManager(backend.url, cache, tmp_path / "mnt", tmp_path, restart_sec=1.5)
     got: list[bytes | BaseException] = []
     reader = None
-    mounted = False
     try:
         first = mgr.start()
         stats = request_json(cache, "GET", "/stats")
@@ -54,7 +52,6 @@ def test_default_path_under_a_manager_a_read_in_the_kill_all_gap_waits_and_is_ri
         generation = handover.holder_generation(cache)
         assert generation == "fanotify:" + name.removeprefix("fanotify-")
         mount_erofs(path, target)  # (cold: only the metadata attached)
-        mounted = True
         ident = handover.read_identity(cache)
         assert ident is not None
         os.kill(first, 9)  # the daemon and the holder at once; the manager (this process) lives
@@ -84,10 +81,6 @@ def test_default_path_under_a_manager_a_read_in_the_kill_all_gap_waits_and_is_ri
     finally:
         if reader is not None:
             reader.join(5)
-        if mounted:
-            with contextlib.suppress(OSError):
-                umount(target, lazy=True)
-        with contextlib.suppress(Exception):
-            detach(cache, layer.blob, "test")
+        unmount_and_detach(cache, layer.blob, "test", target)
         mgr.close()
         stop_holder(cache)

@@ -33,6 +33,15 @@ needs_fanotify = pytest.mark.skipif(FANOTIFY_WHY is not None, reason=f"no fanoti
 DATA_PATHS = ["fuse", pytest.param("fanotify", marks=needs_fanotify)]
 
 
+def unmount_and_detach(cache_dir: Path, blob: str, holder: str, target: Path) -> None:
+    """Undo an attached mount a test or bench made by hand: the EROFS mount at `target` (lazily),
+    then the attachment; either may be gone already."""
+    with contextlib.suppress(OSError):
+        umount(target, lazy=True)
+    with contextlib.suppress(Exception):
+        detach(cache_dir, blob, holder)
+
+
 def stop_holder(cache_dir: Path) -> None:
     """Quit the fanotify holder of `cache_dir` (SIGKILL by its recorded pid if it does not)."""
     ident = handover.read_identity(cache_dir)
