@@ -105,8 +105,7 @@ class SandboxLifecycle:
                 if trashed is not None:
                     shutil.rmtree(trashed, ignore_errors=True)
             elif not sb.owned:
-                with contextlib.suppress(FileNotFoundError):
-                    (sdir / records.RECORD).unlink()
+                records.remove(self.paths, sb.id)
                 shutil.rmtree(sb.work, ignore_errors=True)
                 if created_dir:
                     rmdir_quiet(sdir / "rootfs")
@@ -172,8 +171,7 @@ class SandboxLifecycle:
         if sb.owned:
             trashed = records.trash(self.paths, sb.id)
         else:
-            with contextlib.suppress(FileNotFoundError):
-                (sdir / records.RECORD).unlink()
+            records.remove(self.paths, sb.id)
         self.forget(sb.id)
         if not sb.owned:
             shutil.rmtree(sb.work, ignore_errors=True)

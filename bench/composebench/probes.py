@@ -153,10 +153,11 @@ def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) ->
         node = Path(cfg["node"])
         with node_state_cls(node / "state") as st:
             size_b = st.size()
-        rec = next(node.glob("sandboxes/c*/sandbox.json"), None)
+        sdir = next(node.glob("sandboxes/c*"), None)
+        rec = project.record_of(sdir) if sdir else None
         facts["state"] = {"lmdb_used_bytes_per_sandbox": round(size_b["used"] / (mounted + 1)),  # + the anchor
                           "lmdb_file_bytes": size_b["file"],
-                          "record_file_bytes": rec.stat().st_size if rec else None}
+                          "record_bytes": len(rec) if rec else None}
         t = time.perf_counter()
         shim = shim_cls.for_node(node, cfg["store"], auto_recover=False)
         t1 = time.perf_counter()

@@ -24,3 +24,9 @@ def node_state_class() -> Any:
     from runtime_shim.state import NodeState
 
     return NodeState
+
+
+def record_of(sandbox_dir: Any) -> bytes | None:
+    from runtime_shim import records
+
+    return records.load(sandbox_dir)

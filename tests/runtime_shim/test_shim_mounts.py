@@ -13,6 +13,7 @@ import pytest
 from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
 from fuse_client import linux
+from runtime_shim import records
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
 from runtime_shim.paths import NodePaths
@@ -180,7 +181,7 @@ def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: d
         (Path(a.target) / "mine").write_text("kept\n")
         (Path(gone.target) / "g").write_text("upper data\n")
     shutil.rmtree(node / "state")  # the database is lost; mounts and record files remain
-    os.unlink(NodePaths(node).sandbox_dir(gone.id) / "sandbox.json")  # and one record too
+    records.remove(NodePaths(node), gone.id)  # and one record too
     stray = node / "layers" / ("f" * 64)
     stray.mkdir()
     linux.mount_erofs(Path(images["blobs"]) / images["base"], stray)  # type: ignore[arg-type, operator]
@@ -213,14 +214,13 @@ def test_recover_finishes_an_interrupted_teardown(node: Path, images: dict[str, 
 def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
         sb = shim.mount(env2(images), sandbox="rec-1")
-        rec = json.loads((NodePaths(node).sandbox_dir("rec-1") / "sandbox.json").read_text())
+        rec = json.loads(records.load(NodePaths(node).sandbox_dir("rec-1")) or b"")
         assert rec["id"] == "rec-1" and rec["layers"] == [images["base"], images["toolkit"]]
         shim.unmount(sb.id)
 
 
 def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
     from fuse_client.linux import detach
-    from runtime_shim import records
 
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
@@ -363,7 +363,6 @@ def test_a_caller_upper_survives_a_crash_mid_teardown(node: Path, images: dict[s
 
 
 def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
-    from runtime_shim import records
     from runtime_shim.state import Sandbox
 
     with open_shim(node, images) as shim:
@@ -378,7 +377,7 @@ def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, imag
             t.put_sandbox(Sandbox(id="ghost", env="", manifest="", layers=[images["base"]],  # type: ignore[list-item]
                                   config={}, target=str(node / "ghost"), upper=str(node / "gu"), work=str(node / "gw"),
                                   owned=True, status=MOUNTED))
-    (NodePaths(node).sandbox_dir("b") / records.RECORD).write_text("")  # b's unsynced record file came back empty
+    records.remove(NodePaths(node), "b")  # b's unsynced record did not come back
     for m in sorted(linux.mounts_under(linux.read_mounts(), str(node)), key=lambda m: -len(m.mountpoint)):
         linux.umount(m.mountpoint, lazy=True)  # every mount is gone after a reboot
     with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]

@@ -233,6 +233,45 @@ def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
         assert flags["sync"] is False and flags["metasync"] is False
 
 
+def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_that_is_refused(
+        tmp_path: Path) -> None:
+    import json
+    import os
+
+    from runtime_shim import records
+    from runtime_shim.paths import NodePaths
+    from runtime_shim.state import Sandbox, encode
+
+    paths = NodePaths(tmp_path / "node")
+    paths.create()
+    base = {"env": "", "manifest": "", "layers": ["b" * 64], "config": {}, "target": "/t", "upper": "/u",
+            "work": "/w", "owned": True}
+    small = Sandbox.from_json({**base, "id": "small"})
+    large = Sandbox.from_json({**base, "id": "large", "config": {"env": ["X=" + "y" * 9000]}})  # > one ext4 block
+    legacy = Sandbox.from_json({**base, "id": "legacy"})
+    for sb in (small, large, legacy):
+        paths.sandbox_dir(sb.id).mkdir()
+    records.save(paths, small, fresh=True)
+    records.save(paths, large, fresh=True)
+    (paths.sandbox_dir("legacy") / records.RECORD).write_bytes(encode(legacy.to_json()))  # an earlier shim's
+    assert os.getxattr(paths.sandbox_dir("small"), records.XATTR) == encode(small.to_json())
+    assert not (paths.sandbox_dir("small") / records.RECORD).exists()  # no inode of its own
+    assert (paths.sandbox_dir("large") / records.RECORD).read_bytes() == encode(large.to_json())
+    assert [sb.id for sb in records.scan(paths)] == ["large", "legacy", "small"]
+    with pytest.raises(FileExistsError):  # fresh: the directory holds no record yet, or something is wrong
+        records.save(paths, small, fresh=True)
+    small.upper = "/u2"
+    records.save(paths, small)  # a caller's upper, recorded again: replaced whole
+    assert json.loads(records.load(paths.sandbox_dir("small")) or b"")["upper"] == "/u2"
+    records.save(paths, legacy)  # the attribute now, and the file it replaces is gone
+    assert not (paths.sandbox_dir("legacy") / records.RECORD).exists()
+    for sid in ("small", "large", "legacy"):
+        records.remove(paths, sid)
+        assert records.load(paths.sandbox_dir(sid)) is None and paths.sandbox_dir(sid).is_dir()
+    assert list(records.scan(paths)) == [] and records.unrecorded(paths, set()) == ["large", "legacy", "small"]
+    assert records.load(paths.sandbox_dir("gone")) is None
+
+
 def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path) -> None:
     import os
 

@@ -62,11 +62,11 @@ def open_shim(node: Path, blobs: dict[str, object], **kw: object) -> Shim:
 
 
 # A process that mounts sandbox "victim" and is killed with SIGKILL: after the mount returned
-# ("mounted"), or between the record file's creation and its write ("record-write").
+# ("mounted"), or after the sandbox's directory was made but before its record was set on it
+# ("record-write").
 VICTIM = r"""
 import json, os, signal, sys
 from pathlib import Path
-from runtime_shim import records
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.paths import NodePaths
@@ -77,7 +77,7 @@ s = Shim(NodePaths(Path(node)), DirBlobs(blobs))
 if point == "record-write":
     def die(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
-    records.pwrite_all = die
+    os.setxattr = die
 s.mount(spec, sandbox="victim")
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -92,7 +92,7 @@ def victim(node: Path, blobs: dict[str, object], point: str) -> None:
 def test_a_record_written_without_fsync_rebuilds_the_sandbox_after_kill9_and_a_lost_database(
         node: Path, blobs: dict[str, object]) -> None:
     victim(node, blobs, "mounted")
-    rec = json.loads((NodePaths(node).sandbox_dir("victim") / records.RECORD).read_bytes())
+    rec = json.loads(records.load(NodePaths(node).sandbox_dir("victim")) or b"")
     assert rec["id"] == "victim" and rec["status"] == MOUNTED
     target = rec["target"]
     linux.umount(target, lazy=True)  # the database and the root gone: only the record file is left
@@ -107,10 +107,10 @@ def test_a_record_written_without_fsync_rebuilds_the_sandbox_after_kill9_and_a_l
         assert shim.sandboxes() == [] and not linux.is_mount_root(node / "roots")
 
 
-def test_kill9_between_the_records_creation_and_its_write_leaves_no_sandbox(node: Path,
+def test_kill9_between_the_sandboxs_directory_and_its_record_leaves_no_sandbox(node: Path,
                                                                              blobs: dict[str, object]) -> None:
     victim(node, blobs, "record-write")
-    assert (NodePaths(node).sandbox_dir("victim") / records.RECORD).read_bytes() == b""  # created, not written
+    assert NodePaths(node).sandbox_dir("victim").is_dir() and records.load(NodePaths(node).sandbox_dir("victim")) is None
     with open_shim(node, blobs, auto_recover=False) as shim:
         rep = shim.recover_if_needed()
         assert rep is not None and rep.rolled_back == ["victim"]
