@@ -246,9 +246,9 @@ class Shim:
         on the host), and without it the guest keeps its upper in its own memory. Not with
         `upper`, `upper_size`, `utab_entry` or `userns`.
 
-        The node lock is held twice, for state changes only: to record the sandbox and take its
-        layer references (claiming the mounts of layers nobody has mounted), and to mark it
-        mounted. Layer mounts (a cold one waits for the daemon to fetch the blob's metadata),
+        The node lock is held once, for state changes only: to record the sandbox and take its
+        layer references (claiming the mounts of layers nobody has mounted); marking it mounted
+        needs no lock (see below). Layer mounts (a cold one waits for the daemon to fetch the blob's metadata),
         the overlay and the sandbox's directories are made without it: see `layers`."""
         if upper_size is not None and upper_size <= 0:
             raise ShimError(f"upper size {upper_size}: want a positive number of bytes (None: no quota)")
@@ -292,7 +292,10 @@ class Shim:
                 if mid is not None:
                     utab.add(mid, sb.target)
             sb.status = MOUNTED
-            with self.lock, self.state.write() as t:
+            # Without the node lock: a blind write of this mount's own record and pending entry,
+            # which nobody else changes while this process lives (a teardown and recovery leave a
+            # sandbox alone while its pending entry's process runs); LMDB orders the writers.
+            with self.state.write() as t:
                 t.put_status(sb, record)
                 t.clear_pending(sid)
         except BaseException:
@@ -395,57 +398,16 @@ class Shim:
             up = str(self.paths.upper_image(sid) if scratch else sdir / "upper")
         if not owned:
             check_overlay_safe(up, "upper directory")
-        with self.state.read() as t:  # one read: the picture usable, then the refusals
-            stale = self._stale(t, gen)
-            if not stale:
-                self._refuse_taken(t, sid, tgt, up)
-        if stale:
+        sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
+                     target=tgt, upper=up, work="", owned=owned, store=self.store_url, status=MOUNTING,
+                     created=time.time(), utab=utab_entry, backend=guest or "")
+        got = self._record_mount(sb, sdir, home, userns, gen, check_stale=True)
+        if got is None:  # (the picture needs recovery first)
             self._recover_locked()
             gen = self.blobs.ensure()
-            with self.state.read() as t:
-                self._refuse_taken(t, sid, tgt, up)
-        created_dir = False
-        if owned:
-            try:
-                sdir.mkdir(mode=0o700)  # exclusive: proves the directory (and what goes in it) is ours
-            except FileExistsError:
-                raise SandboxExists(f"sandbox {sid} has data on this node ({sdir}); pass its upper "
-                                    f"({sdir / 'upper'}) explicitly to resume it, or remove it") from None
-            created_dir = True
-            work = str(home / "work")
-        else:
-            if not sdir.exists():
-                sdir.mkdir(mode=0o700)
-                created_dir = True
-            Path(up).mkdir(mode=0o755, parents=True, exist_ok=True)
-            work = str(self._work_for(Path(up), sdir))
-        sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
-                     target=tgt, upper=up, work=work, owned=owned, store=self.store_url, status=MOUNTING,
-                     created=time.time(), utab=utab_entry, backend=guest or "")
-        # From here on, a crash leaves a `pending` mount that recovery rolls back.
-        waits: set[str] = set()
-        claims: list[str] = []
-        roots = False
-        try:
-            with self.state.write() as t:
-                roots = t.roots_mounted()
-                if userns and owned:
-                    sb.userns = t.allocate_idrange(sid)
-                t.put_sandbox(sb, old=None)
-                t.put_pending(sid, "mount")
-                for blob in sb.layers:
-                    got = self.layers.take(t, blob, gen)
-                    if got == CLAIMED:
-                        claims.append(blob)
-                    elif got == MOUNTING:
-                        waits.add(blob)
-                waits.difference_update(claims)  # (a layer listed twice)
-        except BaseException:
-            if owned:
-                shutil.rmtree(sdir, ignore_errors=True)
-            elif created_dir:
-                rmdir_quiet(sdir)
-            raise
+            got = self._record_mount(sb, sdir, home, userns, gen, check_stale=False)
+        assert got is not None
+        created_dir, claims, waits, roots = got
         claimed: dict[str, BlobLock] = {}
         try:
             for blob in claims:
@@ -457,6 +419,59 @@ class Shim:
             self.lifecycle.undo_mount(sb, overlay=False, created_dir=created_dir)
             raise
         return sb, claimed, waits, created_dir, gen
+
+    def _record_mount(self, sb: Sandbox, sdir: Path, home: Path, userns: bool, gen: str, *,
+                      check_stale: bool) -> tuple[bool, list[str], set[str], bool] | None:
+        """Caller holds the lock. One write transaction (the usual case needs no other): None if
+        `check_stale` and the picture needs recovery first (`_stale`); else refuse taken ids,
+        targets and uppers, create the sandbox's directory, and transaction 1: the sandbox
+        (`mounting`), its pending entry and a reference on every layer. Returns whether the
+        directory was created, the layers this mount claimed, those others are mounting, and
+        whether NODE/roots is mounted. If anything fails, the transaction is aborted and the
+        directory this call created removed."""
+        sid = sb.id
+        created_dir = False
+        waits: set[str] = set()
+        claims: list[str] = []
+        try:
+            with self.state.write() as t:
+                if check_stale and self._stale(t, gen):
+                    return None
+                self._refuse_taken(t, sid, sb.target, sb.upper)
+                if sb.owned:
+                    try:
+                        os.mkdir(sdir, 0o700)  # exclusive: proves the directory (and what goes in it) is ours
+                    except FileExistsError:
+                        raise SandboxExists(f"sandbox {sid} has data on this node ({sdir}); pass its upper "
+                                            f"({sdir / 'upper'}) explicitly to resume it, or remove it") from None
+                    created_dir = True
+                    sb.work = str(home / "work")
+                else:
+                    if not sdir.exists():
+                        sdir.mkdir(mode=0o700)
+                        created_dir = True
+                    Path(sb.upper).mkdir(mode=0o755, parents=True, exist_ok=True)
+                    sb.work = str(self._work_for(Path(sb.upper), sdir))
+                # From here on, a crash leaves a `pending` mount that recovery rolls back.
+                roots = t.roots_mounted()
+                if userns and sb.owned:
+                    sb.userns = t.allocate_idrange(sid)
+                t.put_sandbox(sb, old=None)
+                t.put_pending(sid, "mount")
+                for blob in sb.layers:
+                    got = self.layers.take(t, blob, gen)
+                    if got == CLAIMED:
+                        claims.append(blob)
+                    elif got == MOUNTING:
+                        waits.add(blob)
+                waits.difference_update(claims)  # (a layer listed twice)
+        except BaseException:
+            if created_dir and sb.owned:
+                shutil.rmtree(sdir, ignore_errors=True)
+            elif created_dir:
+                rmdir_quiet(sdir)
+            raise
+        return created_dir, claims, waits, roots
 
     def _refuse_taken(self, t: Txn, sid: str, target: str, upper: str) -> None:
         if t.sandbox(sid) is not None:

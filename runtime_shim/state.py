@@ -19,8 +19,12 @@ This takes the fsync (2-10 ms on a busy disk) out of every mount and every teard
 Records are JSON objects:
     sandboxes/<id>     Sandbox
     layers/<blob>      LayerMount (`refs` = sandboxes on the node that stack it)
-    targets/<path>     sandbox id mounted at that path (for `umount TARGET`)
-    uppers/<path>      sandbox id using that upper directory (uniqueness without a scan)
+    targets/<path>     sandbox id mounted at that path (for `umount TARGET`), unless the path's
+                       last component is the sandbox's id (NODE/roots/<id>, the default)
+    uppers/<path>      sandbox id using that upper directory (uniqueness without a scan), unless
+                       the path is .../<id>/upper (the upper the shim makes)
+                       (the two exceptions are found from the path itself: `_derived`, so that a
+                       warm mount writes and a teardown reads two entries fewer)
     pending/<id>       an operation in flight on a sandbox ({"op": "mount"|"unmount", "pid", "start"}):
                        written first, deleted in the transaction that completes the operation, so
                        a crash mid-operation is found without looking at every sandbox; an entry
@@ -274,6 +278,24 @@ def _close_env(env: lmdb.Environment) -> None:
                 return
 
 
+def _derived_target(target: str) -> str:
+    """The only sandbox a target can belong to without an index entry: its last component."""
+    return target.rpartition("/")[2]
+
+
+def _derived_upper(upper: str) -> str:
+    """The same for an upper: the sandbox that .../<id>/upper belongs to ("" for any other path)."""
+    parent, _, name = upper.rpartition("/")
+    return parent.rpartition("/")[2] if name == "upper" else ""
+
+
+def _no_id(key: str) -> str:
+    return ""
+
+
+_DERIVED = {"targets": _derived_target, "uppers": _derived_upper}
+
+
 class Txn:
     """A view of the state inside one LMDB transaction."""
 
@@ -322,8 +344,10 @@ class Txn:
         if old is not None and old.upper != sb.upper:
             self._delete_ref("uppers", old.upper, sb.id)
         self._put("sandboxes", sb.id, sb.to_json())
-        self._put("targets", sb.target, {"sandbox": sb.id})
-        self._put("uppers", sb.upper, {"sandbox": sb.id})
+        if _derived_target(sb.target) != sb.id:
+            self._put("targets", sb.target, {"sandbox": sb.id})
+        if _derived_upper(sb.upper) != sb.id:
+            self._put("uppers", sb.upper, {"sandbox": sb.id})
         if sb.userns is not None:
             self._put("idranges", str(slot_of(sb.userns)), {"sandbox": sb.id})
 
@@ -345,6 +369,8 @@ class Txn:
         self._delete_ref("uppers", old.upper, sandbox)
 
     def _delete_ref(self, db: str, key: str, sandbox: str) -> None:
+        if _DERIVED.get(db, _no_id)(key) == sandbox:
+            return
         ref = self._get(db, key)
         if ref is not None and ref.get("sandbox") == sandbox:
             self._delete(db, key)
@@ -367,11 +393,18 @@ class Txn:
 
     def sandbox_at(self, target: str) -> Sandbox | None:
         ref = self._get("targets", target)
-        return self.sandbox(ref["sandbox"]) if ref else None
+        if ref:
+            return self.sandbox(ref["sandbox"])
+        sb = self.sandbox(_derived_target(target))
+        return sb if sb is not None and sb.target == target else None
 
     def sandbox_with_upper(self, upper: str) -> Sandbox | None:
         ref = self._get("uppers", upper)
-        return self.sandbox(ref["sandbox"]) if ref else None
+        if ref:
+            return self.sandbox(ref["sandbox"])
+        sid = _derived_upper(upper)
+        sb = self.sandbox(sid) if sid else None
+        return sb if sb is not None and sb.upper == upper else None
 
     # -- operations in flight --------------------------------------------------------------
     def pending(self) -> dict[str, dict[str, Any]]:
@@ -388,8 +421,7 @@ class Txn:
         return {sid: info for sid, info in self._items("pending") if not owner_alive(info)}
 
     def clear_pending(self, sandbox: str) -> None:
-        if self._txn.get(sandbox.encode(), db=self._dbs["pending"]) is not None:
-            self._delete("pending", sandbox)
+        self._delete("pending", sandbox)  # (LMDB: deleting an absent key changes nothing)
 
     # -- layers ----------------------------------------------------------------------
     def layer(self, blob: str) -> LayerMount | None:
