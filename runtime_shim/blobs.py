@@ -134,7 +134,7 @@ class DaemonBlobs:
         one. Anything else (it died, its mount went, the holder changed) takes the full check."""
         seen = self._seen
         if seen is not None:
-            if seen.still_healthy(self.paths):
+            if seen.still_healthy():
                 if seen.ident is None:  # (FUSE: no fanotify holder)
                     return seen.generation
                 # a holder's identity: whether that holder still runs is its generation's to say
@@ -151,7 +151,7 @@ class DaemonBlobs:
             rec = self.supervisor.start(self.store)
             with self.state.write() as t:
                 t.put_daemon(rec)
-        ident = _identity(self.paths)  # (before the generation: a change in between is seen next time)
+        ident = _identity(_identity_file(self.paths))  # (before the generation: a change in between is seen next time)
         gen = self._gen(rec.pid, rec.start_time)
         self._seen = _SeenDaemon.take(rec.pid, rec.start_time, gen, self.paths, ident)
         return gen
@@ -273,12 +273,16 @@ def _gen(pid: int, start_time: int) -> str:
     return f"daemon:{pid}:{start_time}"
 
 
-def _identity(paths: NodePaths) -> tuple[int, int, int] | None:
-    """(inode, size, mtime) of the fanotify holder's identity file in the cache, None if absent."""
+def _identity_file(paths: NodePaths) -> str:
     from fuse_client.fanotify.handover import identity_path
 
+    return str(identity_path(paths.cache))
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of the fanotify holder's identity file (`_identity_file`), None if absent."""
     try:
-        st = os.stat(identity_path(paths.cache))
+        st = os.stat(path)
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
@@ -289,9 +293,10 @@ class _SeenDaemon:
     mountpoint's device then), the holder identity file then, and the generation they gave."""
 
     def __init__(self, pid: int, start_time: int, pidfd: int, fuse_dev: int, ident: tuple[int, int, int] | None,
-                 generation: str) -> None:
+                 generation: str, paths: NodePaths) -> None:
         self.pid, self.start_time = pid, start_time
         self.pidfd, self.fuse_dev, self.ident, self.generation = pidfd, fuse_dev, ident, generation
+        self.fuse, self.identity = str(paths.fuse), _identity_file(paths)  # (strings: checked at every mount)
         self.poll = select.poll()
         self.poll.register(pidfd, select.POLLIN)
 
@@ -311,17 +316,17 @@ class _SeenDaemon:
         except OSError:
             os.close(pidfd)
             return None
-        return cls(pid, start_time, pidfd, dev, ident, generation)
+        return cls(pid, start_time, pidfd, dev, ident, generation, paths)
 
-    def still_healthy(self, paths: NodePaths) -> bool:
+    def still_healthy(self) -> bool:
         if self.pidfd < 0 or self.poll.poll(0):  # readable: the process exited
             return False
         try:
-            if os.lstat(paths.fuse).st_dev != self.fuse_dev:  # another mount there, or none
+            if os.lstat(self.fuse).st_dev != self.fuse_dev:  # another mount there, or none
                 return False
         except OSError:  # ENOTCONN: a dead FUSE mount
             return False
-        return _identity(paths) == self.ident
+        return _identity(self.identity) == self.ident
 
     def close(self) -> None:
         fd, self.pidfd = self.pidfd, -1

@@ -117,28 +117,22 @@ class TagVersions:
     def __init__(self, store: Store, capacity: int = 1024) -> None:
         self.store = store
         self.capacity = capacity
-        self._seen: dict[str, tuple[Hashable, str]] = {}
+        self._seen: dict[str, tuple[str, Hashable, str]] = {}  # ref -> (its key, version, digest)
 
     def get(self, ref: str) -> str | None:
         """The manifest digest `ref` (NAME:TAG) names now, None for a digest reference, an
         unreadable tag or a backend without versions (the caller reads it then, and gets the
         store's error)."""
-        from layerstore import keys
-        from manifest.environment import is_digest_ref
-
-        if is_digest_ref(ref):
-            return None
-        try:
-            key = keys.tag_key(ref)
-        except (ValueError, LayerstoreError):
+        seen = self._seen.get(ref)
+        key = seen[0] if seen is not None else _tag_key(ref)
+        if key is None:
             return None
         backend = self.store.backend
         sig = backend.version(key)
         if sig is None:
             return None
-        seen = self._seen.get(ref)
-        if seen is not None and seen[0] == sig:
-            return seen[1]
+        if seen is not None and seen[1] == sig:
+            return seen[2]
         try:
             digest = self.store.get_tag(ref)
         except LayerstoreError:
@@ -147,8 +141,21 @@ class TagVersions:
             return digest  # moved while it was read: this answer is not remembered
         if len(self._seen) >= self.capacity:
             self._seen.clear()
-        self._seen[ref] = (sig, digest)
+        self._seen[ref] = (key, sig, digest)
         return digest
+
+
+def _tag_key(ref: str) -> str | None:
+    """The store key of a NAME:TAG reference; None for a digest reference or a malformed one."""
+    from layerstore import keys
+    from manifest.environment import is_digest_ref
+
+    if is_digest_ref(ref):
+        return None
+    try:
+        return keys.tag_key(ref)
+    except (ValueError, LayerstoreError):
+        return None
 
 
 def node_policy(node_root: str | os.PathLike[str], caller: str | os.PathLike[str] | None) -> Any:

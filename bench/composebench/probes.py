@@ -127,7 +127,8 @@ def settle() -> None:
     the next contender's measurement. (It does not undo what a mass teardown leaves on the node
     disk: measured, creating a sandbox's three directories costs 0.11 ms on a fresh ext4 and
     0.29 ms after 10,000 sandboxes' directories were deleted, still after a sync and 6 s. That is
-    part of the spread between rounds; the round-robin order gives each contender both states.)"""
+    part of the spread between rounds; the order, reversed every other round, gives each contender
+    both states.)"""
     os.sync()
     time.sleep(float(os.environ.get(SETTLE_ENV, SETTLE_S)))
 

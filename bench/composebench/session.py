@@ -58,8 +58,10 @@ def inner(args: argparse.Namespace) -> int:
         rounds: dict[str, list[dict[str, Any]]] = {}
         for rnd in range(args.rounds):
             # Rounds go over every contender before the next starts: load from elsewhere on a shared
-            # machine spreads over all of them instead of hitting one.
-            for kind, clients in contenders:
+            # machine spreads over all of them instead of hitting one. Every other round goes in the
+            # reverse order: the contender after another's mass teardown starts on a node disk
+            # still busy with it (see `settle`), and each should get that place as often.
+            for kind, clients in (contenders if rnd % 2 == 0 else contenders[::-1]):
                 cli = args.cli if clients == 1 and rnd == 0 else 0
                 log(f"round {rnd + 1}: {kind}, {clients} client(s)")
                 vs = args.vs_plain_blocks if kind == "layerstore-api" and clients == 1 else 0

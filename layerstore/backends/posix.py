@@ -54,6 +54,7 @@ class PosixBackend(Backend):
         if not root.is_absolute():
             root = Path.cwd() / root
         self.root = root
+        self._root_s = str(root)  # (the hot `version` joins strings: no Path objects)
         self.url = f"file://{root}"
         self._fsync = fsync
 
@@ -243,7 +244,7 @@ class PosixBackend(Backend):
         """The object file's identity and times: a write is a new file renamed into place (a new
         inode), and any change moves its ctime, on every host sharing the directory."""
         try:
-            st = os.stat(self._path(key), follow_symlinks=False)
+            st = os.stat(f"{self._root_s}/{validate(key)}", follow_symlinks=False)
         except OSError:
             return None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

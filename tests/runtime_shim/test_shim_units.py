@@ -233,6 +233,41 @@ def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
         assert flags["sync"] is False and flags["metasync"] is False
 
 
+def test_default_roots_and_shim_made_uppers_are_found_without_index_entries(tmp_path: Path) -> None:
+    from runtime_shim.state import MOUNTED, NodeState, Sandbox
+
+    def sandbox(sid: str, target: str, upper: str) -> Sandbox:
+        return Sandbox(id=sid, env="e:1", manifest="", layers=[], config={}, target=target, upper=upper,
+                       work=upper + ".w", owned=True, status=MOUNTED)
+
+    default = sandbox("a", "/n/roots/a", "/n/sandboxes/a/upper")  # both derivable: no entries
+    named = sandbox("b", "/mnt/b", "/n/sandboxes/b/upper")  # a caller's target named like its id
+    elsewhere = sandbox("c", "/mnt/a", "/data/a/upper")  # paths naming another sandbox: entries
+    with NodeState(tmp_path / "state") as st:
+        with st.write() as t:
+            for sb in (default, named, elsewhere):
+                t.put_sandbox(sb)
+        with st.read() as t:
+            assert t.count("targets") == 1 and t.count("uppers") == 1  # only c's
+            assert t.sandbox_at("/n/roots/a") == default and t.sandbox_with_upper("/n/sandboxes/a/upper") == default
+            assert t.sandbox_at("/mnt/b") == named and t.sandbox_with_upper("/n/sandboxes/b/upper") == named
+            assert t.sandbox_at("/mnt/a") == elsewhere and t.sandbox_with_upper("/data/a/upper") == elsewhere
+            # a path whose last component names a sandbox that is mounted elsewhere is nobody's
+            assert t.sandbox_at("/other/a") is None and t.sandbox_at("/n/roots/b") is None
+            assert t.sandbox_with_upper("/x/a/upper") is None and t.sandbox_with_upper("/n/sandboxes/a/work") is None
+        with st.write() as t:
+            t.put_sandbox(sandbox("a", "/mnt/elsewhere", "/n/sandboxes/a/upper"))  # moved: an entry now
+            t.delete_sandbox("c")
+        with st.read() as t:
+            assert t.sandbox_at("/n/roots/a") is None and t.sandbox_at("/mnt/elsewhere").id == "a"  # type: ignore[union-attr]
+            assert t.sandbox_at("/mnt/a") is None and t.count("uppers") == 0
+        with st.write() as t:
+            t.delete_sandbox("a")
+            t.delete_sandbox("b")
+        with st.read() as t:
+            assert t.count("targets") == 0 and t.sandboxes() == []
+
+
 def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_that_is_refused(
         tmp_path: Path) -> None:
     import json
