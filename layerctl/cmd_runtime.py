@@ -253,7 +253,7 @@ def recover_cmd(node_dir: str | None, as_json: bool) -> None:
         emit_json(rep.to_json())
         return
     if rep.rebooted:
-        click.echo("the state belonged to an earlier boot: rebuilt from the sandboxes' record files")
+        click.echo("the state belonged to an earlier boot: rebuilt from the sandboxes' records")
     click.echo(f"recovered: {len(rep.remounted_sandboxes)} sandbox(es) and {len(rep.remounted_layers)} layer(s) "
                f"remounted, {len(rep.finished_teardowns)} teardown(s) finished, {len(rep.rolled_back)} interrupted "
                f"mount(s) rolled back, {len(rep.orphan_mounts)} orphan mount(s) removed, {len(rep.adopted)} "

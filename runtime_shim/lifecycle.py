@@ -157,7 +157,7 @@ class SandboxLifecycle:
 
     def end_teardown(self, sb: Sandbox) -> Path | None:
         """Caller holds the lock; the root is detached. Move an owned sandbox's directory to the
-        trash (its record goes with it) or delete a caller-upper sandbox's record file, then drop
+        trash (its record goes with it) or delete a caller-upper sandbox's record, then drop
         the record and the layer references in one transaction. Returns the trashed directory,
         for the caller to delete without the lock."""
         detach(sb.target)  # (again: a no-op unless something was mounted there meanwhile)

@@ -170,7 +170,7 @@ def empty_trash(paths: NodePaths, *, only_dead: bool = False) -> int:
 def unrecorded(paths: NodePaths, known: set[str]) -> list[str]:
     """Sandbox directories with no readable record that no sandbox in `known` owns: left by a
     crash between creating the directory and recording it, or by a power loss that took the
-    unsynced record file. Reported, never deleted (an upper may hold data)."""
+    unsynced record. Reported, never deleted (an upper may hold data)."""
     try:
         names = os.listdir(paths.sandboxes)
     except FileNotFoundError:

@@ -1,18 +1,18 @@
 """`recover()`: rebuild the node's picture after a crash of the shim, of the node daemon, or of the
 machine.
 
-Desired state = every sandbox in the state database, plus every sandbox whose record file
-(NODE/sandboxes/<id>/sandbox.json) survived a lost database. Actual state = one read of
+Desired state = every sandbox in the state database, plus every sandbox whose record
+(on NODE/sandboxes/<id>: `records`) survived a lost database. Actual state = one read of
 /proc/self/mountinfo and the daemon's health. Recovery then, in this order:
 
 0. if the database belongs to an earlier boot (power loss, kernel crash, reboot: every mount is
    gone and the unsynced database may have lost its last transactions), forgets it and rebuilds
-   from the record files;
+   from the records;
 1. settles the operations a crash interrupted (`pending` entries whose process, pid + start time,
    is gone): an unfinished mount is rolled back (the caller never got an answer), an unfinished
    teardown is finished. An entry of a live process is an operation in flight (a teardown
    unmounts its root outside the lock): that sandbox is counted but not touched;
-2. adopts record files the database does not know; finishes every teardown whose directory is
+2. adopts records the database does not know; finishes every teardown whose directory is
    already in NODE/sandboxes/.trash, then empties the trash;
 3. makes the blob source healthy: a killed daemon leaves a dead FUSE mount (ENOTCONN), which is
    detached before a new daemon starts;
@@ -61,7 +61,7 @@ from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, 
 
 @dataclass
 class RecoverReport:
-    adopted: list[str] = field(default_factory=list)  # sandboxes rebuilt from their record files
+    adopted: list[str] = field(default_factory=list)  # sandboxes rebuilt from their records
     rolled_back: list[str] = field(default_factory=list)  # mounts a crash interrupted, taken back
     finished_teardowns: list[str] = field(default_factory=list)
     remounted_layers: list[str] = field(default_factory=list)

@@ -272,7 +272,7 @@ class Shim:
                                                                      upper_size is not None or upper_image is not None,
                                                                      userns, guest)
         mounted = False
-        record = encode({**sb.to_json(), "status": MOUNTED})  # the record file's = transaction 2's
+        record = encode({**sb.to_json(), "status": MOUNTED})  # the record's = transaction 2's
         try:
             self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image, record)
             if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
@@ -487,7 +487,7 @@ class Shim:
                       upper_size: int | None = None, upper_image: int | None = None,
                       record: bytes | None = None) -> None:
         """Without the node lock: mount the layers this call claimed, wait for those others are
-        mounting, and make the sandbox's directories and record file, all at once (in the calling
+        mounting, and make the sandbox's directories and record, all at once (in the calling
         thread alone when every layer is mounted already). Raises the first failure (after every
         claimed mount's outcome is recorded)."""
         mine = dict(claimed)
@@ -532,7 +532,7 @@ class Shim:
                 pass
             except FileNotFoundError:  # (a caller's target whose parents do not exist yet)
                 os.makedirs(sb.target, 0o755, exist_ok=True)
-        # The record file says what should be (mounted): it is what recovery rebuilds from
+        # The record says what should be (mounted): it is what recovery rebuilds from
         # after a reboot, when the database is not trusted. The directory of an owned sandbox
         # was created by this mount: no record is there yet.
         if record is None:

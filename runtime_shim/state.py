@@ -13,7 +13,7 @@ cache, which survives any crash of a process, so within one boot the picture is 
 power loss or kernel crash every mount is gone anyway and the database may have lost its last
 transactions (or, since LMDB without sync relies on write ordering, be damaged); the boot id
 recorded in `meta/boot` tells recovery that the machine restarted, and recovery then rebuilds
-the picture from the per-sandbox record files (`records`) instead of trusting the database.
+the picture from the per-sandbox records (`records`) instead of trusting the database.
 This takes the fsync (2-10 ms on a busy disk) out of every mount and every teardown.
 
 Records are JSON objects:
@@ -119,7 +119,7 @@ _ENCODER = json.JSONEncoder(sort_keys=True)  # (json.dumps with an option builds
 
 
 def encode(obj: dict[str, Any]) -> bytes:
-    """A record as stored (and as a sandbox's record file holds it): JSON, keys sorted."""
+    """A record as stored (and as a sandbox's record holds it): JSON, keys sorted."""
     return _ENCODER.encode(obj).encode()
 
 
@@ -486,7 +486,7 @@ class Txn:
         self._put("meta", "boot", {"boot_id": boot})
 
     def clear(self) -> None:
-        """Forget everything (the machine restarted: the picture is rebuilt from the record files)."""
+        """Forget everything (the machine restarted: the picture is rebuilt from the records)."""
         for name in DBS:
             self._txn.drop(self._dbs[name], delete=False)
 
@@ -499,7 +499,7 @@ class NodeState:
         try:
             self._env = _open_env(path)
         except (lmdb.CorruptedError, lmdb.InvalidError):
-            # Unreadable (a power loss without fsync can leave that): the record files rebuild it.
+            # Unreadable (a power loss without fsync can leave that): the records rebuild it.
             os.rename(path, path.with_name(f"{path.name}.damaged-{int(time.time())}"))
             self._env = _open_env(path)
         try:

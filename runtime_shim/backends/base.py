@@ -27,7 +27,7 @@ touches nothing, so the shim holds one of each registered backend for clean-up o
 
 Each backend keeps its own state under NODE/<something of its own> (the container backend:
 NODE/oci/<runtime>/ and NODE/sandboxes/<id>/bundle/) and never touches the shim's (the state
-database, the sandbox's mounts, upper and record file).
+database, the sandbox's mounts, upper and record).
 """
 
 from __future__ import annotations

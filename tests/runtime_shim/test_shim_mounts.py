@@ -180,7 +180,7 @@ def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: d
         gone = shim.mount(env2(images))
         (Path(a.target) / "mine").write_text("kept\n")
         (Path(gone.target) / "g").write_text("upper data\n")
-    shutil.rmtree(node / "state")  # the database is lost; mounts and record files remain
+    shutil.rmtree(node / "state")  # the database is lost; mounts and records remain
     records.remove(NodePaths(node), gone.id)  # and one record too
     stray = node / "layers" / ("f" * 64)
     stray.mkdir()

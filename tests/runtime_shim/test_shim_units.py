@@ -224,7 +224,7 @@ def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
 
 
 def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
-    # Durability comes from the boot id + record files (docs/runtime-shim.md); a synced LMDB would cost
+    # Durability comes from the boot id + records (docs/runtime-shim.md); a synced LMDB would cost
     # a flush per mount and per teardown again.
     from runtime_shim.state import NodeState
 

@@ -1,7 +1,7 @@
 """The warm mount path's shortcuts (docs/runtime-shim.md, "The warm path") keep crash safety: a
-record file written in one write(2), without fsync or rename, is what recovery rebuilds from
-after kill -9 of the mounting process and a lost database; a kill between its creation and its
-write leaves no sandbox behind; the NODE/roots mount is recorded in the state and a bind mount
+record set as an attribute of the sandbox's directory, without fsync, is what recovery rebuilds
+from after kill -9 of the mounting process and a lost database; a kill between the directory and
+its record leaves no sandbox behind; the NODE/roots mount is recorded in the state and a bind mount
 removed behind the shim's back is seen by the start-up check; the node lock's descriptor, kept
 open between acquisitions, is never shared with a forked child; a long-lived shim that found the
 daemon healthy still sees it die (kill -9) at its next mount."""
@@ -95,7 +95,7 @@ def test_a_record_written_without_fsync_rebuilds_the_sandbox_after_kill9_and_a_l
     rec = json.loads(records.load(NodePaths(node).sandbox_dir("victim")) or b"")
     assert rec["id"] == "victim" and rec["status"] == MOUNTED
     target = rec["target"]
-    linux.umount(target, lazy=True)  # the database and the root gone: only the record file is left
+    linux.umount(target, lazy=True)  # the database and the root gone: only the record is left
     for f in (node / "state").iterdir():
         f.unlink()
     with open_shim(node, blobs, auto_recover=False) as shim:
