@@ -110,7 +110,8 @@ def test_a_record_written_without_fsync_rebuilds_the_sandbox_after_kill9_and_a_l
 def test_kill9_between_the_sandboxs_directory_and_its_record_leaves_no_sandbox(node: Path,
                                                                              blobs: dict[str, object]) -> None:
     victim(node, blobs, "record-write")
-    assert NodePaths(node).sandbox_dir("victim").is_dir() and records.load(NodePaths(node).sandbox_dir("victim")) is None
+    sdir = NodePaths(node).sandbox_dir("victim")
+    assert sdir.is_dir() and records.load(sdir) is None  # made, not recorded
     with open_shim(node, blobs, auto_recover=False) as shim:
         rep = shim.recover_if_needed()
         assert rep is not None and rep.rolled_back == ["victim"]
