@@ -248,8 +248,9 @@ class Shim:
 
         The node lock is held once, for state changes only: to record the sandbox and take its
         layer references (claiming the mounts of layers nobody has mounted); marking it mounted
-        needs no lock (see below). Layer mounts (a cold one waits for the daemon to fetch the blob's metadata),
-        the overlay and the sandbox's directories are made without it: see `layers`."""
+        needs no lock (see below). Layer mounts (a cold one waits for the daemon to fetch the
+        blob's metadata), the overlay and the sandbox's directories are made without it: see
+        `layers`."""
         if upper_size is not None and upper_size <= 0:
             raise ShimError(f"upper size {upper_size}: want a positive number of bytes (None: no quota)")
         if upper_image is not None and (upper_image <= 0 or upper_size is not None):
