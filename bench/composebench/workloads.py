@@ -11,18 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .contenders import Api, Plain, make_contender
+from .contenders import Api, make_contender
 from .probes import node_facts, per_sandbox, rss, settle, snapshot, stats, usable
 from .spec import AB_BACKGROUND, AB_BLOCK, VS_PLAIN_BLOCK, log
 
 
 def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: Any, out: Any) -> None:
     """One client: mount `ids` (each made usable), then wait, then unmount them."""
-    c = make_contender(kind, cfg, tag)
+    c = make_contender(kind, cfg)
     c.open()
     lat, handles = [], []
     lock = getattr(c, "lock", None)
-    # per operation: the sum of its lock acquisitions (a mount takes the lock twice, a teardown twice)
+    # per operation: the sum of its lock acquisitions (a mount takes the lock once, a teardown twice)
     holds: list[float] = []
     waits: list[float] = []
 
@@ -207,9 +207,7 @@ def vs_plain_ab(cfg: dict[str, Any], blocks: int, mounted: int) -> dict[str, Any
     usable) in this one process, while `mounted` sandboxes of the shim stay mounted: both see the
     same minutes of the machine's load, which the contenders' own runs (one after the other) do
     not. The sandboxes stay mounted until every block ran, then all are torn down."""
-    variants: dict[str, Any] = {"plain-overlay": Plain(Path(cfg["work"]), {k: Path(v) for k, v in cfg["trees"].items()},
-                                                       "vs"),
-                                "layerstore-api": Api(Path(cfg["node"]), cfg["store"])}
+    variants: dict[str, Any] = {kind: make_contender(kind, cfg) for kind in ("plain-overlay", "layerstore-api")}
     for c in variants.values():
         c.open()
     lat: dict[str, list[float]] = {v: [] for v in variants}
