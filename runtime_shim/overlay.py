@@ -14,6 +14,7 @@ reboot). A sandbox that fills it gets ENOSPC, the node disk and the other sandbo
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from collections.abc import Sequence
 
@@ -29,14 +30,22 @@ MIN_IMAGE = 32 << 20  # the smallest upper image (its journal takes 4 MiB)
 
 def options(lowers_top_first: Sequence[str], upper: str, work: str) -> str:
     """The mount options for one sandbox (pure). `lowers_top_first`: the workspace first, base last."""
+    for p in (upper, work):
+        check_overlay_safe(p, "overlay path")
+    return (f"{_lowerdir(tuple(lowers_top_first))},upperdir={upper},workdir={work},"
+            "redirect_dir=off,metacopy=off,index=off")
+
+
+@functools.lru_cache(maxsize=256)
+def _lowerdir(lowers_top_first: tuple[str, ...]) -> str:
+    """The lowerdir option, checked (an environment's layers are stacked by many sandboxes)."""
     if not lowers_top_first:
         raise ShimError("an overlay needs at least one lower layer")
     if len(lowers_top_first) > MAX_LOWERS:
         raise ShimError(f"{len(lowers_top_first)} layers: overlayfs stacks at most {MAX_LOWERS}")
-    for p in (*lowers_top_first, upper, work):
+    for p in lowers_top_first:
         check_overlay_safe(p, "overlay path")
-    return (f"lowerdir={':'.join(lowers_top_first)},upperdir={upper},workdir={work},"
-            "redirect_dir=off,metacopy=off,index=off")
+    return f"lowerdir={':'.join(lowers_top_first)}"
 
 
 def mount_flags(*, nosuid: bool = True, nodev: bool = True) -> int:

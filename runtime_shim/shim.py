@@ -457,7 +457,7 @@ class Shim:
                 roots = t.roots_mounted()
                 if userns and sb.owned:
                     sb.userns = t.allocate_idrange(sid)
-                t.put_sandbox(sb, old=None)
+                t.put_sandbox(sb, new=True)  # (refused above if it had a record)
                 t.put_pending(sid, "mount")
                 for blob in sb.layers:
                     got = self.layers.take(t, blob, gen)
@@ -477,10 +477,10 @@ class Shim:
     def _refuse_taken(self, t: Txn, sid: str, target: str, upper: str) -> None:
         if t.sandbox(sid) is not None:
             raise SandboxExists(f"sandbox {sid} already exists on node {self.paths.root}")
-        other = t.sandbox_at(target)
+        other = t.sandbox_at(target, absent=sid)
         if other is not None:
             raise SandboxExists(f"{target} is already the root of sandbox {other.id}")
-        other = t.sandbox_with_upper(upper)
+        other = t.sandbox_with_upper(upper, absent=sid)
         if other is not None:
             raise SandboxExists(f"upper {upper} is in use by sandbox {other.id}")
 

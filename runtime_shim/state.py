@@ -42,7 +42,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -345,9 +344,10 @@ class Txn:
     def sandboxes(self) -> list[Sandbox]:
         return [Sandbox.from_json(v) for _, v in self._items("sandboxes")]
 
-    def put_sandbox(self, sb: Sandbox, old: Sandbox | None = None) -> None:
-        """`old`: the record as it is now, when the caller has it (saves a read)."""
-        if old is None:
+    def put_sandbox(self, sb: Sandbox, old: Sandbox | None = None, *, new: bool = False) -> None:
+        """`old`: the record as it is now, when the caller has it (saves a read); `new`: the
+        caller knows there is none."""
+        if old is None and not new:
             old = self.sandbox(sb.id)
         if old is not None and old.target != sb.target:
             self._delete_ref("targets", old.target, sb.id)
@@ -401,19 +401,23 @@ class Txn:
                 return base_of(slot)
         raise CorruptObject(f"every one of the {SLOTS} sandbox id ranges is taken")
 
-    def sandbox_at(self, target: str) -> Sandbox | None:
+    def sandbox_at(self, target: str, *, absent: str = "") -> Sandbox | None:
+        """The sandbox mounted at `target`. `absent`: a sandbox id the caller knows has no record
+        (its own new one: a lookup fewer)."""
         ref = self._get("targets", target)
         if ref:
             return self.sandbox(ref["sandbox"])
-        sb = self.sandbox(_derived_target(target))
+        sid = _derived_target(target)
+        sb = self.sandbox(sid) if sid != absent else None
         return sb if sb is not None and sb.target == target else None
 
-    def sandbox_with_upper(self, upper: str) -> Sandbox | None:
+    def sandbox_with_upper(self, upper: str, *, absent: str = "") -> Sandbox | None:
+        """The sandbox using `upper` (`absent`: as for `sandbox_at`)."""
         ref = self._get("uppers", upper)
         if ref:
             return self.sandbox(ref["sandbox"])
         sid = _derived_upper(upper)
-        sb = self.sandbox(sid) if sid else None
+        sb = self.sandbox(sid) if sid and sid != absent else None
         return sb if sb is not None and sb.upper == upper else None
 
     # -- operations in flight --------------------------------------------------------------
@@ -501,6 +505,26 @@ class Txn:
             self._txn.drop(self._dbs[name], delete=False)
 
 
+class _Transaction:
+    """`with` block of one LMDB transaction (a class: a warm mount opens two, and a generator-based
+    context manager costs a few microseconds more each)."""
+
+    __slots__ = ("_env", "_dbs", "_write", "_txn")
+
+    def __init__(self, env: lmdb.Environment, dbs: dict[str, Any], *, write: bool) -> None:
+        self._env, self._dbs, self._write = env, dbs, write
+
+    def __enter__(self) -> Txn:
+        self._txn = self._env.begin(write=self._write)
+        return Txn(self._txn, self._dbs)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None and self._write:
+            self._txn.commit()
+        else:
+            self._txn.abort()
+
+
 class NodeState:
     """The LMDB environment under NODE/state. Use `read()` and `write()` transactions."""
 
@@ -529,16 +553,12 @@ class NodeState:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def read(self) -> Iterator[Txn]:
-        with self._env.begin(write=False) as txn:
-            yield Txn(txn, self._dbs)
+    def read(self) -> _Transaction:
+        return _Transaction(self._env, self._dbs, write=False)
 
-    @contextmanager
-    def write(self) -> Iterator[Txn]:
+    def write(self) -> _Transaction:
         """One atomic change: committed when the block ends normally, aborted if it raises."""
-        with self._env.begin(write=True) as txn:
-            yield Txn(txn, self._dbs)
+        return _Transaction(self._env, self._dbs, write=True)
 
     def reset(self) -> None:
         """Forget the whole picture (it belongs to an earlier boot). When the database cannot even

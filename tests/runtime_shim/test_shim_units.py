@@ -255,6 +255,9 @@ def test_default_roots_and_shim_made_uppers_are_found_without_index_entries(tmp_
             # a path whose last component names a sandbox that is mounted elsewhere is nobody's
             assert t.sandbox_at("/other/a") is None and t.sandbox_at("/n/roots/b") is None
             assert t.sandbox_with_upper("/x/a/upper") is None and t.sandbox_with_upper("/n/sandboxes/a/work") is None
+            # a new id the caller knows is absent skips the path's own lookup, never an index entry
+            assert t.sandbox_at("/mnt/a", absent="a") == elsewhere and t.sandbox_at("/n/roots/x", absent="x") is None
+            assert t.sandbox_with_upper("/data/a/upper", absent="a") == elsewhere
         with st.write() as t:
             t.put_sandbox(sandbox("a", "/mnt/elsewhere", "/n/sandboxes/a/upper"))  # moved: an entry now
             t.delete_sandbox("c")
