@@ -298,11 +298,13 @@ def _derived_upper(upper: str) -> str:
     return parent.rpartition("/")[2] if name == "upper" else ""
 
 
-def _no_id(key: str) -> str:
-    return ""
-
-
 _DERIVED = {"targets": _derived_target, "uppers": _derived_upper}
+
+
+def _indexed(db: str, key: str, sandbox: str) -> bool:
+    """Does `key` of `db` need an entry naming `sandbox` (one its path does not name already)?"""
+    derive = _DERIVED.get(db)
+    return derive is None or derive(key) != sandbox
 
 
 class Txn:
@@ -354,10 +356,9 @@ class Txn:
         if old is not None and old.upper != sb.upper:
             self._delete_ref("uppers", old.upper, sb.id)
         self._put("sandboxes", sb.id, sb.to_json())
-        if _derived_target(sb.target) != sb.id:
-            self._put("targets", sb.target, {"sandbox": sb.id})
-        if _derived_upper(sb.upper) != sb.id:
-            self._put("uppers", sb.upper, {"sandbox": sb.id})
+        for db, key in (("targets", sb.target), ("uppers", sb.upper)):
+            if _indexed(db, key, sb.id):
+                self._put(db, key, {"sandbox": sb.id})
         if sb.userns is not None:
             self._put("idranges", str(slot_of(sb.userns)), {"sandbox": sb.id})
 
@@ -379,7 +380,7 @@ class Txn:
         self._delete_ref("uppers", old.upper, sandbox)
 
     def _delete_ref(self, db: str, key: str, sandbox: str) -> None:
-        if _DERIVED.get(db, _no_id)(key) == sandbox:
+        if not _indexed(db, key, sandbox):
             return
         ref = self._get(db, key)
         if ref is not None and ref.get("sandbox") == sandbox:
