@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 from testkit.erofs_helpers import make_tree
@@ -123,10 +124,18 @@ def test_failed_build_publishes_nothing(tmp_path: Path) -> None:
 def test_small_inline_files_dedup_in_stable_metadata_groups(tmp_path: Path) -> None:
     """Small files live inline in stable metadata groups; a change elsewhere (a file that grows
     and shifts all data) leaves the untouched groups identical. Merged into bigger chunks (the
-    default), they still are, but for the chunk that holds the edit and at most one after it."""
-    smalls = {f"pkg/m{i:04d}.py": os.urandom(200 + (i * 53) % 3800) for i in range(1500)}
-    make_tree(tmp_path / "a", {**smalls, "data.bin": os.urandom(MiB)})
-    make_tree(tmp_path / "b", {**smalls, "data.bin": os.urandom(2 * MiB), "pkg/m0700.py": b"edited"})
+    default), they still are, but for the chunk that holds the edit and at most one after it.
+
+    The contents are seeded: groups are content-defined with a minimum length, so an edit that
+    takes away its group's end can move the next group's end too (a cut that the minimum held
+    back now counts), and so on. In a model of this tree's grouping over 20,000 random contents,
+    the edit changed the next group too once in 27 and the next two once in 870 (never more),
+    and random contents made this test fail about that often. The rule that keeps it that few
+    is checked on its own: test_inline_record_groups_resynchronise_after_an_edit."""
+    rng = random.Random(11)
+    smalls = {f"pkg/m{i:04d}.py": rng.randbytes(200 + (i * 53) % 3800) for i in range(1500)}
+    make_tree(tmp_path / "a", {**smalls, "data.bin": rng.randbytes(MiB)})
+    make_tree(tmp_path / "b", {**smalls, "data.bin": rng.randbytes(2 * MiB), "pkg/m0700.py": b"edited"})
     for tree in ("a", "b"):
         for p in (tmp_path / tree).rglob("*"):
             os.utime(p, (1_700_000_000, 1_700_000_000))
