@@ -45,6 +45,14 @@ run reports the shim's mount rate over the plain overlay's at each scale, in the
 full and mounted30k also alternate the two in blocks of 200 mounts in one process while the largest scale of
 the shim's sandboxes is mounted (`vs_plain_ab`: both see the same minutes of the shared machine's load).
 Needs root, mkfs.erofs and busybox-static. The code is in bench/composebench/ (one module per concern).
+
+The node's disk (`--disk`, recorded as `node_disk`): by default everything the run writes (trees, store,
+node, the plain overlay's directories) goes on a fresh ext4 with a journal on a loop device (a sparse
+32 GiB image in the work directory, mounted at WORK/disk), as on a real node. On an ext4 without a
+journal (this machine's root file system) the inode allocator skips every inode deleted in the last
+minute, so after one contender's mass teardown the next one's mkdirs cost 4-20x more system time,
+varying with what ran before: the rounds swung 0.35x-1.68x. `--disk workdir` keeps the old behaviour
+(the work directory's own file system).
 """
 
 from __future__ import annotations
@@ -75,7 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vs-plain-blocks", type=int, help=f"blocks of {spec.VS_PLAIN_BLOCK} sandboxes per contender "
                     "for the interleaved shim / plain overlay A/B at the largest scale (0: none)")
     ap.add_argument("--out", type=Path, default=spec.DEFAULT_OUT)
-    ap.add_argument("--workdir", default="/var/tmp", help="where the run's store, node and trees live")
+    ap.add_argument("--workdir", default="/var/tmp", help="where the run's work directory is made (with --disk "
+                    "loop: the node disk's image and mount point; with --disk workdir: the store, node and trees)")
+    ap.add_argument("--disk", choices=("loop", "workdir"), default="loop",
+                    help="the node's disk: a fresh journaled ext4 on a loop device (default), or the work "
+                    "directory's own file system")
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = spec.SIZES[args.size]

@@ -124,11 +124,12 @@ def usable(target: str) -> None:
 
 def settle() -> None:
     """Flush the previous contender's writes and pause, so that their writeback does not land in
-    the next contender's measurement. (It does not undo what a mass teardown leaves on the node
-    disk: measured, creating a sandbox's three directories costs 0.11 ms on a fresh ext4 and
-    0.29 ms after 10,000 sandboxes' directories were deleted, still after a sync and 6 s. That is
-    part of the spread between rounds; the order, reversed every other round, gives each contender
-    both states.)"""
+    the next contender's measurement. (On an ext4 without a journal, as with `--disk workdir` on
+    this machine's root file system, it does not undo what a mass teardown leaves: the inode
+    allocator skips inodes deleted in the last 60 s, so creating a sandbox's three directories
+    cost 0.11 ms on a fresh file system and 0.29 ms after 10,000 sandboxes' directories were
+    deleted, still after a sync and 6 s. The default node disk, a journaled ext4, has no such
+    delay; the order, reversed every other round, gives each contender both states either way.)"""
     os.sync()
     time.sleep(float(os.environ.get(SETTLE_ENV, SETTLE_S)))
 

@@ -1,4 +1,5 @@
-"""The run itself, inside its private mount namespace (started by `isolation`): the environment built,
+"""The run itself, inside its private mount namespace (started by `isolation`): its node disk made
+(`disk`: a fresh journaled ext4 on a loop device unless `--disk workdir`), the environment built,
 an anchor sandbox holding the layers mounted (warm), every contender at every scale in rounds, the
 durability A/B, the CLI at one mounted sandbox, then everything torn down and checked."""
 
@@ -10,11 +11,13 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from . import project, report
+from .disk import LoopDisk, describe_workdir, unmount_all
 from .inputs import make_environment, make_trees
 from .probes import cli_round, limits, machine, usable
 from .spec import AB_BLOCK, CGROUP_ENV, CONTENDERS, ENV_TAG, GOALS, PROBES, log
@@ -40,16 +43,30 @@ def inner(args: argparse.Namespace) -> int:
                            "mount_namespace": os.readlink("/proc/self/ns/mnt")}
     anchor: Any = None
     shim: Any = None
+    disk: LoopDisk | None = None
+    # Ctrl-C and SIGTERM both tear the run down (the finally below) instead of leaving its node disk
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
     work = Path(tempfile.mkdtemp(prefix="layerstore-compose-", dir=args.workdir))
     doc["workdir"] = str(work)
+    # what the outer process needs to check and clean up after a run that ends without its document
+    Path(args.inner_out).write_text(json.dumps({"workdir": str(work), "mount_namespace": doc["mount_namespace"]}))
     try:
-        log(f"building the environment in {work}")
-        trees = make_trees(work)
-        store, blobs = make_environment(work, trees)
-        (work / "plain-roots").mkdir()
-        linux.bind_private(work / "plain-roots")
-        node = work / "node"
-        cfg = {"work": str(work), "node": str(node), "store": store, "trees": {k: str(v) for k, v in trees.items()}}
+        if args.disk == "loop":  # everything the run writes goes on a fresh journaled ext4 (see disk.py)
+            disk = LoopDisk(work, max(args.scales))
+            disk.make()
+            run = disk.mountpoint
+            doc["node_disk"] = disk.describe()
+        else:
+            run = work
+            doc["node_disk"] = describe_workdir(work)
+        log(f"building the environment in {run}; node disk: {json.dumps(doc['node_disk'])}")
+        trees = make_trees(run)
+        store, blobs = make_environment(run, trees)
+        (run / "plain-roots").mkdir()
+        linux.bind_private(run / "plain-roots")
+        node = run / "node"
+        cfg = {"work": str(run), "node": str(node), "store": store, "trees": {k: str(v) for k, v in trees.items()}}
         shim = shim_cls.for_node(node, store)
         anchor = shim.mount(ENV_TAG, sandbox="anchor")  # starts the daemon, mounts the layers: warm
         usable(anchor.target)
@@ -85,6 +102,9 @@ def inner(args: argparse.Namespace) -> int:
         left = linux.mounts_under(linux.read_mounts(), str(work))
         doc["inner_check"] = {"mounts_left": [m.mountpoint for m in left]}
     finally:
+        # The teardown runs to its end: a second Ctrl-C (or a SIGTERM) would leave the node disk behind.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         with contextlib.suppress(Exception):
             if shim is not None:
                 for sb in shim.sandboxes():
@@ -92,10 +112,17 @@ def inner(args: argparse.Namespace) -> int:
                         shim.unmount(sb.id)
                 shim.stop_daemon()
                 shim.close()
-        for m in linux.mounts_under(linux.read_mounts(), str(work)):
-            with contextlib.suppress(Exception):
-                linux.umount(m.mountpoint, lazy=True)
+        # the daemon stopped first; then the mounts on the node disk, the disk, its loop device
+        unmount_all(work, disk)
         shutil.rmtree(work, ignore_errors=True)
     doc["machine"]["loadavg_at_end"] = os.getloadavg()
     Path(args.inner_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    """The first SIGINT or SIGTERM interrupts the run; any later one is ignored, so that the teardown
+    runs to its end (a second one in it would leave the node disk behind)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,5 +1,6 @@
-"""bench/compose.py at a tiny size: it runs end to end, writes its JSON with every contender and
-measurement, and leaves nothing behind (it checks that itself, from outside its namespace)."""
+"""bench/compose.py at a tiny size: it runs end to end on its default node disk (a fresh journaled
+ext4 on a loop device), writes its JSON with every contender and measurement, and leaves nothing
+behind, the loop device included (it checks that itself, from outside its namespace)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_compose_bench_smoke(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["leftovers"]["clean"], doc["leftovers"]
+    assert not doc["leftovers"]["loop_devices"] and not doc["leftovers"]["mounts"]
+    disk = doc["node_disk"]
+    assert disk["kind"] == "loop-ext4-journal" and disk["journal"] is True, disk
+    assert "has_journal" in disk["features"] and disk["mountpoint"].startswith(doc["workdir"] + "/")
     assert set(doc["results"]) == {"plain-overlay/clients=1", "plain-overlay/clients=2", "layerstore-api/clients=1",
                                    "layerstore-api/clients=2"}
     for per in doc["results"].values():
