@@ -78,6 +78,11 @@ class NodeDisk:
         self.state_file.write_text(json.dumps({"device": self.device, "mountpoint": str(self.mountpoint),
                                                "owner": os.getpid()}))
 
+    def mkfs_command(self) -> list[str]:
+        """mkfs.ext4 with a journal (its default), everything initialised now: nothing is left for a
+        background thread to write during a run. The device goes last."""
+        return ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-N", str(self.inodes)]
+
     def fresh(self) -> None:
         """A new, empty, mounted file system (any previous one is unmounted first). If the previous
         one cannot be let go (something still holds it), a new loop device on a new image takes over."""
@@ -85,8 +90,7 @@ class NodeDisk:
             self.detach()
             self.attach()
         assert self.device is not None
-        # Everything initialised now, nothing left for a background thread to write during a run.
-        mkfs = ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", "-N", str(self.inodes)]
+        mkfs = self.mkfs_command()
         if subprocess.run([*mkfs, self.device], capture_output=True).returncode != 0:
             self.detach()
             self.attach()

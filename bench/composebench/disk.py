@@ -71,9 +71,7 @@ class LoopDisk:
         journal = has_journal(os.path.basename(dev))
         return {"kind": "loop-ext4-journal" if journal else "loop-ext4", "size_gib": self.nd.size_gib,
                 "inodes": self.nd.inodes, "device": dev, "mountpoint": str(self.nd.mountpoint),
-                # as NodeDisk.fresh runs it
-                "mkfs": ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                         "-N", str(self.nd.inodes)],
+                "mkfs": self.nd.mkfs_command(),
                 "features": fs_features(dev) if dev else [], "journal": journal}
 
     def detach(self) -> None:
