@@ -16,7 +16,7 @@ from .probes import node_facts, per_sandbox, rss, settle, snapshot, stats, usabl
 from .spec import AB_BACKGROUND, AB_BLOCK, VS_PLAIN_BLOCK, log
 
 
-def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: Any, out: Any) -> None:
+def worker(kind: str, cfg: dict[str, Any], ids: list[str], barrier: Any, out: Any) -> None:
     """One client: mount `ids` (each made usable), then wait, then unmount them."""
     c = make_contender(kind, cfg)
     c.open()
@@ -66,7 +66,7 @@ def worker(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], barrier: An
     c.close()
 
 
-def run_phase(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], clients: int,
+def run_phase(kind: str, cfg: dict[str, Any], ids: list[str], clients: int,
               at_checkpoint: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Mount `ids` with `clients` processes, call `at_checkpoint` while they are all mounted, then
     unmount them with the same clients."""
@@ -74,7 +74,7 @@ def run_phase(kind: str, cfg: dict[str, Any], tag: str, ids: list[str], clients:
     barrier = ctx.Barrier(clients + 1)
     out = ctx.Queue()
     shares = [ids[k::clients] for k in range(clients)]
-    procs = [ctx.Process(target=worker, args=(kind, cfg, f"{tag}-{k}", shares[k], barrier, out))
+    procs = [ctx.Process(target=worker, args=(kind, cfg, shares[k], barrier, out))
              for k in range(clients)]
     for p in procs:
         p.start()
@@ -146,7 +146,7 @@ def run_contender(kind: str, cfg: dict[str, Any], scales: list[int], clients: in
                 extra["vs_plain_ab"] = vs_plain_ab(cfg, vs_plain_blocks, scales[k])
             return extra
 
-        return run_phase(kind, cfg, tag, ids, clients, checkpoint)
+        return run_phase(kind, cfg, ids, clients, checkpoint)
 
     nested = phase(0)
     k = 0
