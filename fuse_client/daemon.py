@@ -42,6 +42,7 @@ import trio
 from fuse_client import linux
 from layerstore.backends import Backend
 from layerstore.errors import ConfigError, LayerstoreError
+from layerstore.fileio import private_dir
 
 from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
@@ -147,8 +148,11 @@ class DaemonConfig:
     fetch_concurrency: int = DEFAULT_CONCURRENCY
     readahead: int = DEFAULT_READAHEAD
     kernel_readahead_kb: int = DEFAULT_KERNEL_READAHEAD_KB
-    allow_other: bool = True
-    control_group: str | None = None  # a group whose members may use the control socket (else root only)
+    # Other users reach the FUSE mount at all (the kernel's allow_other)? None: only with a control
+    # group, whose members then read blobs (0440); else only the daemon's user (root) does (0400):
+    # the kernel's file-backed EROFS mounts and QEMU open the blobs as root.
+    allow_other: bool | None = None
+    control_group: str | None = None  # a group whose members may use the control socket and read blobs
     data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else auto
     cache_format: str | None = None  # of a new cache: "plain" | "zstd"; None: $LAYERSTORE_CACHE_FORMAT, else plain
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
@@ -174,7 +178,8 @@ class DaemonConfig:
             raise ConfigError(f"--control-group: no group named {self.control_group!r}") from None
 
     def fuse_options(self) -> set[str]:
-        return fuse_options(allow_other=self.allow_other)
+        allow = self.control_group is not None if self.allow_other is None else self.allow_other
+        return fuse_options(allow_other=allow)
 
 
 def raise_fd_limit() -> None:
@@ -251,7 +256,9 @@ class Daemon:
                 # Pinned files may be mounted directly (no FUSE hop verifies their reads): re-hash
                 # their recovered chunks now, in the background (docs/fuse-client.md).
                 service.start_soon(lazy.verify_pinned)
-                ops = BlobFS(lazy, push_nursery=service)
+                gid = cfg.control_gid()
+                ops = BlobFS(lazy, push_nursery=service, uid=os.geteuid(),
+                             gid=os.getegid() if gid is None else gid, group_read=gid is not None)
                 if front is not None:
                     front.bind(lazy, service)
                     await front.restore(previous)
@@ -281,7 +288,9 @@ class Daemon:
     async def _fanotify_start(self, cache_dir: Path, stack: contextlib.ExitStack) -> FanotifyFrontEnd | None:
         """The fanotify front end if that is the data path; with the holder's group if a holder
         keeps one (a restart or an upgrade), else without a group yet (made on the first attach)."""
-        cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Its own, whatever its mode was: data files, index and socket (0710 with a control group,
+        # whose members reach the socket by name).
+        private_dir(cache_dir, gid=self.config.control_gid(), parents=True)
         path, self.data_path_reason = data_path_choice(
             cache_dir, self.config.data_path, cache_format(cache_dir, self.config.cache_format))
         if path != "fanotify":

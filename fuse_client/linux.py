@@ -635,12 +635,14 @@ def _tool(name: str) -> str:
     return shutil.which(name, path=path) or name
 
 
-def make_ext4_image(image: str | os.PathLike[str], size: int, *, journal_mib: int = 4) -> None:
-    """Create `image` (exclusively, 0600) as a sparse file of `size` bytes holding an empty ext4
-    filesystem: no reserved blocks, a small journal (`journal_mib`, 0: none). Raises MountError."""
+def make_ext4_image(image: str | os.PathLike[str], size: int, *, journal_mib: int = 4, create: bool = True) -> None:
+    """Create `image` (exclusively, 0600; or use the existing regular file, `create=False`) as a
+    sparse file of `size` bytes holding an empty ext4 filesystem: no reserved blocks, a small
+    journal (`journal_mib`, 0: none). Raises MountError."""
     import subprocess
 
-    fd = os.open(image, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    flags = os.O_CREAT | os.O_EXCL if create else os.O_NOFOLLOW
+    fd = os.open(image, flags | os.O_WRONLY | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
     finally:

@@ -52,7 +52,8 @@ def parse_size(text: str) -> int:
 @click.option("--readahead", default=None, type=int, metavar="CHUNKS",
               help="Chunks fetched ahead of a sequential reader (default 16; 0 disables).")
 @click.option("--control-group", default=None, metavar="GROUP",
-              help="A group whose members may use the control socket (mode 0660); default: root only (0600).")
+              help="A group whose members may use the control socket (mode 0660) and read blobs through the "
+                   "mount (allow_other, blobs 0440); default: root only (socket 0600, blobs 0400, no allow_other).")
 @click.option("--cache-format", default=None, type=click.Choice(["plain", "zstd"]),
               help="How a new cache stores chunks: plain, or zstd (compressed as fetched; read through FUSE "
                    "only). Fixed when the cache is created. Default: $LAYERSTORE_CACHE_FORMAT, else plain.")

@@ -43,7 +43,8 @@ def _sandbox_json(sb: Any) -> dict[str, Any]:
               help="Use this upper directory (resume); it is the caller's and is never deleted.")
 @click.option("--upper-size", default=None, metavar="SIZE",
               help="The quota of the sandbox's own upper: a sparse image of SIZE on the node disk, e.g. 10G "
-                   "(0: none). Default: the node's (10G). Not with --upper.")
+                   "(0: none); refused (exit 2) when the disk's free space cannot hold it and the other kept "
+                   "uppers. Default: the node's (10G). Not with --upper.")
 @json_option
 @click.argument("env")
 @click.argument("target", type=click.Path(file_okay=False))
@@ -100,7 +101,8 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
               help="CPU limit in CPUs (0: none). Default: the node's (2).")
 @click.option("--upper-size", default=None, metavar="SIZE",
               help="The writable layer's quota: a tmpfs of SIZE, e.g. 1G (0: none, on the node disk); "
-                   "with --keep a sparse image of SIZE on the node disk (survives a reboot). "
+                   "with --keep a sparse image of SIZE on the node disk (survives a reboot; refused, exit 2, "
+                   "when the disk's free space cannot hold it and the other kept uppers). "
                    "Default: the node's (1G; with --keep 10G).")
 @click.option("--seccomp", type=click.Choice(["default", "unconfined"]), default="default", show_default=True,
               help="The syscall filter (unconfined: none).")

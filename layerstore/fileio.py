@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 
-from .errors import LayerstoreError
+from .errors import LayerstoreError, PermissionDenied
 
 
 def pread_exact(fd: int, length: int, offset: int, what: object) -> bytes:
@@ -82,3 +83,55 @@ def rmdir_quiet(path: str | os.PathLike[str]) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EBUSY):
             raise
+
+
+def private_dir(path: str | os.PathLike[str], *, gid: int | None = None, parents: bool = False) -> Path:
+    """`path` as a directory no other user can enter: created 0700 if missing (its missing
+    `parents` too, with the default mode), and an existing one narrowed to 0700 whatever its mode
+    was. With `gid`: 0710 and that group, so the group's members can reach a name they know inside
+    (a socket) but list nothing. Refuses (`PermissionDenied`) a symlink, a non-directory or a
+    directory owned by another user: whoever planted it could still open what goes inside."""
+    path = Path(path)
+    mode = 0o700 if gid is None else 0o710
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise PermissionDenied(f"{path}: a symlink or not a directory; want a directory of this node's own "
+                                   "(remove it, or name the real path)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionDenied(f"{path}: owned by uid {st.st_uid}, not by this node's user (uid {os.geteuid()}): "
+                                   "its owner could read what goes inside; remove it")
+        if gid is not None and st.st_gid != gid:
+            os.fchown(fd, -1, gid)
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.fchmod(fd, mode)  # (after the chown, which would clear a setgid bit)
+    finally:
+        os.close(fd)
+    return path
+
+
+LMDB_FILES = ("data.mdb", "lock.mdb")  # the files of an LMDB environment (subdir=True)
+
+
+def narrow_files(directory: str | os.PathLike[str], names: tuple[str, ...], mode: int = 0o600) -> None:
+    """chmod the regular files `names` in `directory` to `mode` where they exist with more (files a
+    library created with its own default mode, e.g. LMDB's 0644)."""
+    for name in names:
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) & ~mode:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from layerstore.errors import ConfigError, LayerstoreError, NotFound, StoreUnavailable
 
 
@@ -11,6 +13,13 @@ class ShimError(LayerstoreError):
 
 class SandboxExists(ConfigError):
     """A sandbox id (or its upper directory) is already taken on this node."""
+
+
+class NodeFull(ConfigError):
+    """The node's disk cannot hold what was asked for (a kept upper larger than its free space,
+    counting what the other kept uppers may still take)."""
+
+    errno = errno.ENOSPC
 
 
 class SandboxNotFound(NotFound):

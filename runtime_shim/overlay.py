@@ -16,11 +16,13 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import stat
 from collections.abc import Sequence
+from pathlib import Path
 
 from fuse_client import linux
 
-from .errors import ShimError
+from .errors import NodeFull, ShimError
 from .paths import check_overlay_safe
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK)
@@ -75,15 +77,72 @@ def mount_scratch(path: str | os.PathLike[str], size: int) -> None:
         raise ShimError(explain(e)) from None
 
 
-def make_upper_image(image: str | os.PathLike[str], size: int) -> None:
-    """A sparse file of `size` bytes (created exclusively, 0600) holding an empty ext4 filesystem
+def check_image_size(size: int) -> None:
+    if size < MIN_IMAGE:
+        raise ShimError(f"upper size {size}: a kept sandbox's upper takes at least {MIN_IMAGE >> 20} MiB")
+
+
+def image_growth(size: int, blocks: int) -> int:
+    """What a sparse image of `size` bytes with `blocks` 512-byte blocks allocated may still take
+    of its disk (pure)."""
+    return max(0, size - blocks * 512)
+
+
+def check_room(size: int, others: int, free: int, where: str) -> None:
+    """Refuse a kept upper of `size` bytes when it and what the other kept uppers may still take
+    (`others`) exceed the node disk's `free` bytes (pure): once they all filled up, writes on the
+    node disk (every sandbox's, the cache's, the state's) would fail with ENOSPC."""
+    if size + others > free:
+        raise NodeFull(f"upper size {size >> 20} MiB: the node disk ({where}) has {free >> 20} MiB free, and the other "
+                       f"kept uppers may still take {others >> 20} MiB of it; ask for at most "
+                       f"{max(0, free - others) >> 20} MiB, or remove kept sandboxes")
+
+
+def kept_uppers_growth(sandboxes: str | os.PathLike[str], image_name: str, absent: str = "") -> int:
+    """What the kept uppers' images (SANDBOXES/<id>/`image_name`, except sandbox `absent`'s) may
+    still take of the node disk: each one's size less the blocks it has already."""
+    total = 0
+    try:
+        entries = os.listdir(sandboxes)
+    except FileNotFoundError:
+        return 0
+    for name in entries:
+        if name == absent:
+            continue
+        try:
+            st = os.stat(os.path.join(sandboxes, name, image_name), follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += image_growth(st.st_size, st.st_blocks)
+    return total
+
+
+def reserve_upper_image(image: Path, size: int) -> None:
+    """Create a kept upper's image file (exclusively, 0600, sparse: `size` bytes, no blocks), after
+    checking the node disk can hold it (`check_room`, `NodeFull`). Caller holds the node lock: the
+    file is what the next check counts, so two mounts cannot both take the same free space."""
+    check_image_size(size)
+    sandboxes = image.parent.parent
+    others = kept_uppers_growth(sandboxes, image.name, absent=image.parent.name)
+    st = os.statvfs(image.parent)
+    check_room(size, others, st.f_bavail * st.f_frsize, str(sandboxes))
+    fd = os.open(image, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def make_upper_image(image: str | os.PathLike[str], size: int, *, reserved: bool = False) -> None:
+    """A sparse file of `size` bytes (created exclusively, 0600; or the one `reserve_upper_image`
+    made, `reserved`) holding an empty ext4 filesystem
     with a 4 MiB journal: a machine crash leaves it consistent (the journal is replayed when
     recovery mounts it), as the node disk's own upper would be. Costs 4 MiB of disk at creation
     (the journal); the rest is allocated as the sandbox writes."""
-    if size < MIN_IMAGE:
-        raise ShimError(f"upper size {size}: a kept sandbox's upper takes at least {MIN_IMAGE >> 20} MiB")
+    check_image_size(size)
     try:
-        linux.make_ext4_image(image, size)
+        linux.make_ext4_image(image, size, create=not reserved)
     except linux.MountError as e:
         raise ShimError(str(e)) from None
 

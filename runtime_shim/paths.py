@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from fuse_client import linux
 from layerstore import digest as digestmod
 from layerstore.errors import ConfigError
+from layerstore.fileio import private_dir
 
 NODE_DIR_ENV = "LAYERSTORE_NODE_DIR"
 DEFAULT_NODE_DIR = "/var/lib/layerstore"
@@ -144,7 +146,13 @@ class NodePaths:
         return self.sandbox_dir(sandbox) / "bundle"
 
     def create(self) -> None:
-        """Make the node directory tree. The root is 0700: nothing under it is for other users."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        """Make the node directory tree. The root and every directory of its own are 0700, also
+        when they existed with a wider mode (`fileio.private_dir`: a node directory made by hand
+        0755, or by an older version): nothing under it is for other users (blobs, cache files,
+        uppers, state), and a process of theirs already inside one (its cwd) is shut out of it too.
+        `PermissionDenied` if one is a symlink or another user's."""
+        private_dir(self.root, parents=True)
         for d in (self.state, self.cache, self.fuse, self.layers, self.locks, self.sandboxes, self.roots):
-            d.mkdir(mode=0o700, exist_ok=True)
+            if d == self.fuse and linux.is_mount(d):
+                continue  # (the daemon's mount: its root's mode is the daemon's, `BlobFS`)
+            private_dir(d)

@@ -35,7 +35,14 @@ from .idmap import chown_to_range, idmapped_lowers
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
 from .lock import BlobLock, NodeLock
-from .overlay import make_upper_image, mount_flags, mount_overlay, mount_scratch, mount_upper_image
+from .overlay import (
+    make_upper_image,
+    mount_flags,
+    mount_overlay,
+    mount_scratch,
+    mount_upper_image,
+    reserve_upper_image,
+)
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from .recover import RecoverReport, recover
 from .state import (
@@ -233,6 +240,8 @@ class Shim:
         `upper_image`: the same quota for a sandbox that is kept, on the node disk: a sparse ext4
         image of that many bytes (NODE/sandboxes/<id>/upper.img) loop-mounted at the same place;
         it survives a reboot (recovery mounts it again before the overlay). Not with `upper_size`.
+        Refused (`NodeFull`) when the node disk's free space cannot hold it together with what the
+        other kept uppers may still take (`overlay.reserve_upper_image`, under the node lock).
         `nosuid`, `nodev`: the root's mount flags (both on unless relaxed).
         `userns`: the sandbox gets an id range of its own (`idmap`; recorded as `Sandbox.userns`):
         its layers are stacked as idmapped clones and its upper is owned by the range's root, for
@@ -271,7 +280,7 @@ class Shim:
         with self.lock:
             sb, claimed, waits, created_dir, gen = self._begin_mount(spec, target, sid, upper, utab_entry,
                                                                      upper_size is not None or upper_image is not None,
-                                                                     userns, guest)
+                                                                     userns, guest, upper_image)
         mounted = False
         record = encode({**sb.to_json(), "status": MOUNTED})  # the record's = transaction 2's
         try:
@@ -380,8 +389,8 @@ class Shim:
 
     def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
                      upper: str | os.PathLike[str] | None, utab_entry: bool,
-                     scratch: bool = False, userns: bool = False,
-                     guest: str | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool, str]:
+                     scratch: bool = False, userns: bool = False, guest: str | None = None,
+                     image: int | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool, str]:
         """Caller holds the lock. Make sure the blob source runs and the picture is usable (see
         `_ready_locked`); refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
@@ -402,11 +411,11 @@ class Shim:
         sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
                      target=tgt, upper=up, work="", owned=owned, store=self.store_url, status=MOUNTING,
                      created=time.time(), utab=utab_entry, backend=guest or "")
-        got = self._record_mount(sb, sdir, home, userns, gen, check_stale=True)
+        got = self._record_mount(sb, sdir, home, userns, gen, check_stale=True, image=image)
         if got is None:  # (the picture needs recovery first)
             self._recover_locked()
             gen = self.blobs.ensure()
-            got = self._record_mount(sb, sdir, home, userns, gen, check_stale=False)
+            got = self._record_mount(sb, sdir, home, userns, gen, check_stale=False, image=image)
         assert got is not None
         created_dir, claims, waits, roots = got
         claimed: dict[str, BlobLock] = {}
@@ -422,14 +431,15 @@ class Shim:
         return sb, claimed, waits, created_dir, gen
 
     def _record_mount(self, sb: Sandbox, sdir: Path, home: Path, userns: bool, gen: str, *,
-                      check_stale: bool) -> tuple[bool, list[str], set[str], bool] | None:
+                      check_stale: bool, image: int | None = None) -> tuple[bool, list[str], set[str], bool] | None:
         """Caller holds the lock. One write transaction (the usual case needs no other): None if
         `check_stale` and the picture needs recovery first (`_stale`); else refuse taken ids,
         targets and uppers, create the sandbox's directory, and transaction 1: the sandbox
         (`mounting`), its pending entry and a reference on every layer. Returns whether the
         directory was created, the layers this mount claimed, those others are mounting, and
-        whether NODE/roots is mounted. If anything fails, the transaction is aborted and the
-        directory this call created removed."""
+        whether NODE/roots is mounted. `image`: the size of the kept upper's image, reserved here
+        (`reserve_upper_image`: `NodeFull` if the node disk cannot hold it). If anything fails, the
+        transaction is aborted and the directory this call created removed."""
         sid = sb.id
         created_dir = False
         waits: set[str] = set()
@@ -447,6 +457,8 @@ class Shim:
                                             f"({sdir / 'upper'}) explicitly to resume it, or remove it") from None
                     created_dir = True
                     sb.work = str(home / "work")
+                    if image is not None:
+                        reserve_upper_image(self.paths.upper_image(sid), image)
                 else:
                     if not sdir.exists():
                         sdir.mkdir(mode=0o700)
@@ -504,7 +516,7 @@ class Shim:
                    record: bytes | None = None) -> None:
         if sb.backend:  # composed in a guest: its upper drive if it is kept, nothing else on the host
             if upper_image is not None:
-                make_upper_image(sb.upper, upper_image)
+                make_upper_image(sb.upper, upper_image, reserved=True)
         elif sb.owned and upper_size is not None:
             scratch = self.paths.scratch(sb.id)
             os.mkdir(scratch, 0o700)
@@ -515,7 +527,7 @@ class Shim:
             # image); its loop device is autocleared when the filesystem is unmounted.
             scratch = self.paths.scratch(sb.id)
             os.mkdir(scratch, 0o700)
-            make_upper_image(self.paths.upper_image(sb.id), upper_image)
+            make_upper_image(self.paths.upper_image(sb.id), upper_image, reserved=True)
             mount_upper_image(self.paths.upper_image(sb.id), scratch)
         if sb.backend:
             pass

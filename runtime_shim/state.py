@@ -50,6 +50,7 @@ import lmdb
 import orjson
 
 from layerstore.errors import CorruptObject
+from layerstore.fileio import LMDB_FILES, narrow_files, private_dir
 
 from .idmap import SLOTS, base_of, slot_of
 
@@ -262,7 +263,8 @@ def _open_env(path: Path) -> lmdb.Environment:
             env, n = _envs[key]
             _envs[key] = (env, n + 1)
             return env
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(path, parents=True)  # (0700 also if it existed wider)
+        narrow_files(path, LMDB_FILES)  # (made 0644 by an older version)
         # No fsync per transaction: see the module docstring (the boot id covers what it would).
         # writemap: a commit writes its pages into the shared map instead of one pwrite(2) each;
         # a warm mount's two transactions cost 11-14 us instead of 25-44 (the more after a mass
@@ -270,7 +272,7 @@ def _open_env(path: Path) -> lmdb.Environment:
         # "The warm path"). data.mdb then has the map's size as its length: a sparse file, its
         # blocks are the pages in use (`size`).
         env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=len(DBS) + 2, subdir=True, lock=True, sync=False,
-                        metasync=False, writemap=True)
+                        metasync=False, writemap=True, mode=0o600)
         _envs[key] = (env, 1)
         return env
 

@@ -1,9 +1,13 @@
 """The FUSE operations: a read-only tree `/blobs/<digest>`, one regular file per blob.
 
-    inode 1   /          (directory)
-    inode 2   /blobs     (directory; lists the blobs whose chunk maps this node has seen; any
+    inode 1   /          (directory, 0500)
+    inode 2   /blobs     (directory, 0500; lists the blobs whose chunk maps this node has seen; any
                           blob of the store can be looked up by name)
-    inode 3+  /blobs/b3:<hex>   (regular file, mode 0444, the blob's full size)
+    inode 3+  /blobs/b3:<hex>   (regular file, mode 0400, the blob's full size)
+
+Owned by the daemon's user; with `group_read` (a control group) the group may read too (0550,
+0440). The kernel checks these modes (default_permissions): a blob may hold an environment's
+secrets, and another user on the node reads none of it (docs/security.md).
 
 Inode numbers of blobs are handed out on first lookup and never reused while the daemon runs.
 Lookup counts (lookup +1, readdirplus entry +1, forget -n) and open file handles are counted
@@ -91,10 +95,13 @@ class BlobFS(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, lazy: LazyCache, *, uid: int = 0, gid: int = 0,
+    def __init__(self, lazy: LazyCache, *, uid: int = 0, gid: int = 0, group_read: bool = False,
                  push_nursery: trio.Nursery | None = None) -> None:
-        """`push_nursery`: where metadata pushes run (None: no pushes, e.g. without a kernel)."""
+        """`push_nursery`: where metadata pushes run (None: no pushes, e.g. without a kernel).
+        `group_read`: group `gid` may read the blobs (else only `uid`)."""
         super().__init__()
+        self._dir_mode = stat.S_IFDIR | (0o550 if group_read else 0o500)
+        self._blob_mode = stat.S_IFREG | (0o440 if group_read else 0o400)
         self._push_nursery = push_nursery
         self._pushing: dict[str, set[int]] = {}  # blob -> metadata chunks being pushed
         self._push_threads = trio.CapacityLimiter(PUSH_THREADS)
@@ -131,7 +138,7 @@ class BlobFS(pyfuse3.Operations):
     def _dir_attr(self, ino: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
-        a.st_mode = stat.S_IFDIR | 0o555
+        a.st_mode = self._dir_mode
         a.st_nlink = 2
         a.st_uid, a.st_gid = self.uid, self.gid
         a.st_size = 0
@@ -142,7 +149,7 @@ class BlobFS(pyfuse3.Operations):
     def _blob_attr(self, ino: int, size: int) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
-        a.st_mode = stat.S_IFREG | 0o444
+        a.st_mode = self._blob_mode
         a.st_nlink = 1
         a.st_uid, a.st_gid = self.uid, self.gid
         a.st_size = size

@@ -32,10 +32,13 @@ DEFAULT_KERNEL_READAHEAD_KB = 4096
 INIT_WAIT = 10.0
 
 
-def fuse_options(*, allow_other: bool = True) -> set[str]:
-    opts = set(pyfuse3.default_options) | {"fsname=layerstore", "subtype=layerstore", "ro"}
+def fuse_options(*, allow_other: bool = False) -> set[str]:
+    """The mount options: read-only, the kernel checking the modes `BlobFS` gives
+    (default_permissions); `allow_other` lets users other than the daemon's reach the mount at
+    all (only for a control group's members: `DaemonConfig.fuse_options`)."""
+    opts = set(pyfuse3.default_options) | {"fsname=layerstore", "subtype=layerstore", "ro", "default_permissions"}
     if allow_other:
-        opts.add("allow_other")  # sandboxes run as other users
+        opts.add("allow_other")
     return opts
 
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from layerstore.errors import ConfigError, CorruptObject
-from layerstore.fileio import fsync_dir
+from layerstore.fileio import fsync_dir, private_dir
 
 from .cache import NodeCache
 from .errors import CacheBusy
@@ -46,7 +46,7 @@ def lock_cache_dir(cache_dir: Path) -> int:
     """An exclusive, non-blocking flock on DIR/daemon.lock (the cache is node-local, so flock
     works). Returns the descriptor; closing it releases the lock. `CacheBusy` if another process
     holds it."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # (narrowed by the daemon: `Daemon`)
     fd = os.open(cache_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -126,6 +126,8 @@ def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitSta
             raise ConfigError(f"{LRU_ENV}={os.environ.get(LRU_ENV)!r}: expected a number of bytes") from None
     index = CacheIndex(cache_dir / INDEX_DIR)
     stack.callback(index.close)
-    cache = recover(cache_dir, BlobFiles(cache_dir), index, budget=budget, cache_format=fmt, lru_bytes=lru_bytes)
+    files = BlobFiles(cache_dir)
+    private_dir(files.root)  # the blobs' bytes: 0700 also if it existed wider (its files are 0600)
+    cache = recover(cache_dir, files, index, budget=budget, cache_format=fmt, lru_bytes=lru_bytes)
     stack.callback(cache.close)
     return cache

@@ -84,7 +84,7 @@ class BlobFiles:
         """An O_RDWR descriptor for the blob's data file, created sparse at its full size."""
         path = self.path(blob)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise CacheIOError(f"cannot open cache file {path}: {os.strerror(e.errno or 0)}") from None

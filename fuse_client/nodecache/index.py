@@ -31,6 +31,7 @@ import lmdb
 
 from layerstore import digest as digestmod
 from layerstore.errors import CorruptObject
+from layerstore.fileio import LMDB_FILES, narrow_files, private_dir
 
 FORMAT = b"1"
 _IDX = struct.Struct(">I")
@@ -110,9 +111,10 @@ class CacheIndex:
     def __init__(self, path: Path, *, map_size: int = DEFAULT_MAP_SIZE, readonly: bool = False) -> None:
         path = Path(path)
         if not readonly:
-            path.mkdir(parents=True, exist_ok=True)
+            private_dir(path, parents=True)  # (0700 also if it existed wider)
+            narrow_files(path, LMDB_FILES)  # (made 0644 by an older version)
         self.env = lmdb.open(str(path), subdir=True, max_dbs=8, map_size=map_size, readonly=readonly,
-                             sync=True, metasync=True, lock=True, create=not readonly)
+                             sync=True, metasync=True, lock=True, create=not readonly, mode=0o600)
         self._maps = self.env.open_db(b"maps", create=not readonly)
         self._chunks = self.env.open_db(b"chunks", create=not readonly)
         self._meta = self.env.open_db(b"meta", create=not readonly)

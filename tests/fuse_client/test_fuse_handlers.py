@@ -19,6 +19,7 @@ from testkit.fuse_helpers import CountingBackend, running_lazy_cache
 from testkit.nodecache_formats import compressible
 
 import fuse_client.nodecache.reader as readermod
+from fuse_client.daemon import DaemonConfig
 from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
 from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder
 from fuse_client.nodecache.cachedir import recorded_format
@@ -82,6 +83,31 @@ def fuse_errno(exc_info: pytest.ExceptionInfo[pyfuse3.FUSEError]) -> int:
     return exc_info.value.errno
 
 
+# -- who may read (issue 27) -----------------------------------------------------------------------
+@pytest.mark.hostile
+@pytest.mark.trio
+@pytest.mark.parametrize("group", [None, 4321])
+async def test_modes_admit_no_other_user(store: Store, data: bytes, tmp_path: Path, group: int | None) -> None:
+    """Blobs may hold an environment's secrets: the mount's files are the daemon's user's (0400,
+    dirs 0500), or also a control group's (0440, 0550) when one is configured; and only then
+    may other users reach the mount at all (allow_other). `default_permissions` makes the
+    kernel check these modes."""
+    cmap = put_blob(store, data)
+    cfg = DaemonConfig(cache_dir=tmp_path / "cache", mountpoint=tmp_path / "mnt",
+                       control_group=None if group is None else str(group))
+    opts = cfg.fuse_options()
+    assert "default_permissions" in opts and ("allow_other" in opts) == (group is not None)
+    async with running_lazy_cache(store, tmp_path / "cache", stats=Stats()) as lazy:
+        fs = BlobFS(lazy, uid=7, gid=group or 8, group_read=group is not None)
+        blob = await fs.lookup(BLOBS_INODE, cmap.blob.encode())
+        want_file, want_dir = (0o100440, 0o040550) if group is not None else (0o100400, 0o040500)
+        assert (blob.st_mode, blob.st_uid, blob.st_gid) == (want_file, 7, group or 8)
+        assert (await fs.getattr(blob.st_ino)).st_mode == want_file
+        for ino in (ROOT_INODE, BLOBS_INODE):
+            assert (await fs.getattr(ino)).st_mode == want_dir
+        assert all(m & 0o007 == 0 for m in (blob.st_mode, want_dir))  # nothing for "other", ever
+
+
 # -- namespace ------------------------------------------------------------------------------------
 @pytest.mark.trio
 async def test_namespace_lookup_getattr_readdir_forget(store: Store, data: bytes, tmp_path: Path) -> None:
@@ -104,7 +130,7 @@ async def test_namespace_lookup_getattr_readdir_forget(store: Store, data: bytes
 
         attr = await fs.lookup(BLOBS_INODE, cmap.blob.encode())
         assert attr.st_size == len(data)
-        assert attr.st_mode == 0o100444
+        assert attr.st_mode == 0o100400  # the daemon's user only (test_modes_admit_no_other_user)
         assert attr.entry_timeout >= 3600 and attr.attr_timeout >= 3600
         assert (await fs.getattr(attr.st_ino)).st_size == len(data)
         again = await fs.lookup(BLOBS_INODE, cmap.blob.encode())
