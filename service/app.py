@@ -323,15 +323,16 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         """Every key under `prefix`, one JSON object a line: {"k": key} or, with info=1,
         {"k": key, "s": size, "m": mtime (seconds, the store's clock)}."""
         validate_prefix(prefix)
-        if not who.can_read:
-            raise PermissionDenied(f"token {who.id} may not list")
+        refusal = who.list_refusal(prefix)
+        if refusal is not None:
+            raise PermissionDenied(refusal)
         source: Iterator[Any] = backend.list_info(prefix) if info else backend.list(prefix)
 
         def batch() -> bytes:
             out = []
             for item in source:
                 key = item.key if info else item
-                if key.startswith("tags/") and not who.may_read(key):
+                if not who.shows(key, prefix):
                     continue
                 out.append(wire.list_line(key, item.size, item.mtime) if info else wire.list_line(key))
                 if len(out) >= LIST_BATCH:
@@ -462,7 +463,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         render = status_renderer()
         if render is None:
             raise NotFound("this service has no status page")
-        html = await run(lambda: render(store, visible=who.sees))
+        html = await run(lambda: render(store, visible=who.lists))
         return Response(html, media_type="text/html; charset=utf-8")
 
     routes = {m: r for r in app.routes if getattr(r, "path", None) == wire.OBJECTS + "{key:path}"
