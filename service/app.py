@@ -44,6 +44,7 @@ from .batch import BatchResponse
 from .cached_reads import CachedReader
 from .checks import check_body, check_key, limit_for
 from .fastpath import ObjectFastPath
+from .leaseowner import LeaseGuard
 from .metrics import MetricsMiddleware, exposition
 
 log = logging.getLogger("layerstore.service")
@@ -108,6 +109,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     app.state.tokens = tokens
     backend = store.backend
     cached = CachedReader.for_backend(backend)
+    lease_guard = LeaseGuard(backend)  # leases belong to their writer's token (leaseowner.py)
 
     # -- the error edge --------------------------------------------------------------------
     @app.exception_handler(LayerstoreError)
@@ -282,6 +284,11 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             raise BadInput("a PUT takes If-None-Match: * only")
         data = await read_body(request, limit_for(key))
         await run(check_body, store, key, data)
+        if wire.kind_of(key) == "leases" and not who.gc:
+            created, data = await run(lambda: lease_guard.put(
+                who, key, data, if_match=None if if_match is None else wire.etags_in(if_match),
+                create_only=if_none_match is not None))
+            return Response(status_code=201 if created else 200, headers={"ETag": wire.quote(wire.etag_of(key, data))})
         etag = {"ETag": wire.quote(wire.etag_of(key, data))}
         if wire.kind_of(key) in wire.CONTENT_KINDS or if_none_match is not None:
             if await on_object(key, backend.store_once, key, data, writing=True):
@@ -313,6 +320,8 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if not who.may_delete(key):
             readable(who, key)
             raise PermissionDenied(f"token {who.id} may not delete {key}")
+        if wire.kind_of(key) == "leases" and not who.gc:
+            await run(lease_guard.check_delete, who, key)
         await on_object(key, backend.delete, key)
         return Response(status_code=204)
 
@@ -366,6 +375,8 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             check_key(k)
             if not who.may_delete(k):
                 raise PermissionDenied(f"token {who.id} may not delete {k}")
+        if not who.gc:
+            keys = await run(lease_guard.deletable, who, keys)
         return {"removed": await run(backend.delete_many, keys)}
 
     @app.post(wire.BATCH, response_class=BatchResponse, status_code=200,
