@@ -39,6 +39,7 @@ from layerstore.errors import (
 from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
+from . import signin
 from .auth import Principal, TokenTable
 from .batch import BatchResponse
 from .cached_reads import CachedReader
@@ -56,7 +57,6 @@ DEFAULT_BODY_TIMEOUT = 120.0
 MAX_DELETE_BODY = 1 << 20
 MAX_DELETE_KEYS = 10_000
 LIST_BATCH = 512
-TOKEN_COOKIE = "layerstore_token"
 RANGE_PATTERN = r"^bytes=[0-9]{0,19}-[0-9]{0,19}$"  # one range; anything else is a 400
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 OCTETS = "application/octet-stream"
@@ -87,12 +87,9 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
 
 async def principal(request: Request,
                     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    """Who is asking: the bearer token (or, for a browser, the token cookie) looked up in the
-    app's token table."""
-    header = request.headers.get("authorization")
-    if header is None and request.cookies.get(TOKEN_COOKIE):
-        header = f"Bearer {request.cookies[TOKEN_COOKIE]}"
-    return request.app.state.tokens.authenticate(header)
+    """Who is asking: the bearer token looked up in the app's token table (the status page's
+    cookie counts on the status page only: `signin.reader`)."""
+    return request.app.state.tokens.authenticate(request.headers.get("authorization"))
 
 
 Who = Annotated[Principal, Depends(principal)]
@@ -467,16 +464,23 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
 
     @app.get("/", response_class=Response, responses={200: {"content": {"text/html": {}}}})
     @app.get("/status", response_class=Response, responses={200: {"content": {"text/html": {}}}})
-    async def status_page(who: Who) -> Response:
-        """The status page: environments and tags, layers, deduplication, the last GC run."""
-        if not who.can_read:
-            raise PermissionDenied(f"token {who.id} may not read")
+    async def status_page(request: Request) -> Response:
+        """The status page: environments and tags, layers, deduplication, the last GC run. A
+        browser without a token that may read gets the sign-in page (signin.py)."""
+        try:
+            who = signin.reader(request)
+        except PermissionDenied as e:
+            page = signin.refusal(request, e)
+            if page is None:
+                raise
+            return page
         render = status_renderer()
         if render is None:
             raise NotFound("this service has no status page")
         html = await run(lambda: render(store, visible=who.lists))
         return Response(html, media_type="text/html; charset=utf-8")
 
+    signin.install(app)
     routes = {m: r for r in app.routes if getattr(r, "path", None) == wire.OBJECTS + "{key:path}"
               for m in getattr(r, "methods", ()) if m in ("GET", "HEAD")}
     app.add_middleware(ObjectFastPath, prefix=wire.OBJECTS, who=lambda request: principal(request, None),
