@@ -44,7 +44,7 @@ def owner_of(head: bytes) -> str | None:
     """The token id a stored head names as its owner (None: no token owns it)."""
     try:
         obj = json.loads(head)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     owner = obj.get(OWNER) if isinstance(obj, dict) else None
     return owner if isinstance(owner, str) else None
@@ -54,7 +54,7 @@ def stamp(data: bytes, owner: str, key: str) -> bytes:
     """The head `data` with its owner set to `owner` (a client's own `owner` is overwritten)."""
     try:
         obj = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise wire.RejectedObject(f"{key}: a lease head is a JSON object") from None
     if not isinstance(obj, dict):
         raise wire.RejectedObject(f"{key}: a lease head is a JSON object")

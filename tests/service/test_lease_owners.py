@@ -77,6 +77,12 @@ def test_another_token_cannot_drop_or_shorten_a_lease_and_the_collector_keeps_th
     with pytest.raises(PermissionDenied, match="belongs to token ci"):
         other.store_once(f"leases/{lease.id}/s99999999", b"[]")
     assert json.loads(_backend(svc, "gc").load(head)) == stored  # untouched
+    tokens = svc["tokens"]
+    assert isinstance(tokens, dict)
+    for body in (b"[" * 200_000, b"not json", b"[1, 2]"):  # a head the service must parse: never a 500
+        r = httpx.put(f"{svc['url']}/v1/objects/leases/odd/head", content=body, timeout=30,
+                      headers={"Authorization": f"Bearer {tokens['other']}"})
+        assert r.status_code == 422 and r.json()["kind"] == "RejectedObject", r.text[:200]
 
     with Store.open(str(svc["root"])) as s:  # the collector, straight on the store, no grace
         report = layergc.collect(s, grace=0)
