@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 from urllib.parse import parse_qs, urlsplit
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -31,6 +32,7 @@ COOKIE = "layerstore_token"
 COOKIE_PATH = "/status"
 COOKIE_AGE = 12 * 3600  # seconds; the token itself may live longer
 MAX_FORM = 4096
+FORM_TIMEOUT = 10.0  # seconds for the form's body (a slow client holds a connection, no more)
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; "
                                "frame-ancestors 'none'; base-uri 'none'",
@@ -123,10 +125,14 @@ def install(app: FastAPI) -> None:
         if not _same_origin(request):
             return page("sign-in refused: the form was posted from another site", 403, action="signin")
         body = b""
-        async for part in request.stream():
-            body += part
-            if len(body) > MAX_FORM:
-                return page("sign-in refused: the form is too large", 413, action="signin")
+        try:
+            with anyio.fail_after(FORM_TIMEOUT):
+                async for part in request.stream():
+                    body += part
+                    if len(body) > MAX_FORM:
+                        return page("sign-in refused: the form is too large", 413, action="signin")
+        except TimeoutError:
+            return page("sign-in refused: the form did not arrive in time", 408, action="signin")
         token = (parse_qs(body.decode("utf-8", "replace")).get("token") or [""])[0].strip()
         if not token:
             return page("paste a token to sign in", 401, action="signin")

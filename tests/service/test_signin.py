@@ -47,6 +47,8 @@ def test_without_a_token_a_browser_gets_the_sign_in_page_and_an_api_client_json(
     # a sign-in posted from another site's page is refused, and sets nothing
     r = httpx.post(url + "/status/signin", data={"token": tokens["team"]}, headers={"Origin": "https://evil.example"})
     assert r.status_code == 403 and "set-cookie" not in r.headers
+    r = httpx.post(url + "/status/signin", data={"token": "x" * 5000})  # a form bounded in size
+    assert r.status_code == 413 and "set-cookie" not in r.headers
 
 
 def test_the_cookie_is_for_the_status_page_only(site: tuple[str, dict[str, str]]) -> None:
