@@ -39,11 +39,13 @@ from layerstore.errors import (
 from layerstore.keys import validate_prefix
 from layerstore.store import Store
 
+from . import signin
 from .auth import Principal, TokenTable
 from .batch import BatchResponse
 from .cached_reads import CachedReader
 from .checks import check_body, check_key, limit_for
 from .fastpath import ObjectFastPath
+from .leaseowner import LeaseGuard
 from .metrics import MetricsMiddleware, exposition
 
 log = logging.getLogger("layerstore.service")
@@ -55,7 +57,6 @@ DEFAULT_BODY_TIMEOUT = 120.0
 MAX_DELETE_BODY = 1 << 20
 MAX_DELETE_KEYS = 10_000
 LIST_BATCH = 512
-TOKEN_COOKIE = "layerstore_token"
 RANGE_PATTERN = r"^bytes=[0-9]{0,19}-[0-9]{0,19}$"  # one range; anything else is a 400
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 OCTETS = "application/octet-stream"
@@ -86,12 +87,9 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
 
 async def principal(request: Request,
                     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    """Who is asking: the bearer token (or, for a browser, the token cookie) looked up in the
-    app's token table."""
-    header = request.headers.get("authorization")
-    if header is None and request.cookies.get(TOKEN_COOKIE):
-        header = f"Bearer {request.cookies[TOKEN_COOKIE]}"
-    return request.app.state.tokens.authenticate(header)
+    """Who is asking: the bearer token looked up in the app's token table (the status page's
+    cookie counts on the status page only: `signin.reader`)."""
+    return request.app.state.tokens.authenticate(request.headers.get("authorization"))
 
 
 Who = Annotated[Principal, Depends(principal)]
@@ -108,6 +106,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     app.state.tokens = tokens
     backend = store.backend
     cached = CachedReader.for_backend(backend)
+    lease_guard = LeaseGuard(backend)  # leases belong to their writer's token (leaseowner.py)
 
     # -- the error edge --------------------------------------------------------------------
     @app.exception_handler(LayerstoreError)
@@ -282,6 +281,11 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             raise BadInput("a PUT takes If-None-Match: * only")
         data = await read_body(request, limit_for(key))
         await run(check_body, store, key, data)
+        if wire.kind_of(key) == "leases" and not who.gc:
+            created, data = await run(lambda: lease_guard.put(
+                who, key, data, if_match=None if if_match is None else wire.etags_in(if_match),
+                create_only=if_none_match is not None))
+            return Response(status_code=201 if created else 200, headers={"ETag": wire.quote(wire.etag_of(key, data))})
         etag = {"ETag": wire.quote(wire.etag_of(key, data))}
         if wire.kind_of(key) in wire.CONTENT_KINDS or if_none_match is not None:
             if await on_object(key, backend.store_once, key, data, writing=True):
@@ -313,6 +317,8 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         if not who.may_delete(key):
             readable(who, key)
             raise PermissionDenied(f"token {who.id} may not delete {key}")
+        if wire.kind_of(key) == "leases" and not who.gc:
+            await run(lease_guard.check_delete, who, key)
         await on_object(key, backend.delete, key)
         return Response(status_code=204)
 
@@ -323,15 +329,16 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
         """Every key under `prefix`, one JSON object a line: {"k": key} or, with info=1,
         {"k": key, "s": size, "m": mtime (seconds, the store's clock)}."""
         validate_prefix(prefix)
-        if not who.can_read:
-            raise PermissionDenied(f"token {who.id} may not list")
+        refusal = who.list_refusal(prefix)
+        if refusal is not None:
+            raise PermissionDenied(refusal)
         source: Iterator[Any] = backend.list_info(prefix) if info else backend.list(prefix)
 
         def batch() -> bytes:
             out = []
             for item in source:
                 key = item.key if info else item
-                if key.startswith("tags/") and not who.may_read(key):
+                if not who.shows(key, prefix):
                     continue
                 out.append(wire.list_line(key, item.size, item.mtime) if info else wire.list_line(key))
                 if len(out) >= LIST_BATCH:
@@ -365,6 +372,8 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             check_key(k)
             if not who.may_delete(k):
                 raise PermissionDenied(f"token {who.id} may not delete {k}")
+        if not who.gc:
+            keys = await run(lease_guard.deletable, who, keys)
         return {"removed": await run(backend.delete_many, keys)}
 
     @app.post(wire.BATCH, response_class=BatchResponse, status_code=200,
@@ -455,16 +464,23 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
 
     @app.get("/", response_class=Response, responses={200: {"content": {"text/html": {}}}})
     @app.get("/status", response_class=Response, responses={200: {"content": {"text/html": {}}}})
-    async def status_page(who: Who) -> Response:
-        """The status page: environments and tags, layers, deduplication, the last GC run."""
-        if not who.can_read:
-            raise PermissionDenied(f"token {who.id} may not read")
+    async def status_page(request: Request) -> Response:
+        """The status page: environments and tags, layers, deduplication, the last GC run. A
+        browser without a token that may read gets the sign-in page (signin.py)."""
+        try:
+            who = signin.reader(request)
+        except PermissionDenied as e:
+            page = signin.refusal(request, e)
+            if page is None:
+                raise
+            return page
         render = status_renderer()
         if render is None:
             raise NotFound("this service has no status page")
-        html = await run(lambda: render(store, visible=who.sees))
+        html = await run(lambda: render(store, visible=who.lists))
         return Response(html, media_type="text/html; charset=utf-8")
 
+    signin.install(app)
     routes = {m: r for r in app.routes if getattr(r, "path", None) == wire.OBJECTS + "{key:path}"
               for m in getattr(r, "methods", ()) if m in ("GET", "HEAD")}
     app.add_middleware(ObjectFastPath, prefix=wire.OBJECTS, who=lambda request: principal(request, None),

@@ -14,7 +14,16 @@ variable time, and the file does not hold a usable token). Scopes:
     gc                 read everything (private names too), delete anything but `config`, write gc/
     admin              everything: the raw backend, `config`, creating the store
 
-Prefixes are plain string prefixes of environment names (`team/` covers `team/app`). The file:
+Prefixes are plain string prefixes of environment names (`team/` covers `team/app`). A token
+whose only reading scopes are prefixed (`read:P`, `push:P`; no `read`, `push:*`, `gc`, `admin`) is
+*namespaced*: its tag listings (and the status page) show only the names its prefixes cover.
+
+Listings (docs/service.md, "What a digest grants"): listing content (`chunks/`, `blobs/`,
+`manifests/`, `leases/`, `tags/sig/`, or any prefix that overlaps them, the empty one included)
+needs `gc` or `admin`; a reader may list the signatures of one manifest it names by digest
+(`tags/sig/<hex>:`) and a lease writer the keys of one lease (`leases/<id>/`). A digest alone is
+the capability to read that one object (any reading scope): content addressing, nothing lists it.
+The file:
 
     {"version": 1, "private": ["secret/"], "anonymous": ["read"],
      "tokens": [{"id": "ci", "sha256": "<hex>", "scopes": ["push:team/"], "created": "..."}]}
@@ -44,6 +53,10 @@ from layerstore.fileio import write_atomic
 TOKEN_PREFIX = "lst_"
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,63}")
 _SCOPE = re.compile(r"(read|lease|gc|admin)|(read|push):(\*|[a-z0-9][a-z0-9._/-]{0,255})")
+CONTENT_LISTINGS = ("chunks/", "blobs/", "manifests/", "leases/")  # enumerating these needs gc
+SIG_TAGS = "tags/sig/"
+_ONE_MANIFEST_SIGS = re.compile(r"tags/sig/[0-9a-f]{64}:")  # the signatures of one manifest
+_ONE_LEASE = re.compile(r"leases/[^/]+/")
 
 
 def hash_token(token: str) -> str:
@@ -107,6 +120,46 @@ class Principal:
         if any(self._covers(p, name) for p in self._prefixes("read") + self._prefixes("push")):
             return True
         return self.can_read and not self.is_private(name)
+
+    @property
+    def namespaced(self) -> bool:
+        """Reads only through prefixed scopes (`read:P`, `push:P`): listings show its names only."""
+        return not self.gc and "read" not in self.scopes and "*" not in self._prefixes("push")
+
+    def lists(self, name: str) -> bool:
+        """May a listing (or the status page) show environment `name` to this principal?"""
+        if self.namespaced:
+            return any(self._covers(p, name) for p in self._prefixes("read") + self._prefixes("push"))
+        return self.sees(name)
+
+    def list_refusal(self, prefix: str) -> str | None:
+        """Why this principal may not list `prefix` (None: it may; `shows` filters the keys)."""
+        if self.gc:
+            return None
+        if not self.can_read:
+            return f"token {self.id} may not list"
+        if prefix.startswith(SIG_TAGS):
+            if _ONE_MANIFEST_SIGS.match(prefix):
+                return None
+            return (f"token {self.id} may not list {prefix!r}: listing signatures needs a manifest's digest "
+                    f"({SIG_TAGS}<hex>:) or the gc or admin scope")
+        for p in CONTENT_LISTINGS:
+            if p.startswith(prefix) or prefix.startswith(p):
+                if p == "leases/" and _ONE_LEASE.fullmatch(prefix) and self.may_write(prefix + "head"):
+                    return None  # the keys of one lease it names (`layerctl lease rm`)
+                return (f"token {self.id} may not list {prefix or '/'!r}: listing {p} enumerates the store's "
+                        "content and needs the gc or admin scope (a digest alone reads one object)")
+        return None
+
+    def shows(self, key: str, prefix: str) -> bool:
+        """Whether an allowed listing of `prefix` shows `key`: tags by their names' visibility,
+        signatures only in a listing of one manifest's."""
+        if self.gc or not key.startswith("tags/"):
+            return True
+        if key.startswith(SIG_TAGS):
+            return _ONE_MANIFEST_SIGS.match(prefix) is not None and self.may_read(key)
+        name = wire.tag_name(key)
+        return name is not None and self.lists(name)
 
     def may_read(self, key: str) -> bool:
         name = wire.tag_name(key)

@@ -179,7 +179,7 @@ def test_token_from_the_environment_and_the_credentials_file(served: Served, tmp
 
 def test_unix_socket_and_a_push_through_the_cli(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
-    tokens = make_tokens(tmp_path / "tokens.json", {"ci": ["push:team/"], "ro": ["read"]})
+    tokens = make_tokens(tmp_path / "tokens.json", {"ci": ["push:team/"], "ro": ["read"], "gc": ["gc"]})
     with running_service(str(store_dir), tmp_path / "svc", unix=True) as svc:
         assert svc.url.startswith("http+unix://")
         with Store.open(svc.url) as s:
@@ -200,6 +200,8 @@ def test_unix_socket_and_a_push_through_the_cli(tmp_path: Path) -> None:
         r = layerctl("store", "put-blob", "--store", svc.url, str(src), env={"LAYERSTORE_TOKEN": tokens["ci"]})
         assert r.code == 0, r.err
         r = layerctl("store", "ls", "--store", svc.url, env={"LAYERSTORE_TOKEN": tokens["ro"]})
+        assert_clean_failure(r, "needs the gc or admin scope")  # listing content (issue 27)
+        r = layerctl("store", "ls", "--store", svc.url, env={"LAYERSTORE_TOKEN": tokens["gc"]})
         assert r.code == 0 and blob in r.out, r
 
 

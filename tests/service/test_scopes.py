@@ -78,7 +78,8 @@ def _cases(w: dict[str, str]) -> list[Case]:
         Case("put own tag", "PUT", obj + "tags/team/app:v2", PUSHERS, manifest_ref),
         Case("put other tag", "PUT", obj + "tags/other/app:v2", {"pushall", "admin"}, manifest_ref),
         Case("put private tag", "PUT", obj + "tags/secret/app:v2", {"admin"}, manifest_ref),
-        Case("put lease", "PUT", obj + "leases/l2/head", PUSHERS | {"node"}, b"{}"),
+        Case("put new lease", "PUT", obj + "leases/l2/head", PUSHERS | {"node"}, b"{}",
+             setup=lambda s: s.backend.delete_many(["leases/l2/head"])),
         Case("put gc state", "PUT", obj + "gc/runs/r2", GC, b"{}"),
         Case("put config", "PUT", obj + "config", {"admin"}, config),
         Case("put raw key", "PUT", obj + "t/raw", {"admin"}, b"raw"),
@@ -87,12 +88,20 @@ def _cases(w: dict[str, str]) -> list[Case]:
              setup=recreate("tags/team/app:v1", manifest_ref)),
         Case("delete private tag", "DELETE", obj + "tags/secret/app:v1", GC, hidden_from=readers_not_secret,
              setup=recreate("tags/secret/app:v1", manifest_ref)),
-        Case("delete lease", "DELETE", obj + "leases/l1/head", PUSHERS | GC | {"node"},
-             setup=recreate("leases/l1/head", b"{}")),
+        # a head no token owns (written to the backend directly): only gc and admin may drop it
+        Case("delete unowned lease", "DELETE", obj + "leases/l1/head", GC, setup=recreate("leases/l1/head", b"{}")),
         Case("delete gc state", "DELETE", obj + "gc/runs/r1", GC, setup=recreate("gc/runs/r1", b"{}")),
         Case("delete config", "DELETE", obj + "config", {"admin"}, setup=recreate("config", config)),
         Case("list", "GET", "/v1/list?prefix=tags/", READERS),
-        Case("list info", "GET", "/v1/list?prefix=&info=1", READERS),
+        Case("list info", "GET", "/v1/list?prefix=&info=1", GC),
+        Case("list chunks", "GET", "/v1/list?prefix=chunks/", GC),
+        Case("list blobs", "GET", "/v1/list?prefix=blobs/", GC),
+        Case("list manifests", "GET", "/v1/list?prefix=manifests/", GC),
+        Case("list signatures", "GET", "/v1/list?prefix=tags/sig/", GC),
+        Case("list leases", "GET", "/v1/list?prefix=leases/", GC),
+        Case("list one manifest's signatures", "GET", f"/v1/list?prefix=tags/sig/{'0' * 64}:", READERS),
+        Case("list one lease", "GET", "/v1/list?prefix=leases/l1/", PUSHERS | GC | {"node"}),
+        Case("list gc state", "GET", "/v1/list?prefix=gc/", READERS),
         Case("delete many", "POST", "/v1/delete", GC, json.dumps({"keys": [w["chunk"]]}).encode(), setup=rechunk),
         Case("check store", "GET", "/v1/store", READERS),
         Case("create store", "POST", "/v1/store", READERS),  # it exists: fine for a reader
@@ -156,7 +165,8 @@ def test_listing_hides_private_names(served: Served, world: dict[str, str]) -> N
             seen[who] = {json.loads(line)["k"] for line in r.text.splitlines()}
     assert "tags/secret/app:v1" not in seen["read"] | seen["pushteam"]
     assert "tags/secret/app:v1" in seen["readsecret"] & seen["gc"]
-    assert "tags/team/app:v1" in seen["read"] & seen["readsecret"] & seen["pushteam"] & seen["gc"]
+    assert "tags/team/app:v1" in seen["read"] & seen["pushteam"] & seen["gc"]
+    assert "tags/team/app:v1" not in seen["readsecret"]  # namespaced: only its own names are listed
 
 
 def test_token_file_changes_take_effect_without_restart(served: Served) -> None:
