@@ -2,7 +2,7 @@
 sandbox is an unprivileged uid on the host, and its layers are shown to it through idmapped clones
 of the node's layer mounts.
 
-The scheme (see "User namespaces" in docs/runtime-shim.md):
+The scheme (see the user namespace row of docs/sandbox-confinement.md):
 
 - ranges: RANGE_SIZE (65536) ids each; slot n (0 <= n < SLOTS) is host ids
   FIRST_BASE + n * RANGE_SIZE .. + RANGE_SIZE - 1, uids and gids alike. FIRST_BASE = 2**30 keeps

@@ -3,7 +3,7 @@ the path of one mount or teardown) and recovery (after a crash) both call: `Sand
 
 - the roots mount: NODE/roots is a private bind mount of itself while the node has sandboxes, so
   that default roots are children of that mount and not of the uppers' (see "Why NODE/roots" in
-  docs/runtime-shim.md): `ensure_roots`, `release_roots`, `under_roots`;
+  docs/shim-scale.md): `ensure_roots`, `release_roots`, `under_roots`;
 - undoing a mount that did not complete (`undo_mount`), on failure or after a crash;
 - a teardown in its steps (`begin_teardown` under the lock, `detach_root` outside it,
   `end_teardown` under it), or all at once under the lock the caller holds (`teardown`);

@@ -268,7 +268,7 @@ def _open_env(path: Path) -> lmdb.Environment:
         # No fsync per transaction: see the module docstring (the boot id covers what it would).
         # writemap: a commit writes its pages into the shared map instead of one pwrite(2) each;
         # a warm mount's two transactions cost 11-14 us instead of 25-44 (the more after a mass
-        # teardown left a long free list), a teardown's 4-5 instead of 18 (docs/runtime-shim.md,
+        # teardown left a long free list), a teardown's 4-5 instead of 18 (docs/shim-scale.md,
         # "The warm path"). data.mdb then has the map's size as its length: a sparse file, its
         # blocks are the pages in use (`size`).
         env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=len(DBS) + 2, subdir=True, lock=True, sync=False,

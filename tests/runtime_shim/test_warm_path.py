@@ -1,4 +1,4 @@
-"""The warm mount path's shortcuts (docs/runtime-shim.md, "The warm path") keep crash safety: a
+"""The warm mount path's shortcuts (docs/shim-scale.md, "The warm path") keep crash safety: a
 record set as an attribute of the sandbox's directory, without fsync, is what recovery rebuilds
 from after kill -9 of the mounting process and a lost database; a kill between the directory and
 its record leaves no sandbox behind; the NODE/roots mount is recorded in the state and a bind mount
