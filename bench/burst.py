@@ -12,7 +12,8 @@ docs/burst-nodes.md). `--nodes size` runs the size's shapes (quick 4x4; full 16x
 and 250 Mbit/s; tiny 2x2). Results: bench/results/burst_nodes-<size>.json.
 
 Results: bench/results/burst-<size>.json, plots bench/results/burst-<size>-*.png, and the generated
-section of docs/benchmarks.md. Downloads are cached under bench/.cache/ (git-ignore it).
+section of docs/benchmarks-burst.md (with --nodes: docs/benchmarks-burst-nodes.md).
+Downloads are cached under bench/.cache/ (git-ignore it).
 """
 
 from __future__ import annotations
@@ -49,9 +50,13 @@ def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
     ap.add_argument("--readset-only", type=Path, default=None, metavar="RESULTS",
                     help="only measure the bytes read again for an existing results file, and re-render")
     ap.add_argument("--output", type=Path, default=None)
-    ap.add_argument("--docs", type=Path, default=REPO / "docs" / "benchmarks.md")
-    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--docs", type=Path, default=None,
+                    help="the page to update (default docs/benchmarks-burst.md;"
+                    " with --nodes docs/benchmarks-burst-nodes.md)")
+    ap.add_argument("--no-docs", action="store_true", help="do not update the benchmark's page")
     a = ap.parse_args(argv)
+    if a.docs is None:
+        a.docs = REPO / "docs" / ("benchmarks-burst-nodes.md" if a.nodes is not None else "benchmarks-burst.md")
     if a.nodes is not None:
         return parse_nodes(ap, a)
     if a.size not in spec.SIZES:

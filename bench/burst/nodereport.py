@@ -1,7 +1,7 @@
-"""From a burst_nodes results JSON to a Markdown section of docs/benchmarks.md (between markers, replaced
+"""From a burst_nodes results JSON to a Markdown section of docs/benchmarks-burst-nodes.md (between markers, replaced
 in place: the hand-written analysis around it stays).
 
-    python -m bench.burst.nodereport bench/results/burst_nodes-quick.json [--docs docs/benchmarks.md]
+    python -m bench.burst.nodereport bench/results/burst_nodes-quick.json [--docs docs/benchmarks-burst-nodes.md]
 """
 
 from __future__ import annotations

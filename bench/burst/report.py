@@ -1,9 +1,9 @@
-"""From a results JSON to the report: a Markdown section for docs/benchmarks.md and PNG plots.
+"""From a results JSON to the report: a Markdown section for docs/benchmarks-burst.md and PNG plots.
 
-The Markdown section sits between two markers in docs/benchmarks.md and is replaced in place, so the
+The Markdown section sits between two markers in docs/benchmarks-burst.md and is replaced in place, so the
 hand-written analysis around it (and other benchmarks' sections) stay as they are.
 
-    python -m bench.burst.report bench/results/burst-quick.json [--docs docs/benchmarks.md] [--plots DIR]
+    python -m bench.burst.report bench/results/burst-quick.json [--docs docs/benchmarks-burst.md] [--plots DIR]
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def render(results_file: Path, docs: Path | None, plots_dir: Path | None) -> str
     pngs = plot(results, plots_dir) if plots_dir is not None else {}
     rel = {}
     for k, p in pngs.items():
-        # docs/benchmarks.md links the plots relative to itself when both live in the repo
+        # docs/benchmarks-burst.md links the plots relative to itself when both live in the repo
         root = docs.parent.parent if docs is not None else None
         rel[k] = "../" + str(p.resolve().relative_to(root.resolve())) if root and _under(p, root) else str(p)
     section = markdown(results, rel)
