@@ -57,6 +57,9 @@ MAX_ENCODED = _HEAD.size + MAX_ENTRIES * _ENTRY.size
 # `Store.put_blob` cuts fixed pieces of 1 MiB by default (4 KiB at the least the tests use).
 MIN_AVG_CHUNK = 4096
 SMALL_MAP = 4096
+# What a decoded entry costs in memory (a ChunkRef, its digest string, the offsets' list, the
+# set of unique digests): measured 250-315 bytes on CPython 3.11 (tracemalloc, 100k entries)
+DECODED_ENTRY = 320
 MAX_ENCODED_1 = _HEAD_1.size + MAX_ENTRIES * _ENTRY.size + 32  # a format-1 map, read only to migrate it
 
 

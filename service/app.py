@@ -41,8 +41,9 @@ from layerstore.store import Store
 
 from .auth import Principal, TokenTable
 from .batch import BatchResponse
+from .budget import ByteBudget, budget_from_env
 from .cached_reads import CachedReader
-from .checks import check_body, check_key, limit_for
+from .checks import body_limit, check_body, check_key, decode_cost, head_size, limit_for
 from .fastpath import ObjectFastPath
 from .metrics import MetricsMiddleware, exposition
 
@@ -108,6 +109,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     app.state.tokens = tokens
     backend = store.backend
     cached = CachedReader.for_backend(backend)
+    budget = app.state.decode_budget = ByteBudget(budget_from_env())  # checking bodies (budget.py)
 
     # -- the error edge --------------------------------------------------------------------
     @app.exception_handler(LayerstoreError)
@@ -155,7 +157,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
                 raise BadKey(f"{key}: a prefix of other keys, not an object") from None
             raise NotFound(f"object {key}: not found (a prefix of other keys)") from e
 
-    async def read_body(request: Request, limit: int) -> bytes:
+    async def read_body(request: Request, limit: int, key: str = "") -> bytes:
         length = request.headers.get("content-length")
         if length is not None:
             if not length.isdigit() or len(length) > 19:
@@ -163,10 +165,13 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             if int(length) > limit:
                 raise wire.TooLarge(f"body of {length} bytes, more than {limit} for this key")
         buf = bytearray()
+        head = head_size(key) if key else 0  # a chunk map: its header bounds the rest (before it is read)
         try:
             with anyio.fail_after(body_timeout):
                 async for part in request.stream():
                     buf += part
+                    if head and len(buf) >= head:
+                        limit, head = min(limit, body_limit(key, buf[:head])), 0
                     if len(buf) > limit:
                         raise wire.TooLarge(f"body of more than {limit} bytes for this key")
         except TimeoutError:
@@ -280,8 +285,9 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             raise BadInput("If-Match and If-None-Match exclude each other")
         if if_none_match is not None and if_none_match.strip() != "*":
             raise BadInput("a PUT takes If-None-Match: * only")
-        data = await read_body(request, limit_for(key))
-        await run(check_body, store, key, data)
+        data = await read_body(request, limit_for(key), key)
+        async with budget.hold(decode_cost(key, data)):
+            await run(check_body, store, key, data)
         etag = {"ETag": wire.quote(wire.etag_of(key, data))}
         if wire.kind_of(key) in wire.CONTENT_KINDS or if_none_match is not None:
             if await on_object(key, backend.store_once, key, data, writing=True):
