@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 import zstandard
-from testkit.fuse_helpers import running_lazy_cache
+from testkit.fuse_helpers import DaemonProcess, read_errno, running_lazy_cache
 from testkit.hostile_maps import one_byte_map
 from testkit.procmem import MiB, peak_rss, reset_peak, rss
 
@@ -67,6 +67,24 @@ def test_a_map_over_the_bound_fails_the_lookup_and_costs_no_memory(store: Store,
             assert lazy.cache.get(blob) is None and lazy.blobs() == []
 
     trio.run(main)
+
+
+@pytest.mark.root
+def test_the_daemon_answers_eio_for_the_map_and_keeps_no_memory(store: Store, tmp_path: Path) -> None:
+    """`layerctl daemon` asked for the issue's blob: EIO, every time, its RSS unchanged. Old
+    code: the lookup gave up after its deadline (EIO too) while a worker thread decoded the
+    map into 1.2 GB that the daemon kept."""
+    blob, data = one_byte_map(chunkmap.MAX_ENTRIES)
+    store.backend.store_once(keys.object_key("blobs", blob), data)
+    del data
+    with DaemonProcess(store.url, tmp_path / "cache", tmp_path / "mnt") as d:
+        before = rss(d.pid)
+        for _ in range(3):
+            assert read_errno(d.blob(blob)) == errno.EIO
+        assert d.stats()  # still answering
+        grew = rss(d.pid) - before
+        assert grew < 16 * MiB, f"daemon RSS grew by {grew / MiB:.1f} MiB"
+        assert "more than 4096" in d.log_text()
 
 
 def test_chunks_longer_than_their_map_says_are_refused_before_decompressing(store: Store, tmp_path: Path) -> None:
