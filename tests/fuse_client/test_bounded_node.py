@@ -140,3 +140,42 @@ def test_largest_chunks_all_at_once_stay_within_the_decode_budget(store: Store, 
             assert grew <= DEFAULT_BUDGET + 64 * MiB, f"peak RSS grew by {grew / MiB:.0f} MiB"
 
     trio.run(main)
+
+
+def _small_blob(store: Store, n: int, seed: int) -> ChunkMap:
+    refs = []
+    for i in range(n):
+        payload = bytes([seed]) * 16 + i.to_bytes(4, "little") * 1020
+        refs.append(ChunkRef(i * len(payload), len(payload), store.put_chunk(payload)[0]))
+    cm = ChunkMap.build(refs)
+    store.put_chunk_map(cm)
+    return cm
+
+
+def test_the_node_forgets_idle_maps_past_its_map_budget(store: Store, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past LAYERSTORE_MAP_BUDGET, adding a map forgets the least recently used blobs nothing
+    uses (an open one stays), and a forgotten blob is fetched again when asked for. Old code
+    kept every map it ever loaded."""
+    monkeypatch.setenv("LAYERSTORE_MAP_BUDGET", str(100 * chunkmap.DECODED_ENTRY))  # 100 entries
+    a, b, c, d = (_small_blob(store, 40, k) for k in range(4))
+
+    async def main() -> None:
+        async with running_lazy_cache(store, tmp_path / "cache", deadline=5.0) as lazy:
+            cache = lazy.cache
+            ea = await lazy.entry(a.blob)
+            await lazy.ensure(ea, [0])
+            ea.open_count += 1  # a file open on it (what the FUSE front end counts)
+            await lazy.entry(b.blob)
+            await lazy.entry(c.blob)  # 120 entries: b (idle, least recent) goes, a is open
+            assert cache.get(b.blob) is None and cache.get(a.blob) is ea and cache.get(c.blob) is not None
+            assert cache.map_entries() == 80
+            ea.open_count -= 1
+            await lazy.entry(d.blob)  # a and c idle now: the least recently used of them goes
+            assert cache.map_entries() <= 100 and cache.get(d.blob) is not None
+            assert cache.maps_forgotten == 2
+            eb = await lazy.entry(b.blob)  # fetched again
+            await lazy.ensure(eb, list(range(40)))
+            assert cache.gauges()["cache_map_entries"] <= 100
+
+    trio.run(main)
