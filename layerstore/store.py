@@ -43,6 +43,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_OBJECT_SIZE = {"chunks": chunkobj.MAX_OBJECT, "blobs": chunkmap.MAX_ENCODED,
                    "manifests": chunkobj.max_object_size(MAX_MANIFEST_BYTES)}
 MAX_TAG_SIZE = 1024
+MAP_FIRST_READ = 1 << 20  # `load_chunk_map`'s first read of a map: its header and, mostly, all of it
 PROTOCOL_PREFIXES = (leases.LEASES, "gc/")
 T = TypeVar("T")
 MAX_CONFIG_SIZE = 64 << 10
@@ -242,24 +243,29 @@ class Store:
         for fut in window:
             yield fut.result()
 
-    def get_chunk(self, chunk: str) -> bytes:
-        """The verified payload of a chunk."""
-        return chunkobj.decode(self._load("chunks", chunk), chunk)
+    def get_chunk(self, chunk: str, max_length: int = chunkobj.MAX_CHUNK) -> bytes:
+        """The verified payload of a chunk; one that says it is longer than `max_length` (a
+        reader passes the length its chunk map gives) is refused before it is decompressed."""
+        return chunkobj.decode(self._load("chunks", chunk, max_length), chunk, max_length)
 
-    def get_chunk_frame(self, chunk: str) -> tuple[bytes, memoryview | None]:
+    def get_chunk_frame(self, chunk: str, max_length: int = chunkobj.MAX_CHUNK) -> tuple[bytes, memoryview | None]:
         """The verified payload of a chunk and, when the store keeps it zstd-compressed, its zstd
         frame as stored (the one just decompressed to that payload); None for a raw chunk. For a
-        node cache that keeps chunks compressed."""
-        obj = self._load("chunks", chunk)
-        payload = chunkobj.decode(obj, chunk)
+        node cache that keeps chunks compressed. `max_length` as for `get_chunk`."""
+        obj = self._load("chunks", chunk, max_length)
+        payload = chunkobj.decode(obj, chunk, max_length)
         if chunkobj.HEADER.unpack_from(obj)[2] != chunkobj.COMP_ZSTD:
             return payload, None
         return payload, memoryview(obj)[chunkobj.HEADER_SIZE:]
 
-    def _load(self, kind: str, ident: str) -> bytes:
+    def _load(self, kind: str, ident: str, max_length: int | None = None) -> bytes:
         """The object of `kind` named `ident`, refused by the backend if it is larger than any
-        such object can be (or not a plain object)."""
-        return self.backend.load(keys.object_key(kind, ident), max_size=MAX_OBJECT_SIZE[kind])
+        such object can be (or, for a chunk of at most `max_length` bytes, than its object can
+        be), or not a plain object."""
+        limit = MAX_OBJECT_SIZE[kind]
+        if max_length is not None:
+            limit = min(limit, chunkobj.max_object_size(max_length))
+        return self.backend.load(keys.object_key(kind, ident), max_size=limit)
 
     # -- blobs ---------------------------------------------------------------------------
     def has_blob(self, blob: str) -> bool:
@@ -278,11 +284,25 @@ class Store:
         return self.backend.store_once(keys.object_key("blobs", cm.blob), cm.encode())
 
     def get_chunk_map(self, blob: str) -> ChunkMap:
+        """The verified chunk map of `blob`. Its header is checked before the rest is read
+        (`chunkmap.check_head`): a map with more entries than its blob's size allows costs one
+        read of MAP_FIRST_READ bytes, never its whole body nor a decode."""
+        return ChunkMap.decode(self.load_chunk_map(blob), blob)
+
+    def load_chunk_map(self, blob: str) -> bytes:
+        """The encoded chunk map of `blob`, read only as far as its checked header says it goes:
+        the first MAP_FIRST_READ bytes (a whole map up to ~21,000 entries, one read), then the
+        rest, refused if the object is longer than its header says."""
+        key = keys.object_key("blobs", digestmod.parse(blob))
         try:
-            data = self._load("blobs", digestmod.parse(blob))
+            head = self.backend.load(key, 0, MAP_FIRST_READ, max_size=MAX_OBJECT_SIZE["blobs"])
+            count, _size = chunkmap.check_head(head, blob)
+            want = chunkmap.encoded_size(count)
+            if len(head) >= want:
+                return head
+            return head + self.backend.load(key, len(head), want - len(head), max_size=want)
         except NotFound:
             raise NotFound(f"blob {blob} is not in store {self.url}") from None
-        return ChunkMap.decode(data, blob)
 
     def put_blob(self, path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE,
                  progress: Callable[[int], None] | None = None) -> BlobResult:

@@ -42,8 +42,9 @@ from layerstore.store import Store
 from . import signin
 from .auth import Principal, TokenTable
 from .batch import BatchResponse
+from .budget import ByteBudget, budget_from_env
 from .cached_reads import CachedReader
-from .checks import check_body, check_key, limit_for
+from .checks import body_limit, check_body, check_key, decode_cost, head_size, limit_for
 from .fastpath import ObjectFastPath
 from .leaseowner import LeaseGuard
 from .metrics import MetricsMiddleware, exposition
@@ -107,6 +108,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
     backend = store.backend
     cached = CachedReader.for_backend(backend)
     lease_guard = LeaseGuard(backend)  # leases belong to their writer's token (leaseowner.py)
+    budget = app.state.decode_budget = ByteBudget(budget_from_env())  # checking bodies (budget.py)
 
     # -- the error edge --------------------------------------------------------------------
     @app.exception_handler(LayerstoreError)
@@ -154,7 +156,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
                 raise BadKey(f"{key}: a prefix of other keys, not an object") from None
             raise NotFound(f"object {key}: not found (a prefix of other keys)") from e
 
-    async def read_body(request: Request, limit: int) -> bytes:
+    async def read_body(request: Request, limit: int, key: str = "") -> bytes:
         length = request.headers.get("content-length")
         if length is not None:
             if not length.isdigit() or len(length) > 19:
@@ -162,10 +164,13 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             if int(length) > limit:
                 raise wire.TooLarge(f"body of {length} bytes, more than {limit} for this key")
         buf = bytearray()
+        head = head_size(key) if key else 0  # a chunk map: its header bounds the rest (before it is read)
         try:
             with anyio.fail_after(body_timeout):
                 async for part in request.stream():
                     buf += part
+                    if head and len(buf) >= head:
+                        limit, head = min(limit, body_limit(key, buf[:head])), 0
                     if len(buf) > limit:
                         raise wire.TooLarge(f"body of more than {limit} bytes for this key")
         except TimeoutError:
@@ -279,8 +284,9 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
             raise BadInput("If-Match and If-None-Match exclude each other")
         if if_none_match is not None and if_none_match.strip() != "*":
             raise BadInput("a PUT takes If-None-Match: * only")
-        data = await read_body(request, limit_for(key))
-        await run(check_body, store, key, data)
+        data = await read_body(request, limit_for(key), key)
+        async with budget.hold(decode_cost(key, data)):
+            await run(check_body, store, key, data)
         if wire.kind_of(key) == "leases" and not who.gc:
             created, data = await run(lambda: lease_guard.put(
                 who, key, data, if_match=None if if_match is None else wire.etags_in(if_match),

@@ -42,6 +42,32 @@ def check_key(key: str) -> str:
     return key
 
 
+def head_size(key: str) -> int:
+    """How many first bytes of a PUT body `body_limit` wants (0: none)."""
+    return chunkmap.HEADER_SIZE if wire.kind_of(key) == "blobs" else 0
+
+
+def body_limit(key: str, head: bytes | bytearray) -> int:
+    """The exact length a chunk map's body has, from its first `head_size` bytes; `RejectedObject`
+    if its header is over the bound (`chunkmap.check_head`): refused before the rest is read."""
+    try:
+        count, _size = chunkmap.check_head(head, keys.digest_of_key(key)[1])
+    except CorruptObject as e:
+        raise wire.RejectedObject(f"{key}: {e}") from None
+    return chunkmap.encoded_size(count)
+
+
+def decode_cost(key: str, data: bytes) -> int:
+    """The memory `check_body` takes beyond the body: a chunk's or a manifest's payload (its
+    header's length), or a chunk map's decoded entries."""
+    kind = wire.kind_of(key)
+    if kind in ("chunks", "manifests") and len(data) >= chunkobj.HEADER_SIZE:
+        return int(chunkobj.HEADER.unpack_from(data)[4])
+    if kind == "blobs" and len(data) >= chunkmap.HEADER_SIZE:
+        return int.from_bytes(data[8:12], "little") * chunkmap.DECODED_ENTRY
+    return 0
+
+
 def check_body(store: Store, key: str, data: bytes) -> None:
     """Raise unless `data` may become `key`: `RejectedObject` for a body that is not what its key
     says, `NotFound` for a chunk map or tag that points at something the store does not have."""

@@ -58,7 +58,7 @@ from .errors import BlobIncomplete, BlobPinned, CacheIOError, NoPlainImage
 from .eviction import Budget, Candidate, choose_victims
 from .files import BlobFiles
 from .limiter import DEMAND
-from .unused import BlobUse, choose_unused
+from .unused import BlobUse, choose_over_budget, choose_unused
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -127,7 +127,7 @@ def check_holder(holder: object) -> str:
 class NodeCache:
     def __init__(self, root: Path, files: BlobFiles, index: ci.CacheIndex, *, budget: Budget | None = None,
                  clock: Callable[[], float] = time.time, cache_format: str = frames.PLAIN,
-                 lru_bytes: int = frames.DEFAULT_LRU_BYTES) -> None:
+                 lru_bytes: int = frames.DEFAULT_LRU_BYTES, map_budget: int = 0) -> None:
         self.root = Path(root)
         # How chunks are stored (`frames`): fixed for the directory's life (`cachedir`).
         self.format = cache_format
@@ -138,6 +138,10 @@ class NodeCache:
         self.budget = budget
         self.clock = clock
         self.entries: dict[str, BlobEntry] = {}
+        # Chunk-map entries the node keeps in memory (0: no limit): past it, adding a map forgets
+        # the least recently used blobs nothing uses (`forget_idle_maps`; issue 27).
+        self.map_budget = map_budget
+        self.maps_forgotten = 0
         # Durable pins (LMDB "pins"): blob -> {holder: since}. A pinned blob's data file is an
         # image some holder mounted directly: nothing here modifies it (no eviction, no punch).
         self.pins: dict[str, dict[str, float]] = {}
@@ -196,7 +200,28 @@ class NodeCache:
         entry = self.new_entry(cmap, self.files.open(cmap.blob, cmap.size))
         self.entries[cmap.blob] = entry
         self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
+        if self.map_budget:
+            self.forget_idle_maps(keep=cmap.blob)
         return entry
+
+    def map_entries(self) -> int:
+        """Entries of the chunk maps held in memory (each ~`chunkmap.DECODED_ENTRY` bytes)."""
+        return sum(len(e.cmap.chunks) for e in self.entries.values())
+
+    def forget_idle_maps(self, keep: str | None = None) -> list[str]:
+        """Trio thread, no await: while the maps held exceed `map_budget` entries, forget the
+        least recently used blobs that nothing uses (`forget_blob`: the map, the cached chunks,
+        the data file; a later lookup fetches the map again), never `keep`. Returns them."""
+        sizes = {blob: len(e.cmap.chunks) for blob, e in self.entries.items()}
+        if sum(sizes.values()) <= self.map_budget:
+            return []
+        forgotten = [u.blob for u in choose_over_budget(self.blob_uses(), sizes, self.map_budget, keep)
+                     if self.forget_blob(u.blob) is not None]
+        if forgotten:
+            self.maps_forgotten += len(forgotten)
+            log.info("cache: forgot %d unused blob(s) to keep chunk maps within %d entries (%d held)",
+                     len(forgotten), self.map_budget, self.map_entries())
+        return forgotten
 
     @property
     def compressed(self) -> bool:
@@ -915,6 +940,8 @@ class NodeCache:
             "cache_disk_full": self.disk_full,
             "cache_protected_blobs": len(self.protected),
             "cache_protected_bytes": self.protected_bytes(),
+            "cache_map_entries": self.map_entries(),
+            "cache_maps_forgotten": self.maps_forgotten,
         }
         if self.lru is not None:
             g["cache_decompressed_lru_bytes"] = self.lru.size

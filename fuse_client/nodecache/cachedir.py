@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from layerstore.chunkmap import DECODED_ENTRY
 from layerstore.errors import ConfigError, CorruptObject
 from layerstore.fileio import fsync_dir, private_dir
 
@@ -35,6 +36,8 @@ INDEX_DIR = "index"
 FORMAT_FILE = "format"
 FORMAT_ENV = "LAYERSTORE_CACHE_FORMAT"  # the format of a cache created without an explicit one
 LRU_ENV = "LAYERSTORE_CACHE_LRU_BYTES"  # decompressed chunks kept in memory (zstd caches)
+MAP_BUDGET_ENV = "LAYERSTORE_MAP_BUDGET"  # memory for chunk maps held by the node (issue 27)
+DEFAULT_MAP_BUDGET = 256 << 20
 
 
 def is_cache_dir(cache_dir: Path) -> bool:
@@ -103,7 +106,8 @@ def _record_format(cache_dir: Path, fmt: str) -> None:
 
 
 def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitStack, *,
-               cache_format: str | None = None, lru_bytes: int | None = None) -> NodeCache:
+               cache_format: str | None = None, lru_bytes: int | None = None,
+               map_budget: int | None = None) -> NodeCache:
     """Lock, open and recover the node cache (blocking); everything is closed by `stack`.
     `cache_format` is the format of a cache created now (`frames`; default $LAYERSTORE_CACHE_FORMAT,
     else plain); an existing cache keeps the one it was created with (a different one asked for
@@ -124,10 +128,27 @@ def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitSta
             lru_bytes = int(os.environ.get(LRU_ENV) or DEFAULT_LRU_BYTES)
         except ValueError:
             raise ConfigError(f"{LRU_ENV}={os.environ.get(LRU_ENV)!r}: expected a number of bytes") from None
+    if map_budget is None:
+        map_budget = map_budget_from_env()
     index = CacheIndex(cache_dir / INDEX_DIR)
     stack.callback(index.close)
     files = BlobFiles(cache_dir)
     private_dir(files.root)  # the blobs' bytes: 0700 also if it existed wider (its files are 0600)
-    cache = recover(cache_dir, files, index, budget=budget, cache_format=fmt, lru_bytes=lru_bytes)
+    cache = recover(cache_dir, files, index, budget=budget, cache_format=fmt, lru_bytes=lru_bytes,
+                    map_budget=map_budget)
     stack.callback(cache.close)
     return cache
+
+
+def map_budget_from_env() -> int:
+    """Chunk-map entries a node keeps in memory: $LAYERSTORE_MAP_BUDGET bytes (K/M/G suffixes;
+    0: no limit) over `chunkmap.DECODED_ENTRY`, else 256 MiB's worth (~840,000 entries)."""
+    raw = (os.environ.get(MAP_BUDGET_ENV) or "").strip()
+    n = DEFAULT_MAP_BUDGET
+    if raw:
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
+        try:
+            n = int(raw[:-1] if scale > 1 else raw) * scale
+        except ValueError:
+            raise ConfigError(f"{MAP_BUDGET_ENV}={raw!r}: expected a number of bytes") from None
+    return max(0, n) // DECODED_ENTRY

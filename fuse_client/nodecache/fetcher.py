@@ -52,6 +52,7 @@ from layerstore.store import MAX_OBJECT_SIZE
 
 from . import frames
 from .cache import NodeCache
+from .decodebudget import DecodeBudget, budget_from_env, cost
 from .entry import BlobEntry, Flight
 from .errors import CacheIOError
 from .limiter import DEMAND, PREFETCH, PriorityLimiter, default_background
@@ -70,7 +71,7 @@ _PRIORITY_NAMES = {DEMAND: "demand", PREFETCH: "prefetch"}
 class ChunkSource(Protocol):
     """What the fetcher needs of a store (`layerstore.store.Store` is one)."""
 
-    def get_chunk(self, chunk: str) -> bytes: ...
+    def get_chunk(self, chunk: str, max_length: int = ...) -> bytes: ...  # refused if longer
 
     def get_chunk_map(self, blob: str) -> ChunkMap: ...
 
@@ -95,12 +96,14 @@ class Fetcher:
     def __init__(self, store: ChunkSource, cache: NodeCache, stats: Stats, *, nursery: trio.Nursery,
                  concurrency: int = DEFAULT_CONCURRENCY, prefetch_concurrency: int | None = None,
                  background_busy: int | None = None, batch: int = DEFAULT_BATCH, priorities: bool = True,
-                 deadline: float = DEFAULT_DEADLINE) -> None:
+                 deadline: float = DEFAULT_DEADLINE, decode_budget: int | None = None) -> None:
         """`concurrency`: the node's cap on store requests in flight; `prefetch_concurrency`:
         of which background may hold (default three quarters); `background_busy`: how many
         background requests may be in flight while urgent ones wait or run (default an eighth);
         `batch`: chunks a batched read asks for (1: none); `priorities=False`: one FIFO queue
-        for everything (a benchmark's baseline, never the daemon's)."""
+        for everything (a benchmark's baseline, never the daemon's); `decode_budget`: bytes that
+        chunks being verified and decompressed may take at once (`decodebudget`; default
+        $LAYERSTORE_DECODE_BUDGET, else 128 MiB)."""
         self.store = store
         self.cache = cache
         self.stats = stats
@@ -113,6 +116,7 @@ class Fetcher:
         # Worker threads for store calls: as many as slots, so a thread abandoned by a cancelled
         # flight (it finishes in the background) still counts against the cap.
         self._threads = trio.CapacityLimiter(concurrency)
+        self.decoding = DecodeBudget(decode_budget or budget_from_env())
         # Prefetch and readahead: at most `background` requests queued or in flight, each holding
         # a token (a prefetch of a whole blob does not queue thousands of flights at once).
         self.prefetch_tokens = trio.CapacityLimiter(background if priorities else concurrency)
@@ -168,7 +172,9 @@ class Fetcher:
                     await trio.sleep(delay)
             self.cache.add_blob(cmap)
         except LayerstoreError as e:
-            fl.error = e
+            # a fresh exception, no traceback: the failed load's frames (a refused map's bytes)
+            # must not live as long as the flight's waiters
+            fl.error = _copy(e)
         except Exception as e:  # the cache's own disk: still an expected, reported failure
             log.exception("blob %s: cannot add to the cache", blob)
             fl.error = StoreUnavailable(f"blob {blob}: {e}")
@@ -328,8 +334,9 @@ class Fetcher:
                 # One worker thread call: get, verify and decompress, then write (one hop per chunk).
                 # Abandoned on cancel (a store that hangs must not hold up a shutdown); the thread
                 # then never writes to a closed entry (`BlobEntry.io_lock`).
-                await trio.to_thread.run_sync(self._get_and_write, entry, positions, digest, ref.length,
-                                              abandon_on_cancel=True, limiter=self._threads)
+                async with self.decoding.hold(cost([ref.length])):
+                    await trio.to_thread.run_sync(self._get_and_write, entry, positions, digest, ref.length,
+                                                  abandon_on_cancel=True, limiter=self._threads)
                 self._fetched(entry, positions, prio, t0)
             finally:
                 slots.release(req)
@@ -400,8 +407,10 @@ class Fetcher:
                         fl.error = self._failed(blob, positions[0], digest, outcome)
                     self._land(blob, positions, fl)
 
-                await trio.to_thread.run_sync(self._load_many_and_write, entry, group, land, token,
-                                              abandon_on_cancel=True, limiter=self._threads)
+                lengths = [entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group]
+                async with self.decoding.hold(cost(lengths)):
+                    await trio.to_thread.run_sync(self._load_many_and_write, entry, group, land, token,
+                                                  abandon_on_cancel=True, limiter=self._threads)
         except Exception as e:
             for fl, positions, digest in list(left.values()):
                 left.pop(id(fl))
@@ -421,15 +430,17 @@ class Fetcher:
         store: Any = self.store
         by_key = {store.chunk_key(digest): (fl, positions, digest) for fl, positions, digest in group}
         try:
-            answers = store.backend.load_many(list(by_key), max_size=MAX_OBJECT_SIZE["chunks"])
+            longest = max(entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group)
+            limit = min(MAX_OBJECT_SIZE["chunks"], chunkobj.max_object_size(longest))
+            answers = store.backend.load_many(list(by_key), max_size=limit)
             for key, value in answers:
                 fl, positions, digest = by_key[key]
                 outcome: Exception | None = None
                 try:
                     if isinstance(value, Exception):
                         raise value
-                    payload = chunkobj.decode(value, digest)
                     length = entry.cmap.chunks[positions[0]].length
+                    payload = chunkobj.decode(value, digest, length)  # no longer than the map says
                     if len(payload) != length:
                         raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
                     _write(entry, positions, payload, frames.frame_of(value) if entry.stored is not None else None)
@@ -449,7 +460,9 @@ class Fetcher:
         try:
             # A zstd node cache keeps the store's verified frame (`frames`); a plain one the payload.
             get_frame = getattr(self.store, "get_chunk_frame", None) if entry.stored is not None else None
-            payload, frame = get_frame(digest) if get_frame is not None else (self.store.get_chunk(digest), None)
+            # no longer than the map says: a larger object is refused before it is decompressed
+            payload, frame = (get_frame(digest, length) if get_frame is not None
+                              else (self.store.get_chunk(digest, length), None))
         except LayerstoreError:
             raise
         except Exception as e:  # a backend's unexpected failure: the store is not answering properly

@@ -6,7 +6,7 @@ cutoff; every other blob is forgotten (see `NodeCache.gc_unused`, docs/gc.md, th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -37,3 +37,18 @@ def choose_unused(uses: Iterable[BlobUse], cutoff: float) -> UnusedChoice:
             choice.victims.append(u)
     choice.victims.sort(key=lambda u: (u.last_used, u.blob))
     return choice
+
+
+def choose_over_budget(uses: Iterable[BlobUse], entries: Mapping[str, int], budget: int,
+                       keep: str | None = None) -> list[BlobUse]:
+    """Victims (least recently used first) whose chunk maps, forgotten, bring the entries held
+    (`entries`: blob -> its map's entries) down to `budget`: blobs nothing uses, but `keep` (the
+    map just added). Fewer, or none, if what nothing uses is not enough."""
+    held = sum(entries.values())
+    out: list[BlobUse] = []
+    for u in sorted((u for u in uses if not u.in_use and u.blob != keep), key=lambda u: (u.last_used, u.blob)):
+        if held <= budget:
+            break
+        out.append(u)
+        held -= entries.get(u.blob, 0)
+    return out

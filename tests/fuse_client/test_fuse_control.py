@@ -124,7 +124,7 @@ class Failing:
         self.calls.append(time.monotonic())
         raise self.error
 
-    def get_chunk(self, digest: str) -> bytes:
+    def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
         self.calls.append(time.monotonic())
         raise self.error
 

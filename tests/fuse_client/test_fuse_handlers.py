@@ -322,7 +322,7 @@ async def test_demand_overtakes_queued_prefetch(store: Store, data: bytes, tmp_p
     first = threading.Event()
 
     class Gated:
-        def get_chunk(self, digest: str) -> bytes:
+        def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
             order.append(digest)
             if len(order) == 1:
                 first.set()
@@ -462,7 +462,7 @@ async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, t
     class AllAtOnce:
         """Each chunk load waits until four loads are in flight: a serial fetcher would time out."""
 
-        def get_chunk(self, digest: str) -> bytes:
+        def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
             barrier.wait()
             return store.get_chunk(digest)
 
@@ -562,7 +562,7 @@ async def test_sequential_reader_of_a_cold_blob_keeps_the_fetch_slots_busy(store
         """Loads wait until six are in flight at once (or a generous timeout), so the test
         sees how many the daemon keeps in flight; counts the peak."""
 
-        def get_chunk(self, digest: str) -> bytes:
+        def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
             with lock:
                 state["now"] += 1
                 state["max"] = max(state["max"], state["now"])

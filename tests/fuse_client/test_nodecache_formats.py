@@ -143,9 +143,9 @@ _CHILD = textwrap.dedent("""
     store = Store(PosixBackend(store_dir, fsync=False))
     real = store.get_chunk_frame
 
-    def slow(digest):
+    def slow(digest, *more):
         time.sleep(0.08)  # the whole blob takes > 3 s at 4 fetches at a time: the kill comes mid-fill
-        return real(digest)
+        return real(digest, *more)
 
     store.get_chunk_frame = slow
 
