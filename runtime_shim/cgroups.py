@@ -69,8 +69,8 @@ def kill(sandbox: str, root: Path = CGROUP_ROOT) -> int:
     each pid its cgroup.procs lists: a process in it cannot leave it). How many pids were sent it."""
     sent = 0
     for d in dirs(sandbox, root):
-        with contextlib.suppress(OSError):
-            (d / "cgroup.kill").write_text("1")
+        with contextlib.suppress(OSError), open(d / "cgroup.kill", "r+") as f:  # (the kernel's file: never created)
+            f.write("1")
     for pid in pids_of(sandbox, root):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
