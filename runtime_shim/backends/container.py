@@ -180,7 +180,8 @@ class ContainerBackend:
             if time.monotonic() >= deadline:
                 raise ShimError(f"{self.name} did not start sandbox {execution.sandbox} within {start_timeout():g} s "
                                 f"(LAYERSTORE_RUNTIME_START_TIMEOUT): its processes were killed")
-            time.sleep(POLL)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # (returns as soon as the runtime exits)
+                execution.process.wait(POLL)
 
     def _end(self, execution: Execution, stopped: signals.Stopped | None, started: bool) -> None:
         """Kill the container (after `stop_grace()` for a started one told to stop) and reap the
@@ -195,8 +196,9 @@ class ContainerBackend:
         self.kill(execution)
 
     def kill(self, execution: Execution) -> None:
-        """SIGKILL the runtime's foreground process and every process in the sandbox's cgroup
-        (the container's init first: pid 1 of its namespace, whose end takes the rest with it)."""
+        """SIGKILL the runtime's foreground process (first: it starts nothing more), then every
+        process in the sandbox's cgroup (the container's init, pid 1 of its namespace, and all
+        its descendants: none can leave the cgroup); reap the runtime's process."""
         with contextlib.suppress(ProcessLookupError):
             execution.process.kill()
         cgroups.kill(execution.sandbox)
