@@ -34,7 +34,7 @@ from testkit.shim_support import (
 )
 
 from layerstore.errors import BadInput
-from runtime_shim import cgroups, runner
+from runtime_shim import cgroups, runner, signals
 from runtime_shim.backends import bundle
 from runtime_shim.errors import ShimError
 from runtime_shim.shim import Shim
@@ -173,8 +173,8 @@ def fifo_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
         try:
             yield s, blob
         finally:
-            scrub(s.paths.root, "rh-hang")
-            scrub(s.paths.root, "rh-crash")
+            for sid in ("rh-hang", "rh-crash", "rh-sig"):
+                scrub(s.paths.root, sid)
 
 
 def test_a_runtime_that_hangs_is_killed_at_its_start_deadline(fifo_shim: tuple[Shim, str],
@@ -187,6 +187,48 @@ def test_a_runtime_that_hangs_is_killed_at_its_start_deadline(fifo_shim: tuple[S
     assert not th.is_alive(), "the run hung past its start deadline"
     assert isinstance(result[0], ShimError) and "did not start sandbox rh-hang within 2 s" in str(result[0]), result
     assert leftovers(shim.paths.root, "rh-hang") == []
+    assert shim.sandboxes() == []
+
+
+def blocked_on_a_fifo(sandbox: str) -> bool:
+    """Is a process of the sandbox in open(2) of a FIFO without a writer?"""
+    for pid in cgroups.pids_of(sandbox):
+        try:
+            if Path(f"/proc/{pid}/wchan").read_text() == "wait_for_partner":
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def test_a_stop_signal_while_the_runtime_hangs_ends_the_run(fifo_shim: tuple[Shim, str]) -> None:
+    """What issue 27 saw: `run` ignored SIGTERM while runc's init was blocked (runc swallows
+    signals until the container has started). The container never started: it is killed at
+    once, no grace."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    shim, blob = fifo_shim
+    done = threading.Event()
+
+    def signal_when_blocked() -> None:
+        while not done.wait(0.05):
+            if blocked_on_a_fifo("rh-sig"):
+                os.kill(os.getpid(), signal.SIGTERM)  # to us, in runner.run's wait: its handler is in place
+                return
+
+    sender = threading.Thread(target=signal_when_blocked, daemon=True)
+    watchdog = threading.Timer(DEADLINE, scrub, (shim.paths.root, "rh-sig"))  # a hang becomes a failure
+    sender.start()
+    watchdog.start()
+    try:
+        with pytest.raises(signals.Stopped, match="^stopped by SIGTERM: sandbox rh-sig stopped and removed$"):
+            runner.run(shim, spec((blob, "base"), config=CONFIG), ["true"], sandbox="rh-sig",
+                       stdin=subprocess.DEVNULL, userns=False)
+    finally:
+        done.set()
+        watchdog.cancel()
+        sender.join()
+    assert leftovers(shim.paths.root, "rh-sig") == []
     assert shim.sandboxes() == []
 
 
