@@ -143,7 +143,9 @@ echo "$*" >> "$FAKE_LOG"
 root=$2
 verb=$3
 case "$verb" in
-run) id=$8; mkdir -p "$root/$id"; test -n "$FAKE_NO_PIDFILE" || { mkdir -p "${5%/*}"; echo $$ > "$5"; }; exec /bin/sh -c "$FAKE_RUN" ;;
+run) id=$8; mkdir -p "$root/$id"  # (--pid-file $5: written once started, unless FAKE_NO_PIDFILE)
+    test -n "$FAKE_NO_PIDFILE" || { mkdir -p "${5%/*}"; echo $$ > "$5"; }
+    exec /bin/sh -c "$FAKE_RUN" ;;
 state) test -d "$root/$4" || exit 1; echo '{"status": "stopped", "id": "'"$4"'"}' ;;
 delete) rm -rf "$root/$5" ;;
 esac
