@@ -187,7 +187,7 @@ def test_a_runtime_that_hangs_is_killed_at_its_start_deadline(fifo_shim: tuple[S
     assert not th.is_alive(), "the run hung past its start deadline"
     assert isinstance(result[0], ShimError) and "did not start sandbox rh-hang within 2 s" in str(result[0]), result
     assert leftovers(shim.paths.root, "rh-hang") == []
-    assert shim.sandboxes() == []
+    assert shim.sandboxes() == [] and node_mounts(shim.paths.root) == []  # (no layer mount either)
 
 
 def blocked_on_a_fifo(sandbox: str) -> bool:
@@ -229,7 +229,7 @@ def test_a_stop_signal_while_the_runtime_hangs_ends_the_run(fifo_shim: tuple[Shi
         watchdog.cancel()
         sender.join()
     assert leftovers(shim.paths.root, "rh-sig") == []
-    assert shim.sandboxes() == []
+    assert shim.sandboxes() == [] and node_mounts(shim.paths.root) == []  # (no layer mount either)
 
 
 FAKE_RUNC = """#!/bin/sh
@@ -268,4 +268,4 @@ def test_a_runtime_that_dies_mid_way_leaves_nothing(fifo_shim: tuple[Shim, str],
     assert not th.is_alive(), "the run hung after its runtime died"
     assert result[0] == runner.RunResult("rh-crash", 137, False), result  # the runtime's death, reported
     assert leftovers(shim.paths.root, "rh-crash") == []
-    assert shim.sandboxes() == []
+    assert shim.sandboxes() == [] and node_mounts(shim.paths.root) == []  # (no layer mount either)
