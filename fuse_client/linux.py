@@ -453,15 +453,13 @@ _KIND_NAMES = {stat.S_IFDIR: "directory", stat.S_IFLNK: "symlink", stat.S_IFIFO:
                stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
 
 
-def open_regular_beneath(dirfd: int, relpath: str | bytes, *, expect: tuple[int, int] | None = None) -> int:
-    """A read-only descriptor (O_NONBLOCK, O_CLOEXEC) of the regular file `relpath` below
-    `dirfd`, resolved as `open_beneath`; with `expect`, only if it is that (st_dev, st_ino) (the
-    inode a walk's lstat saw). Refusals, never opening anything but the regular file checked:
-    `BadInput` for a symlink anywhere on the path, a path leaving `dirfd`, any other type of
-    file (FIFO, device, socket, directory) or another inode than `expect`; `NotFound` if absent."""
+def _path_beneath(dirfd: int, relpath: str | bytes) -> int:
+    """An O_PATH descriptor of `relpath` below `dirfd` (resolved as `open_beneath`: nothing is
+    opened, no FIFO blocks, no driver is reached); `BadInput` for a symlink on the path or a path
+    leaving `dirfd`, `NotFound` if absent."""
     name = os.fsdecode(relpath)
     try:
-        pfd = open_beneath(dirfd, relpath, os.O_PATH)
+        return open_beneath(dirfd, relpath, os.O_PATH)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise BadInput(f"{name}: a symlink on the path (refused, not followed)") from None
@@ -470,11 +468,25 @@ def open_regular_beneath(dirfd: int, relpath: str | bytes, *, expect: tuple[int,
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             raise NotFound(f"{name}: no such file") from None
         raise
+
+
+def _regular(name: str, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = _KIND_NAMES.get(stat.S_IFMT(st.st_mode), "special file")
+        raise BadInput(f"{name}: a {kind} where a regular file was expected (refused, not opened)")
+
+
+def open_regular_beneath(dirfd: int, relpath: str | bytes, *, expect: tuple[int, int] | None = None) -> int:
+    """A read-only descriptor (O_NONBLOCK, O_CLOEXEC) of the regular file `relpath` below
+    `dirfd`, resolved as `open_beneath`; with `expect`, only if it is that (st_dev, st_ino) (the
+    inode a walk's lstat saw). Refusals, never opening anything but the regular file checked:
+    `BadInput` for a symlink anywhere on the path, a path leaving `dirfd`, any other type of
+    file (FIFO, device, socket, directory) or another inode than `expect`; `NotFound` if absent."""
+    name = os.fsdecode(relpath)
+    pfd = _path_beneath(dirfd, relpath)
     try:
         st = os.fstat(pfd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _KIND_NAMES.get(stat.S_IFMT(st.st_mode), "special file")
-            raise BadInput(f"{name}: a {kind} where a regular file was expected (refused, not opened)")
+        _regular(name, st)
         if expect is not None and (st.st_dev, st.st_ino) != expect:
             raise BadInput(f"{name}: changed while it was read (another file is at its path now)")
         fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
@@ -490,6 +502,32 @@ def entry_path(dirfd: int, name: bytes) -> bytes:
     if b"/" in name or name in (b"", b".", b".."):
         raise BadInput(f"{os.fsdecode(name)!r}: not one path component")
     return b"/proc/self/fd/%d/%s" % (dirfd, name)
+
+
+def regular_size_beneath(root: str | os.PathLike[str], relpath: str | bytes, max_size: int) -> int | None:
+    """The size of `relpath` below the directory `root` if it is a regular file of at most
+    `max_size` bytes, None if it is absent; `BadInput` (naming it) for anything else: a symlink
+    on the path, a path leaving `root` or crossing a mount, a FIFO, device, socket or directory,
+    a larger file. Nothing is opened but O_PATH (a FIFO cannot block, a device is never reached):
+    the check for a file that another program (a container runtime) will open later."""
+    rel = os.fsencode(relpath).lstrip(b"/") or b"."
+    name = os.fsdecode(rel)
+    rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            pfd = _path_beneath(rootfd, rel)
+        except NotFound:
+            return None
+    finally:
+        os.close(rootfd)
+    try:
+        st = os.fstat(pfd)
+    finally:
+        os.close(pfd)
+    _regular(name, st)
+    if st.st_size > max_size:
+        raise BadInput(f"{name}: larger than {max_size} bytes (refused)")
+    return st.st_size
 
 
 def read_regular_beneath(root: str | os.PathLike[str] | int, relpath: str | bytes, max_size: int) -> bytes:

@@ -3,7 +3,9 @@ microVM and VM backends)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -21,10 +23,15 @@ sandbox_option = click.option("--sandbox", "sandbox", metavar="ID", default=None
                               help="The sandbox id (default: a fresh one).")
 
 
-def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None = None) -> Any:
+@contextlib.contextmanager
+def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None = None) -> Iterator[Any]:
+    """The node's shim, with SIGTERM and SIGHUP stopping a command as SIGINT does (raised as
+    `signals.Stopped`, a KeyboardInterrupt: the shim's clean-ups run, the CLI exits 130)."""
+    from runtime_shim import signals
     from runtime_shim.shim import Shim
 
-    return Shim.for_node(node_dir, store_url, policy=policy)
+    with signals.stopping(), Shim.for_node(node_dir, store_url, policy=policy) as shim:
+        yield shim
 
 
 def _sandbox_json(sb: Any) -> dict[str, Any]:

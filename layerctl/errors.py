@@ -26,8 +26,12 @@ def run_cli(fn: Callable[[], T]) -> T:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo("layerctl: interrupted", err=True)
+    except (KeyboardInterrupt, click.exceptions.Abort) as e:
+        # A stop signal during a shim call (runtime_shim.signals) is a KeyboardInterrupt saying what
+        # it stopped; click hands it on as the cause of an Abort.
+        cause = e.__cause__ if isinstance(e, click.exceptions.Abort) else e
+        said = str(cause) if isinstance(cause, KeyboardInterrupt) else ""
+        click.echo(f"layerctl: {said}" if said else "layerctl: interrupted", err=True)
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(141)

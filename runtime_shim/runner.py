@@ -21,7 +21,7 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
-from . import idmap
+from . import idmap, signals
 from .backends.base import Confinement, Stdio
 from .environment import EnvSpec
 from .errors import ShimError
@@ -91,31 +91,36 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
     id range of the sandbox's own (`idmap`); None = where this node supports it (else without, with
     a warning logged), True = required (`ShimError` if unsupported), False = none. `extra_env` may
     hold secrets: they go to the backend's prepare and nowhere else."""
-    defaults = NodeDefaults.load(shim.paths)
-    confinement = confinement or defaults.confinement()
-    size = defaults.upper_size if upper_size is None else upper_size
-    image = kept_upper_image(shim.paths, upper_size) if keep else None
-    backend = shim.backend(runtime)
-    if getattr(backend, "guest_root", False):
-        # A VM backend whose guest composes the root: the layers are mounted on the node (their
-        # files are its drives), the upper is an image drive when kept, else the guest's memory.
-        sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_image=image, guest=backend.name)
-    else:
-        sb = _mount_on_host(shim, env, sandbox=sandbox, eager=eager, keep=keep, size=size, image=image,
-                            confinement=confinement, nodev=nodev, userns=userns)
-    try:
-        backend.prepare(sb, command, extra_env=extra_env, confinement=confinement)
+    with signals.stopping():
+        defaults = NodeDefaults.load(shim.paths)
+        confinement = confinement or defaults.confinement()
+        size = defaults.upper_size if upper_size is None else upper_size
+        image = kept_upper_image(shim.paths, upper_size) if keep else None
+        backend = shim.backend(runtime)
+        if getattr(backend, "guest_root", False):
+            # A VM backend whose guest composes the root: the layers are mounted on the node (their
+            # files are its drives), the upper is an image drive when kept, else the guest's memory.
+            sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_image=image, guest=backend.name)
+        else:
+            sb = _mount_on_host(shim, env, sandbox=sandbox, eager=eager, keep=keep, size=size, image=image,
+                                confinement=confinement, nodev=nodev, userns=userns)
         try:
-            code = backend.wait(backend.start(sb.id, stdin=stdin, stdout=stdout, stderr=stderr))
-        finally:
-            backend.delete(sb.id)
-    except BaseException:
+            backend.prepare(sb, command, extra_env=extra_env, confinement=confinement)
+            try:
+                code = backend.wait(backend.start(sb.id, stdin=stdin, stdout=stdout, stderr=stderr))
+            finally:
+                with signals.shielded():  # (a signal now must not cut the clean-up short)
+                    backend.delete(sb.id)
+        except BaseException as e:
+            if not keep:
+                with signals.shielded(), contextlib.suppress(Exception):
+                    shim.unmount(sb.id)
+            if isinstance(e, signals.Stopped):
+                fate = "kept" if keep else "stopped and removed"
+                raise signals.Stopped(e.signum, f"sandbox {sb.id} {fate}") from None
+            raise
         if not keep:
-            with contextlib.suppress(Exception):
-                shim.unmount(sb.id)
-        raise
-    if not keep:
-        shim.unmount(sb.id)
+            shim.unmount(sb.id)
     return RunResult(sb.id, code, keep)
 
 

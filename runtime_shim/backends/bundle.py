@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fuse_client.linux import read_regular_beneath
+from fuse_client.linux import read_regular_beneath, regular_size_beneath
 from layerstore.errors import BadInput, NotFound
 from layerstore.fileio import write_atomic
 
@@ -51,6 +51,10 @@ MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/pro
 READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000  # microseconds: the CFS period a CPU limit is a quota of
 PASSWD_MAX = 4 << 20  # the most of the rootfs's etc/passwd or etc/group that is read
+# What the runtime opens in the sandbox's root before the workload runs, whatever the user: runc's
+# init looks the process's uid and gid up in both (GetExecUserPath: home directory, supplementary
+# groups) and crun reads etc/passwd for HOME; a FIFO there blocks the runtime in open(2) for good.
+RUNTIME_READS = ("etc/passwd", "etc/group")
 
 
 def process_args(config: dict[str, Any], command: Sequence[str] | None) -> list[str]:
@@ -177,12 +181,26 @@ def read_rootfs_file(rootfs: str, rel: str) -> str:
         raise BadInput(f"the environment's {e}") from None
 
 
+def check_rootfs(rootfs: str) -> None:
+    """Refuse (`BadInput` naming the file) a root in which a file the runtime or the shim reads
+    (`RUNTIME_READS`) is anything but absent or a regular file of at most PASSWD_MAX bytes reached
+    without a symlink: a FIFO, device, socket or directory, a link (which the runtime would follow
+    inside the container, onto its /dev or /proc), a larger file. For every user, root included;
+    before the runtime starts (nothing runs in the sandbox yet to swap a file after the check)."""
+    for rel in RUNTIME_READS:
+        try:
+            regular_size_beneath(rootfs, rel, PASSWD_MAX)
+        except BadInput as e:
+            raise BadInput(f"the environment's {e}") from None
+
+
 def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Sequence[str] | None, *,
                  sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "",
                  confinement: Confinement | None = None, userns: int | None = None,
                  root_path: str | None = None) -> Path:
     """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`
     (named `root_path` in the config when given: where the runtime will find it)."""
+    check_rootfs(rootfs)
     user = config.get("user", "")
     # (the rootfs's account files are read only when a user is to be looked up in them)
     passwd = read_rootfs_file(rootfs, "etc/passwd") if user else ""

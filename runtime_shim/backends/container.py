@@ -20,17 +20,45 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from layerstore.errors import ConfigError
+
+from .. import cgroups, signals
 from ..errors import RuntimeNotAvailable, ShimError
 from ..paths import NodePaths
 from ..state import Sandbox
 from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+PID_FILE = "pid"  # BUNDLE/pid: written by the runtime once the container has started
+POLL = 0.05  # seconds between looks at a starting or stopping container
+REAP_TIMEOUT = 10.0  # seconds for a killed runtime process to be reaped
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: want a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: want a positive number of seconds")
+    return value
+
+
+def start_timeout() -> float:
+    """Seconds the runtime has to create and start a container (LAYERSTORE_RUNTIME_START_TIMEOUT)."""
+    return _env_seconds("LAYERSTORE_RUNTIME_START_TIMEOUT", 30.0)
+
+
+def stop_grace() -> float:
+    """Seconds a container told to stop has before it is killed (LAYERSTORE_STOP_GRACE)."""
+    return _env_seconds("LAYERSTORE_STOP_GRACE", 5.0)
+
 # A sandbox with a user namespace: its root user (an unprivileged uid on the host) must be able to
 # look up the root's path, and the node directory (and what holds it) is 0700. The runtime runs in
 # a private mount namespace where the root is bound at this fixed, world-searchable, empty
@@ -91,7 +119,7 @@ class ContainerBackend:
         # never its command line
         bundle = self.bundle(sb.id)
         write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
-                     cgroups_path=f"/layerstore/{sb.id}", confinement=confinement, userns=sb.userns,
+                     cgroups_path=cgroups.sandbox_path(sb.id), confinement=confinement, userns=sb.userns,
                      root_path=str(USERNS_ROOTFS) if sb.userns is not None else None)
         source = bundle / USERNS_SOURCE
         if sb.userns is not None:
@@ -100,29 +128,82 @@ class ContainerBackend:
             source.unlink(missing_ok=True)
 
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:
-        """`runtime run` in the foreground: the container's stdio is the caller's."""
+        """`runtime run` in the foreground: the container's stdio is the caller's. The runtime
+        writes BUNDLE/pid once the container has started (`wait` gives it until a deadline)."""
+        start_timeout(), stop_grace()  # (a bad setting is refused before anything runs)
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        argv = [*self.base(), "run", "--bundle", str(self.bundle(sandbox)), sandbox]
+        pid_file = self.bundle(sandbox) / PID_FILE
+        pid_file.unlink(missing_ok=True)
+        argv = [*self.base(), "run", "--pid-file", str(pid_file), "--bundle", str(self.bundle(sandbox)), sandbox]
         source = self.bundle(sandbox) / USERNS_SOURCE
         argv = self.wrap(userns_wrap(source.read_text(), argv) if source.exists() else argv)
         return Execution(sandbox, subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr))
 
     def wait(self, execution: Execution) -> int:
-        # The runtime forwards signals to the container's init; pass ours on to it.
-        old = {}
+        """The container's exit code. The runtime has until `start_timeout()` to create and start
+        it (a root that blocks the runtime, a runtime that hangs); a stop signal (`signals`) is
+        passed on to the container, which has `stop_grace()` seconds to end (a second signal cuts
+        that short); SIGQUIT is only passed on. On a deadline, a signal or any other failure the
+        container's processes are killed (the runtime's own foreground process and everything in
+        the sandbox's cgroup) before this raises; `delete` then removes the rest."""
+        deadline = time.monotonic() + start_timeout()
+        started = False
 
         def forward(signum: int, _frame: FrameType | None) -> None:
             self.stop(execution, signum)
 
-        for s in FORWARDED:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(signals.stopping())
             with contextlib.suppress(ValueError):  # not the main thread: no forwarding
-                old[s] = signal.signal(s, forward)
-        try:
-            rc = execution.process.wait()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+                old = signal.signal(signal.SIGQUIT, forward)
+                stack.callback(signal.signal, signal.SIGQUIT, old)
+            try:
+                started = self._await_start(execution, deadline)
+                rc = execution.process.wait()
+            except BaseException as e:
+                with signals.shielded():
+                    self._end(execution, e if isinstance(e, signals.Stopped) else None, started)
+                if isinstance(e, signals.Stopped):
+                    raise signals.Stopped(e.signum, f"the workload of sandbox {execution.sandbox} was ended") from None
+                raise
         return 128 - rc if rc < 0 else rc
+
+    def _await_start(self, execution: Execution, deadline: float) -> bool:
+        """Until the runtime has written the pid file (the container started: True) or has exited
+        (it failed, or the container ran and ended already: False); `ShimError` at the deadline."""
+        pid_file = self.bundle(execution.sandbox) / PID_FILE
+        while True:
+            if pid_file.exists():
+                return True
+            if execution.process.poll() is not None:
+                return False
+            if time.monotonic() >= deadline:
+                raise ShimError(f"{self.name} did not start sandbox {execution.sandbox} within {start_timeout():g} s "
+                                f"(LAYERSTORE_RUNTIME_START_TIMEOUT): its processes were killed")
+            with contextlib.suppress(subprocess.TimeoutExpired):  # (returns as soon as the runtime exits)
+                execution.process.wait(POLL)
+
+    def _end(self, execution: Execution, stopped: signals.Stopped | None, started: bool) -> None:
+        """Kill the container (after `stop_grace()` for a started one told to stop) and reap the
+        runtime's foreground process."""
+        proc = execution.process
+        started = started or (self.bundle(execution.sandbox) / PID_FILE).exists()  # (a signal mid-look)
+        if stopped is not None and started:
+            self.stop(execution, stopped.signum)
+            end = time.monotonic() + stop_grace()
+            while proc.poll() is None and time.monotonic() < end and signals.received() < 2:
+                time.sleep(POLL)
+        self.kill(execution)
+
+    def kill(self, execution: Execution) -> None:
+        """SIGKILL the runtime's foreground process (first: it starts nothing more), then every
+        process in the sandbox's cgroup (the container's init, pid 1 of its namespace, and all
+        its descendants: none can leave the cgroup); reap the runtime's process."""
+        with contextlib.suppress(ProcessLookupError):
+            execution.process.kill()
+        cgroups.kill(execution.sandbox)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            execution.process.wait(REAP_TIMEOUT)
 
     def stop(self, execution: Execution, signum: int = signal.SIGTERM) -> None:
         """To the foreground runtime process, which passes it on to the container's init."""
@@ -130,11 +211,20 @@ class ContainerBackend:
             execution.process.send_signal(signum)
 
     def delete(self, sandbox: str) -> None:
+        """`runtime delete --force` (kills the container, removes its state and cgroup), then
+        whatever a runtime that died or was killed mid-way left: its state directory (no
+        state.json yet: the runtime does not see it) and the sandbox's cgroup with the processes
+        still in it."""
         argv = self.wrap([*self.base(), "delete", "--force", sandbox])
         try:
             subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except subprocess.SubprocessError as e:
             raise ShimError(f"{self.name} delete {sandbox}: {e}") from None
+        left = cgroups.remove(sandbox)
+        shutil.rmtree(self.state_root / sandbox, ignore_errors=True)
+        if left:
+            raise ShimError(f"{self.name} delete {sandbox}: its cgroup could not be removed "
+                            f"({', '.join(map(str, left))}: processes in it did not end)")
 
     # -- freezing (commit) ------------------------------------------------------------------------
     def pause(self, sandbox: str) -> bool:

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 
 from layerstore.errors import ConfigError
-from runtime_shim import idmap, runner
+from runtime_shim import idmap, runner, signals
 from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
 from runtime_shim.backends.base import Confinement
-from runtime_shim.backends.container import FORWARDED, ContainerBackend, CrunBackend, RuncBackend
+from runtime_shim.backends.container import ContainerBackend, CrunBackend, RuncBackend
 from runtime_shim.blobs import DirBlobs
-from runtime_shim.errors import RuntimeNotAvailable
+from runtime_shim.errors import RuntimeNotAvailable, ShimError
 from runtime_shim.paths import NodePaths
 from runtime_shim.shim import Shim
 from runtime_shim.state import MOUNTED, Sandbox
@@ -143,7 +143,9 @@ echo "$*" >> "$FAKE_LOG"
 root=$2
 verb=$3
 case "$verb" in
-run) id=$6; mkdir -p "$root/$id"; exec /bin/sh -c "$FAKE_RUN" ;;
+run) id=$8; mkdir -p "$root/$id"  # (--pid-file $5: written once started, unless FAKE_NO_PIDFILE)
+    test -n "$FAKE_NO_PIDFILE" || { mkdir -p "${5%/*}"; echo $$ > "$5"; }
+    exec /bin/sh -c "$FAKE_RUN" ;;
 state) test -d "$root/$4" || exit 1; echo '{"status": "stopped", "id": "'"$4"'"}' ;;
 delete) rm -rf "$root/$5" ;;
 esac
@@ -189,7 +191,7 @@ def test_container_steps(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytes
     assert not backend.has(sb.id) and backend.leftovers() == []
     root = str(paths.root / "oci" / "runc")
     assert log.read_text().splitlines() == [
-        f"--root {root} run --bundle {paths.bundle(sb.id)} {sb.id}",
+        f"--root {root} run --pid-file {paths.bundle(sb.id)}/pid --bundle {paths.bundle(sb.id)} {sb.id}",
         f"--root {root} state {sb.id}",
         f"--root {root} state other",
         f"--root {root} delete --force {sb.id}",
@@ -205,31 +207,49 @@ def test_exit_codes(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytest.Mon
     assert run_fake(backend, "kill -15 $$", monkeypatch) == 143
 
 
-def test_signals_are_forwarded_while_waiting(fake_runc: tuple[RuncBackend, Path],
-                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_stop_signal_is_passed_on_then_the_run_stops(fake_runc: tuple[RuncBackend, Path],
+                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """SIGTERM while waiting: passed on to the runtime (the workload's trap sees it), then `wait`
+    raises `Stopped` (exit 130 at the CLI) whatever the workload did; our handlers are restored."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are installed from the main thread only")
     backend, _ = fake_runc
-    ready = tmp_path / "ready"
-    before = {s: signal.getsignal(s) for s in FORWARDED}
+    ready, got = tmp_path / "ready", tmp_path / "got-term"
+    before = {s: signal.getsignal(s) for s in (*signals.STOP_SIGNALS, signal.SIGQUIT)}
 
-    def send_when_forwarding() -> None:
+    def send_when_waiting() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            h = signal.getsignal(signal.SIGTERM)
-            if callable(h) and getattr(h, "__name__", "") == "forward" and ready.exists():
+            if signal.getsignal(signal.SIGTERM) is signals._handler and ready.exists():
                 os.kill(os.getpid(), signal.SIGTERM)  # to us: wait() passes it on to the runtime
                 return
             time.sleep(0.01)
 
-    th = threading.Thread(target=send_when_forwarding)
+    th = threading.Thread(target=send_when_waiting)
     th.start()
     try:
-        code = run_fake(backend, f"trap 'exit 42' TERM; touch {ready}; while :; do sleep 0.05; done", monkeypatch)
+        with pytest.raises(signals.Stopped, match="stopped by SIGTERM: the workload of sandbox sb-1 was ended") as e:
+            run_fake(backend, f"trap 'touch {got}; exit 42' TERM; touch {ready}; while :; do sleep 0.05; done",
+                     monkeypatch)
     finally:
         th.join()
-    assert code == 42
-    assert {s: signal.getsignal(s) for s in FORWARDED} == before  # our handlers are restored
+    assert e.value.signum == signal.SIGTERM and got.exists()
+    assert {s: signal.getsignal(s) for s in before} == before  # our handlers are restored
+
+
+def test_a_runtime_that_does_not_start_in_time_is_killed(fake_runc: tuple[RuncBackend, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _ = fake_runc
+    monkeypatch.setenv("LAYERSTORE_RUNTIME_START_TIMEOUT", "0.5")
+    monkeypatch.setenv("FAKE_NO_PIDFILE", "1")  # the container never reports started
+    monkeypatch.setenv("FAKE_RUN", "sleep 30")
+    ex = backend.start("sb-1", stdin=subprocess.DEVNULL)
+    with pytest.raises(ShimError, match=r"runc did not start sandbox sb-1 within 0.5 s"):
+        backend.wait(ex)
+    assert ex.process.returncode == -signal.SIGKILL  # killed and reaped before wait() returned
+    monkeypatch.setenv("LAYERSTORE_RUNTIME_START_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="LAYERSTORE_RUNTIME_START_TIMEOUT"):
+        backend.start("sb-2", stdin=subprocess.DEVNULL)  # refused before anything runs
 
 
 def test_stop_signals_a_started_workload(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytest.MonkeyPatch) -> None:

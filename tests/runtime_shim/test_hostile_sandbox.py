@@ -248,8 +248,30 @@ def test_a_fifo_as_etc_passwd_does_not_hang_the_bundle(tmp_path: Path, user: str
     os.mkfifo(rootfs / "etc" / "group")
     p = write_bundle_in_a_child(rootfs, user, tmp_path)
     assert p.returncode == 0, p.stderr
-    # root needs no lookup (nothing is read); a user's lookup is refused, naming the file
-    assert p.stdout.startswith("written" if not user else "refused: the environment's etc/passwd: a FIFO")
+    # refused for root too, naming the file: the runtime itself opens etc/passwd for every user
+    assert p.stdout.startswith("refused: the environment's etc/passwd: a FIFO"), p.stdout
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("how", ["group FIFO", "passwd link", "group too big", "passwd directory"])
+def test_what_the_runtime_reads_is_checked_for_root_too(tmp_path: Path, how: str) -> None:
+    rootfs = busybox_rootfs(tmp_path / "rootfs")
+    etc = rootfs / "etc"
+    name = how.split()[0]
+    (etc / name).unlink()
+    if how == "group FIFO":
+        os.mkfifo(etc / "group")
+    elif how == "passwd link":  # inside the container a link leads onto its /dev or /proc
+        os.symlink("/dev/zero", etc / "passwd")
+    elif how == "group too big":
+        with open(etc / "group", "wb") as f:
+            f.truncate(5 << 20)
+    else:
+        (etc / "passwd").mkdir()
+    p = write_bundle_in_a_child(rootfs, "", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"refused: the environment's etc/{name}"), p.stdout
+    assert not (tmp_path / "bundle" / "config.json").exists()
 
 
 @pytest.mark.parametrize("how", ["device", "device beyond a link", "host file beyond a link"])
