@@ -20,7 +20,7 @@ Exit codes of `layerctl` and the mount helpers (this table is the one place they
 | 5    | the store (or the node daemon's store) is unavailable; may pass | `StoreUnavailable`, `DaemonError` |
 | 6    | permission denied, or an untrusted manifest | `PermissionDenied`, `UntrustedManifest` |
 | 7    | the node daemon is not running, or another process holds its cache | `NodeUnavailable` |
-| 130  | interrupted (SIGINT) | |
+| 130  | interrupted (SIGINT, SIGTERM, SIGHUP: the sandbox is stopped and removed) | |
 | 141  | broken pipe (stdout closed early) | |
 """
 
