@@ -32,13 +32,13 @@ from typing import BinaryIO
 from layerstore.errors import BadInput
 from layerstore.fileio import fsync_dir
 
-from . import format as fmt
 from .compose import Composed, compose, link_counts
-from .dataarea import DataArea, pad
-from .imageread import CHUNK_INDEXES, FEATURE_INCOMPAT_DEVICE_TABLE, LayerImage, Node, data_pieces, read_layer
-from .metadata import Inode, pack, plan
+from .erofs import format as fmt
+from .erofs.dataarea import DataArea, pad
+from .erofs.metadata import Inode, pack, plan
+from .erofs.read import CHUNK_INDEXES, FEATURE_INCOMPAT_DEVICE_TABLE, LayerImage, Node, data_pieces, read_layer
+from .erofs.writer import ImageWriter
 from .tree import Data, Entry, Hole, Kind
-from .writer import ImageWriter
 
 BS = fmt.BLOCK_SIZE
 DEVT_SLOT_SIZE = 128

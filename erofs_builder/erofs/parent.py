@@ -18,28 +18,21 @@ the data area, records in the metadata area); anything else is a `BadInput`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import blake3
 
-from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkRef
-from layerstore.errors import BadDigest, BadInput, ConfigError
+from layerstore.errors import BadInput
 
+from ..chunking import SLICE, Cut
 from . import format as fmt
-from .chunking import SLICE, Cut
 from .metadata import ParentMeta, Slot
 from .runhash import run_key
-
-if TYPE_CHECKING:
-    from layerstore.store import Store
 
 BS = fmt.BLOCK_SIZE
 _CHUNK_INDEXES = 0x20
@@ -356,34 +349,3 @@ def _union(ranges: list[tuple[int, int]]) -> int:
         total += start + length - max(start, end)
         end = start + length
     return total
-
-
-@contextlib.contextmanager
-def parent_source(spec: str, store: Store | None, workdir: Path) -> Iterator[tuple[Path, list[ChunkRef]]]:
-    """(image path, chunk refs) for `--parent DIGEST|FILE`. A digest is read from the store
-    into a temporary file under `workdir`; a file needs its chunk map from the store."""
-    if store is None:
-        raise ConfigError("--parent needs a store (--store URL): the parent's chunk map lives there")
-    if spec.startswith(digestmod.PREFIX):
-        blob = digestmod.parse(spec)
-        cm = store.get_chunk_map(blob)
-        fd, tmp = tempfile.mkstemp(prefix=".parent.", suffix=".tmp", dir=workdir)
-        try:
-            try:
-                store.read_blob(blob, fd)
-            finally:
-                os.close(fd)
-            yield Path(tmp), list(cm.chunks)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        return
-    image = Path(spec)
-    if not image.is_file():
-        raise ConfigError(f"--parent {spec}: neither a b3: digest nor an image file")
-    # A blob id is its chunk list's: the file's name may carry it (`<hex>.erofs`, as
-    # `build --output DIR` writes), else the store finds the blob the file's bytes are.
-    hint = None
-    with contextlib.suppress(BadDigest):
-        hint = digestmod.from_hex(image.name.partition(".")[0])
-    yield image, list(store.blob_of_file(image, hint).chunks)

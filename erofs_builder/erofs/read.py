@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from layerstore.errors import BadInput
 
+from ..tree import Kind
 from . import format as fmt
-from .tree import Kind
 
 BS = fmt.BLOCK_SIZE
 CHUNK_INDEXES = 0x20
