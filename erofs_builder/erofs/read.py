@@ -108,8 +108,9 @@ class ImageReader:
         self.rd, self.size, self.where, self.what = read, size, where, what
         if size < 2 * BS:
             raise self.bad("too small to be an EROFS image")
+        raw = self.read(fmt.SUPER_OFFSET, fmt.SUPERBLOCK.size)
         (magic, _csum, _compat, blkszbits, _ext, root_nid, _inos, build_time, build_nsec, blocks, meta_blkaddr,
-         xattr_blkaddr, uuid, _vol, incompat, _u1) = fmt.SUPERBLOCK.unpack(read(fmt.SUPER_OFFSET, fmt.SUPERBLOCK.size))
+         xattr_blkaddr, uuid, _vol, incompat, _u1) = fmt.SUPERBLOCK.unpack(raw)
         if magic != fmt.MAGIC:
             raise self.bad("not an EROFS image (no superblock)")
         if blkszbits != fmt.BLOCK_BITS:
