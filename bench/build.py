@@ -58,7 +58,7 @@ from bench.burst import inputs  # noqa: E402
 from erofs_builder.build import BuiltLayer, build_layer, hash_image, push_layer  # noqa: E402
 from erofs_builder.chunking import ChunkPolicy  # noqa: E402
 from erofs_builder.compress import COMPRESS_THREADS, MemorySink, StoreSink  # noqa: E402
-from erofs_builder.source_dir import dir_entries  # noqa: E402
+from erofs_builder.sources.source_dir import dir_entries  # noqa: E402
 from layerstore import chunkobj  # noqa: E402
 from layerstore.backends.posix import PosixBackend  # noqa: E402
 from layerstore.chunker import fixed_boundaries  # noqa: E402

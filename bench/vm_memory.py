@@ -49,8 +49,8 @@ for p in (ROOT, ROOT / "tests" / "support"):
         sys.path.insert(0, str(p))
 
 from erofs_builder.build import build_layer  # noqa: E402
-from erofs_builder.imageread import read_layer  # noqa: E402
-from erofs_builder.source_dir import dir_entries  # noqa: E402
+from erofs_builder.erofs.read import read_layer  # noqa: E402
+from erofs_builder.sources.source_dir import dir_entries  # noqa: E402
 from erofs_builder.tree import Entry, Kind  # noqa: E402
 from layerstore import digest as digestmod  # noqa: E402
 from runtime_shim import runner  # noqa: E402
@@ -106,7 +106,7 @@ def build_layers(work: Path, vms: int, set_mib: int, layout: str) -> dict[str, A
 
 def dax_coverage(image: Path) -> dict[str, int]:
     """Bytes of /set's files by EROFS layout: flat files are what a 6.1 guest maps with DAX."""
-    from erofs_builder import format as fmt
+    from erofs_builder.erofs import format as fmt
 
     with open(image, "rb") as f:
         def read(off: int, n: int) -> bytes:

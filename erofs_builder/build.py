@@ -30,11 +30,11 @@ from layerstore.store import PutStats, Store
 from .chunking import SLICE, ChunkPolicy, Cut, DataCutter, ImageLayout, cut
 from .compress import BATCH as COMPRESS_BATCH
 from .compress import ChunkSink, Compressor, StoreSink
-from .format import BLOCK_SIZE
-from .metadata import MAX_DEAD
-from .parent import read_parent
+from .erofs.format import BLOCK_SIZE
+from .erofs.metadata import MAX_DEAD
+from .erofs.parent import read_parent
+from .erofs.writer import PACK_TAILS, ImageWriter
 from .tree import Data, Entry, Kind
-from .writer import PACK_TAILS, ImageWriter
 
 HASH_THREADS = max(2, os.cpu_count() or 2)
 HASH_BATCH = 4 << 20

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .imageread import LayerImage, Node
+from .erofs.read import LayerImage, Node
 from .tree import Kind
 
 OPAQUE = b"trusted.overlay.opaque"

@@ -32,13 +32,13 @@ from typing import BinaryIO
 from layerstore.errors import BadInput
 from layerstore.fileio import fsync_dir
 
-from . import format as fmt
 from .compose import Composed, compose, link_counts
-from .dataarea import DataArea, pad
-from .imageread import CHUNK_INDEXES, FEATURE_INCOMPAT_DEVICE_TABLE, LayerImage, Node, data_pieces, read_layer
-from .metadata import Inode, pack, plan
+from .erofs import format as fmt
+from .erofs.dataarea import DataArea, pad
+from .erofs.metadata import Inode, pack, plan
+from .erofs.read import LayerImage, Node, data_pieces, read_layer
+from .erofs.writer import ImageWriter
 from .tree import Data, Entry, Hole, Kind
-from .writer import ImageWriter
 
 BS = fmt.BLOCK_SIZE
 DEVT_SLOT_SIZE = 128
@@ -224,7 +224,7 @@ class _MultiDevice:
         redo = False
         for rec in p.recs:
             node = rec.node
-            if node.layout == fmt.LAYOUT_CHUNK_BASED and node.chunkbits & CHUNK_INDEXES:
+            if node.layout == fmt.LAYOUT_CHUNK_BASED and node.chunkbits & fmt.CHUNK_INDEXES:
                 isize = fmt.EXTENDED_SIZE if rec.extended else fmt.COMPACT_SIZE
                 if (isize + len(rec.xbody)) % 8:
                     node.blockmap.insert(0, 0)
@@ -241,7 +241,7 @@ class _MultiDevice:
         f.seek(meta_start)
         f.write(md.meta)
         block0 = bytearray(md.block0)
-        incompat = int.from_bytes(block0[_SB_INCOMPAT:_SB_INCOMPAT + 4], "little") | FEATURE_INCOMPAT_DEVICE_TABLE
+        incompat = int.from_bytes(block0[_SB_INCOMPAT:_SB_INCOMPAT + 4], "little") | fmt.FEATURE_INCOMPAT_DEVICE_TABLE
         block0[_SB_INCOMPAT:_SB_INCOMPAT + 4] = incompat.to_bytes(4, "little")
         block0[_SB_EXTRA_DEVICES:_SB_EXTRA_DEVICES + 2] = len(self.layers).to_bytes(2, "little")
         block0[_SB_DEVT_SLOTOFF:_SB_DEVT_SLOTOFF + 2] = DEVT_SLOTOFF.to_bytes(2, "little")
@@ -305,7 +305,7 @@ class _MultiDevice:
                 words += [0, fmt.NULL_ADDR] if blk == fmt.NULL_ADDR else [dev << 16, blk]
         else:
             bits, words = self._flat_chunks(n, dev, e.path)
-        node.chunkbits = bits | CHUNK_INDEXES
+        node.chunkbits = bits | fmt.CHUNK_INDEXES
         node.blockmap = words
 
     def _flat_chunks(self, n: Node, dev: int, path: bytes) -> tuple[int, list[int]]:

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from layerstore.errors import ConfigError, NotFound
+from layerstore import digest as digestmod
+from layerstore.chunkmap import ChunkRef
+from layerstore.errors import BadDigest, ConfigError, NotFound
 from layerstore.store import PutStats, Store
 
 from .build import BuiltLayer, build_layer, push_layer
 from .compress import StoreSink
+from .erofs.writer import PACK_TAILS
 from .tree import Data, Entry
-from .writer import PACK_TAILS
 
 Progress = Callable[[int], None]
 # (description, total bytes or None) -> a callable advancing that task by n bytes
@@ -85,7 +87,7 @@ def tar_layer(label: str, opener: Callable[[], contextlib.AbstractContextManager
               size: int | None) -> LayerSource:
     """A tar stream (plain or compressed) as one layer; `opener` gives the stream."""
     def entries(progress: Progress) -> Entries:
-        from .source_tar import tar_entries
+        from .sources.source_tar import tar_entries
 
         with opener() as f:
             yield from tar_entries(_Counting(f, progress), name=label)
@@ -98,7 +100,7 @@ def dir_layer(path: Path, *, all_root: bool = False, transform: Callable[[Entrie
     """A directory tree as one layer; `transform` rewrites its entries on the way (a commit
     drops overlayfs's bookkeeping xattrs)."""
     def entries(progress: Progress) -> Entries:
-        from .source_dir import dir_entries
+        from .sources.source_dir import dir_entries
 
         found = dir_entries(path, all_root=all_root)
         return transform(found) if transform is not None else found
@@ -113,8 +115,8 @@ def resolve_source(src: str, *, all_root: bool, stdin: BinaryIO | None = None) -
         stream = stdin if stdin is not None else sys.stdin.buffer
         return Source([tar_layer("stdin", lambda: contextlib.nullcontext(stream), None)], None, False)
     if src.startswith(("oci:", "docker-archive:", "docker://")):
-        from .source_oci import image_layers
-        from .source_registry import SCHEME, registry_image
+        from .sources.source_oci import image_layers
+        from .sources.source_registry import SCHEME, registry_image
 
         image = registry_image(src) if src.startswith(SCHEME) else image_layers(src)
         return Source([LayerSource(layer.name, layer.entries, layer.size) for layer in image.layers],
@@ -274,11 +276,40 @@ def _parent(spec: str | None, store: Store | None, output: Path | None,
             workdir: Path | None) -> contextlib.AbstractContextManager[Any]:
     if spec is None:
         return contextlib.nullcontext(None)
-    from .parent import parent_source
-
     where = output.absolute().parent if output is not None else workdir or Path(tempfile.gettempdir())
     return parent_source(spec, store, where)
 
 
+@contextlib.contextmanager
+def parent_source(spec: str, store: Store | None, workdir: Path) -> Iterator[tuple[Path, list[ChunkRef]]]:
+    """(image path, chunk refs) for `--parent DIGEST|FILE`. A digest is read from the store
+    into a temporary file under `workdir`; a file needs its chunk map from the store."""
+    if store is None:
+        raise ConfigError("--parent needs a store (--store URL): the parent's chunk map lives there")
+    if spec.startswith(digestmod.PREFIX):
+        blob = digestmod.parse(spec)
+        cm = store.get_chunk_map(blob)
+        fd, tmp = tempfile.mkstemp(prefix=".parent.", suffix=".tmp", dir=workdir)
+        try:
+            try:
+                store.read_blob(blob, fd)
+            finally:
+                os.close(fd)
+            yield Path(tmp), list(cm.chunks)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return
+    image = Path(spec)
+    if not image.is_file():
+        raise ConfigError(f"--parent {spec}: neither a b3: digest nor an image file")
+    # A blob id is its chunk list's: the file's name may carry it (`<hex>.erofs`, as
+    # `build --output DIR` writes), else the store finds the blob the file's bytes are.
+    hint = None
+    with contextlib.suppress(BadDigest):
+        hint = digestmod.from_hex(image.name.partition(".")[0])
+    yield image, list(store.blob_of_file(image, hint).chunks)
+
+
 __all__ = ["LayerResult", "LayerSource", "Progress", "ProgressFactory", "Source", "Staging", "build_and_push",
-           "dir_layer", "resolve_source", "streams", "tar_layer"]
+           "dir_layer", "parent_source", "resolve_source", "streams", "tar_layer"]

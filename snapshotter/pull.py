@@ -18,7 +18,7 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 
-from erofs_builder.registry import Reference, RegistryClient
+from erofs_builder.sources.registry import Reference, RegistryClient
 from layerstore.errors import BadInput, LayerstoreError
 
 from .client import ContainerdClient, Descriptor

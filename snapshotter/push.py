@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from erofs_builder.registry import Reference, RegistryClient
+from erofs_builder.sources.registry import Reference, RegistryClient
 from layerstore.errors import ConfigError
 from runtime_shim.environment import EnvSpec
 

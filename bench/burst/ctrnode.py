@@ -116,7 +116,7 @@ def _file_sha256(path: Path) -> str:
 
 def push_images(registry: str, layers: dict[str, Layer], environments: tuple[str, ...]) -> dict[str, str]:
     """Each environment as an ordinary OCI image of its tar.gz layers; returns env -> reference."""
-    from erofs_builder.registry import OCI_MANIFEST, RegistryClient
+    from erofs_builder.sources.registry import OCI_MANIFEST, RegistryClient
 
     refs: dict[str, str] = {}
     diff_ids: dict[str, str] = {}

@@ -4,7 +4,7 @@ moves, this is the only module to change. The rest of bench/readbench imports fr
 from __future__ import annotations
 
 from erofs_builder.build import build_layer, push_layer
-from erofs_builder.source_dir import dir_entries
+from erofs_builder.sources.source_dir import dir_entries
 from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, pin, request_json, unpin
 from fuse_client.fuse.fs import BLOBS_INODE, BlobFS

@@ -27,7 +27,7 @@ kernel is the workload's own).
 Commit (`upper_source`): the upper drive is read after the VM stopped, never by the host kernel: a
 fresh helper VM of the same kit (init mode "export") mounts it read-only and writes the upper as a
 pax tar on its stdout port; the host parses that with the project's hardened tar reader
-(`erofs_builder.source_tar`) and keeps only what a layer may hold (files, directories, symlinks,
+(`erofs_builder.sources.source_tar`) and keeps only what a layer may hold (files, directories, symlinks,
 hard links, whiteouts, the opaque xattr). The guest, even one whose kernel a crafted image took
 over, can only make the commit hold other bytes or fail.
 

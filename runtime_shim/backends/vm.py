@@ -32,7 +32,7 @@ reports its layer mounts (a "mounts" port) and `wait` checks that each has DAX o
 Commit (`upper_source`): the upper drive is read after the VM stopped, never by the host kernel:
 a helper VM of the same kit (init mode "export") mounts it read-only and writes the upper as a
 pax tar on its stdout port; the host parses it with the hardened tar reader
-(`erofs_builder.source_tar`) and keeps only what a layer may hold.
+(`erofs_builder.sources.source_tar`) and keeps only what a layer may hold.
 
 State, all of it the backend's own:
 
@@ -269,7 +269,7 @@ class VmBackend:
     def exported(self, sb: Sandbox) -> Iterator[tuple[Any, Any]]:
         """The entries of the sandbox's upper, from a helper VM that has the upper drive only,
         read-only, and writes it as a tar: parsed as untrusted input, only layer material kept."""
-        from erofs_builder.source_tar import tar_entries
+        from erofs_builder.sources.source_tar import tar_entries
 
         wd = self.workdir(sb.id)
         wd.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from erofs_builder import format as fmt
+from erofs_builder.erofs import format as fmt
 from layerstore import digest as digestmod
 from layerstore.fileio import fsync_dir
 

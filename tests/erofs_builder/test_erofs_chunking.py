@@ -10,7 +10,7 @@ from testkit.erofs_helpers import make_tree
 
 from erofs_builder.build import build_layer, push_layer
 from erofs_builder.chunking import ChunkPolicy, DataExtent, ImageLayout, MetaSegment, check_cover, cut
-from erofs_builder.source_dir import dir_entries
+from erofs_builder.sources.source_dir import dir_entries
 from layerstore.chunkmap import METADATA, ChunkMap
 from layerstore.store import Store
 

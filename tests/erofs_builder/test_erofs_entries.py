@@ -17,8 +17,8 @@ from testkit.erofs_helpers import (
 )
 
 from erofs_builder.build import build_layer
+from erofs_builder.erofs.writer import ImageWriter
 from erofs_builder.tree import Entry, Hole, Kind
-from erofs_builder.writer import ImageWriter
 from layerstore.errors import BadInput
 
 

@@ -158,7 +158,7 @@ def _stable_records(spec: list[tuple[int, int]], tag: bytes) -> list[Any]:
     """Position-independent inode records (their bytes stand for an inode with its data inline)."""
     import random
 
-    from erofs_builder.metadata import Inode, _Rec
+    from erofs_builder.erofs.metadata import Inode, _Rec
 
     out = []
     for i, (length, seed) in enumerate(spec):
@@ -172,7 +172,7 @@ def _stable_records(spec: list[tuple[int, int]], tag: bytes) -> list[Any]:
 
 def _record_groups(recs: list[Any]) -> list[tuple[int, int]]:
     """Group the records as a build does; (index of each group's last record, the group's length)."""
-    from erofs_builder.metadata import _STABLE, _groups
+    from erofs_builder.erofs.metadata import _STABLE, _groups
 
     segments: list[MetaSegment] = []
     _groups(recs, 8 * BS, segments, kind=_STABLE)

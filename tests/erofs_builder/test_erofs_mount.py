@@ -19,7 +19,7 @@ from testkit.erofs_helpers import (
 )
 
 from erofs_builder.build import build_layer
-from erofs_builder.source_dir import dir_entries
+from erofs_builder.sources.source_dir import dir_entries
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(not HAVE_FSCK, reason="needs fsck.erofs")]
 

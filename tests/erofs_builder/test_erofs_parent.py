@@ -26,9 +26,9 @@ from testkit.erofs_helpers import (
 )
 
 from erofs_builder.build import BuiltLayer, build_layer
-from erofs_builder.parent import read_parent
-from erofs_builder.reuse import chunk_bits
-from erofs_builder.source_dir import dir_entries
+from erofs_builder.erofs.parent import read_parent
+from erofs_builder.erofs.reuse import chunk_bits
+from erofs_builder.sources.source_dir import dir_entries
 from layerstore.errors import BadInput
 
 MiB = 1 << 20

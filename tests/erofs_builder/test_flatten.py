@@ -19,8 +19,8 @@ from testkit.erofs_helpers import HAVE_FSCK, assert_trees_equal, mounted_erofs
 from testkit.flatten_helpers import build_layers, comparable, mounted_multidevice, overlay_view
 
 from erofs_builder.compose import compose
+from erofs_builder.erofs.read import read_layer
 from erofs_builder.flatten import build_flattened, build_multidevice, mount_options
-from erofs_builder.imageread import read_layer
 from erofs_builder.tree import Entry, Hole, Kind
 from layerstore.errors import BadInput
 

@@ -16,8 +16,8 @@ from testkit.archive_factory import end, header, member, pad, pax, raw_tar
 from testkit.cli_helpers import assert_clean_failure, layerctl
 
 from erofs_builder.build import build_layer
-from erofs_builder.source_oci import image_layers
-from erofs_builder.source_tar import tar_entries
+from erofs_builder.sources.source_oci import image_layers
+from erofs_builder.sources.source_tar import tar_entries
 from erofs_builder.tree import Hole
 from layerstore.errors import BadInput, NotFound
 from layerstore.store import Store
@@ -310,7 +310,7 @@ def test_reader_limits(data: bytes, match: str) -> None:
 
 
 def test_member_count_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    import erofs_builder.source_tar as source_tar
+    import erofs_builder.sources.source_tar as source_tar
 
     monkeypatch.setattr(source_tar, "MAX_MEMBERS", 3)
     _consume(raw_tar(*[member(f"f{i}", b"") for i in range(3)]))
@@ -348,7 +348,7 @@ def test_deep_members_cost_linear_memory() -> None:
 def test_deep_whiteouts_cost_linear_memory(tmp_path: Path) -> None:
     import tracemalloc
 
-    from erofs_builder.source_oci import whiteouts
+    from erofs_builder.sources.source_oci import whiteouts
 
     data = af.deep_members(25, 2000)
     tracemalloc.start()
@@ -369,7 +369,7 @@ def _small_layout(tmp_path: Path) -> Path:
 
 
 def test_oci_json_and_layer_bounds(tmp_path: Path) -> None:
-    from erofs_builder import source_oci
+    from erofs_builder.sources import source_oci
 
     root = _small_layout(tmp_path)
     index = json.loads((root / "index.json").read_text())
@@ -401,7 +401,7 @@ def test_oci_json_and_layer_bounds(tmp_path: Path) -> None:
 
 
 def test_docker_archive_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from erofs_builder import source_oci
+    from erofs_builder.sources import source_oci
 
     # Python's tarfile would read a pax header of any size into memory
     path = tmp_path / "big-pax.tar"

@@ -13,8 +13,8 @@ from testkit import archive_factory as af
 from testkit.erofs_helpers import assert_trees_equal, fsck_erofs, mounted_erofs, snapshot_tree
 
 from erofs_builder.build import BuiltLayer, build_layer
-from erofs_builder.image_config import runtime_config
-from erofs_builder.source_oci import image_layers, whiteouts
+from erofs_builder.sources.image_config import runtime_config
+from erofs_builder.sources.source_oci import image_layers, whiteouts
 from erofs_builder.tree import Entry, Kind
 from fuse_client.linux import MS_RDONLY, mount, umount
 from layerstore.errors import BadInput, NotFound

@@ -16,7 +16,7 @@ import pytest
 from testkit.oci_registry import Registry, needs_registry, oci_registry
 from testkit.registry_images import busybox_layout, push_layout
 
-from erofs_builder.registry import (
+from erofs_builder.sources.registry import (
     OCI_MANIFEST,
     Credentials,
     Reference,
@@ -24,8 +24,8 @@ from erofs_builder.registry import (
     credentials_for,
     is_insecure,
 )
-from erofs_builder.source_oci import image_layers
-from erofs_builder.source_registry import registry_image
+from erofs_builder.sources.source_oci import image_layers
+from erofs_builder.sources.source_registry import registry_image
 from layerstore.errors import BadInput, ConfigError, NotFound, PermissionDenied, StoreUnavailable
 
 

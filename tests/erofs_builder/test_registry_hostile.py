@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from erofs_builder.registry import DOCKER_LIST, OCI_INDEX, OCI_MANIFEST, Credentials, RegistryClient
-from erofs_builder.source_oci import MAX_CONFIG_JSON, MAX_LAYERS
-from erofs_builder.source_registry import MAX_LAYER_BLOB, registry_image
+from erofs_builder.sources.registry import DOCKER_LIST, OCI_INDEX, OCI_MANIFEST, Credentials, RegistryClient
+from erofs_builder.sources.source_oci import MAX_CONFIG_JSON, MAX_LAYERS
+from erofs_builder.sources.source_registry import MAX_LAYER_BLOB, registry_image
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, PermissionDenied, StoreUnavailable
 
 HOST = "reg.example"

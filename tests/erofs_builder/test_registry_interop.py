@@ -15,7 +15,7 @@ import pytest
 from testkit.oci_registry import Registry, needs_registry, oci_registry
 from testkit.registry_images import busybox_archive, busybox_layout, push_layout
 
-from erofs_builder.registry import DOCKER_MANIFEST, OCI_MANIFEST, Credentials, RegistryClient
+from erofs_builder.sources.registry import DOCKER_MANIFEST, OCI_MANIFEST, Credentials, RegistryClient
 from erofs_builder.workflow import build_and_push, resolve_source
 
 pytestmark = [needs_registry,

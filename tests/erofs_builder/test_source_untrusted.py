@@ -21,7 +21,7 @@ import pytest
 from testkit import deadline
 from testkit.hostile import SECRET, host_dir
 
-from erofs_builder.source_dir import Beneath, dir_entries, untrusted_entries
+from erofs_builder.sources.source_dir import Beneath, dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
 from fuse_client.linux import entry_path, open_regular_beneath, read_regular_beneath
 from layerstore.errors import BadInput, NotFound

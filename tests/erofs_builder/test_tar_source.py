@@ -18,7 +18,7 @@ from testkit import archive_factory as af
 from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tree
 
 from erofs_builder.build import build_layer
-from erofs_builder.source_tar import tar_entries
+from erofs_builder.sources.source_tar import tar_entries
 from erofs_builder.tree import Entry, Hole, Kind
 from layerstore.errors import BadInput
 

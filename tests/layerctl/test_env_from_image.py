@@ -150,7 +150,7 @@ def test_a_registry_serving_a_tampered_layer_publishes_nothing(images: dict, tmp
 
 def test_registry_credentials_from_a_docker_config(images: dict, tmp_path: Path) -> None:
     with oci_registry(tmp_path / "reg", auth="token") as reg:
-        from erofs_builder.registry import Credentials
+        from erofs_builder.sources.registry import Credentials
 
         push_layout(images["root"] / "layout", reg.host, "t/private", "1", auth=Credentials(reg.user, reg.password))
         url = _store(tmp_path)

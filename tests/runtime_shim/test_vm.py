@@ -58,7 +58,7 @@ def blobs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     (base / "etc" / "opt" / "old").write_text("old\n")
     (base / "big").mkdir()
     (base / "big" / "plain").write_bytes(os.urandom(BIG))
-    from erofs_builder.source_dir import dir_entries
+    from erofs_builder.sources.source_dir import dir_entries
 
     d = root / "blobs"
     d.mkdir()
@@ -378,7 +378,7 @@ def test_layer_devices_without_a_boot(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         vm.use_layer_device("nvme")
     assert (vm.layer_device, micro.layer_device) == ("pmem", "blk")
-    from erofs_builder import format as fmt
+    from erofs_builder.erofs import format as fmt
 
     img = tmp_path / "l.img"
     content = b"x" * fmt.SUPER_OFFSET + fmt.MAGIC.to_bytes(4, "little") + b"y" * 3972

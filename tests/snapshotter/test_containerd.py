@@ -273,7 +273,7 @@ def test_restarts_with_running_containers_then_nothing_leaks(world: World) -> No
 
 
 def test_pull_of_a_blob_the_store_lacks_fails_cleanly(world: World) -> None:
-    from erofs_builder.registry import RegistryClient
+    from erofs_builder.sources.registry import RegistryClient
     from snapshotter.image import image_of_environment
 
     w = world

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from erofs_builder.source_oci import image_layers
-from erofs_builder.source_tar import tar_entries
+from erofs_builder.sources.source_oci import image_layers
+from erofs_builder.sources.source_tar import tar_entries
 from layerstore import chunkobj
 from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap, ChunkRef, blob_id

@@ -1,5 +1,5 @@
 """A small real multi-layer OCI image built from busybox, as an OCI layout, a `docker save`
-archive, or pushed to a registry with `erofs_builder.registry` (no tests here).
+archive, or pushed to a registry with `erofs_builder.sources.registry` (no tests here).
 
 The image (`busybox_spec`), three layers:
   0  (gzip)  a busybox rootfs (testkit.shim_support.busybox_rootfs), every file root's
@@ -16,7 +16,7 @@ import json
 import tarfile
 from pathlib import Path
 
-from erofs_builder.registry import OCI_MANIFEST, RegistryClient
+from erofs_builder.sources.registry import OCI_MANIFEST, RegistryClient
 
 from .archive_factory import MTIME, ImageSpec, Layer, layer_tar, write_docker_archive, write_oci_layout
 from .shim_support import busybox_rootfs

@@ -33,8 +33,8 @@ from urllib.parse import unquote_to_bytes
 
 from layerstore.errors import BadInput
 
+from ..tree import NAME_MAX, Data, Entry, Hole, Kind
 from .decompress import DECODE_ERRORS, READ_SIZE, Reader, open_decompressed
-from .tree import NAME_MAX, Data, Entry, Hole, Kind
 
 __all__ = ["OPAQUE_XATTR", "PathIndex", "Reader", "open_decompressed", "show", "tar_entries"]
 

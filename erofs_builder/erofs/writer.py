@@ -13,12 +13,12 @@ from typing import BinaryIO
 
 from layerstore.errors import BadInput
 
+from ..chunking import DataExtent, ImageLayout
+from ..tree import Data, Entry, Hole, Kind, check_path
 from . import format as fmt
-from .chunking import DataExtent, ImageLayout
 from .dataarea import DataArea, pad
 from .metadata import MAX_DEAD, Inode, pack, plan
 from .parent import ParentImage
-from .tree import Data, Entry, Hole, Kind, check_path
 
 BS = fmt.BLOCK_SIZE
 PATH_MAX = 4096

@@ -1,7 +1,7 @@
 """Image references and the names a registry's URLs are built from (pure): `Reference.parse`
 (`HOST[:PORT]/NAME[:TAG][@DIGEST]`, with no implicit default registry), repository, tag and
 digest checks (they keep every URL path to what distribution's grammar allows), and the manifest
-media types. Used by `erofs_builder.registry` (the client)."""
+media types. Used by `erofs_builder.sources.registry` (the client)."""
 
 from __future__ import annotations
 

@@ -17,12 +17,12 @@ import blake3
 
 from layerstore.errors import BadInput
 
+from ..chunking import DataExtent
+from ..tree import Data, Hole
 from . import format as fmt
-from .chunking import DataExtent
 from .metadata import Inode
 from .reuse import keep_blocks
 from .runhash import RunHasher
-from .tree import Data, Hole
 
 if TYPE_CHECKING:
     from .parent import ParentImage

@@ -3,7 +3,7 @@ which registries speak plain HTTP (`is_insecure`: loopback hosts, as Docker does
 $LAYERSTORE_INSECURE_REGISTRIES), the CAs HTTPS is checked against (`tls_verify`), the
 credentials for a registry (`credentials_for`: $LAYERSTORE_REGISTRY_USER/_PASSWORD, else the
 docker-style config file), and the parameters of a `WWW-Authenticate` challenge
-(`parse_challenge`). Used by `erofs_builder.registry` (the client)."""
+(`parse_challenge`). Used by `erofs_builder.sources.registry` (the client)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from layerstore.errors import BadInput, LayerstoreError
 
-from .tree import Data, Entry, Hole, Kind
+from ..tree import Data, Entry, Hole, Kind
 
 READ_SIZE = 1 << 20
 

@@ -38,9 +38,9 @@ from typing import Any, BinaryIO
 
 from layerstore.errors import BadInput, LayerstoreError, NotFound
 
+from ..tree import Data, Entry, Kind, check_path
 from .image_config import runtime_config
 from .source_tar import BLOCK, MAX_META_SIZE, OPAQUE_XATTR, PathIndex, Reader, open_decompressed, show, tar_entries
-from .tree import Data, Entry, Kind, check_path
 
 MAX_INDEX_JSON = 4 << 20  # index.json, image indexes, docker's manifest.json
 MAX_MANIFEST_JSON = 4 << 20  # an image manifest (registries refuse larger ones too)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import blake3
 
-from .chunking import SLICE
+from ..chunking import SLICE
 
 
 class RunHasher:

@@ -21,6 +21,7 @@ ISLOT = 32  # nid granularity: an inode's position is meta_blkaddr * BLOCK_SIZE 
 NULL_ADDR = 0xFFFFFFFF  # a hole in a chunk-based file's block map
 
 FEATURE_INCOMPAT_CHUNKED_FILE = 0x4
+FEATURE_INCOMPAT_DEVICE_TABLE = 0x8  # extra devices (flatten.py's multi-device image)
 
 # i_format: bit 0 version (compact/extended), bits 1-3 data layout
 LAYOUT_FLAT_PLAIN = 0
@@ -32,6 +33,7 @@ COMPACT_SIZE = 32
 EXTENDED_SIZE = 64
 INO_OFFSET = 20  # where i_ino sits, in both forms
 CHUNK_BLKBITS_MASK = 0x1F
+CHUNK_INDEXES = 0x20  # chunk format: 8-byte chunk indexes (device id, block) instead of block addresses
 
 # dirent file types (the kernel's FT_* values)
 FT_UNKNOWN, FT_REG, FT_DIR, FT_CHR, FT_BLK, FT_FIFO, FT_SOCK, FT_SYMLINK = range(8)
@@ -48,7 +50,7 @@ XATTR_PREFIXES: tuple[tuple[bytes, int, bool], ...] = (
 )
 XATTR_IBODY_HEADER = 12
 XATTR_ENTRY_HEADER = 4
-# The on-disk structures (erofs_fs.h), shared by the writer and the image reader (parent.py).
+# The on-disk structures (erofs_fs.h), shared by the writer and the image reader (read.py).
 MAX_SHARED_PER_INODE = 128
 
 SUPERBLOCK = struct.Struct("<IIIBBHQQIIII16s16sIH42x")
@@ -56,6 +58,7 @@ COMPACT_INODE = struct.Struct("<HHHHIIIIHHI")
 EXTENDED_INODE = struct.Struct("<HHHHQIIIIQII16x")
 DIRENT = struct.Struct("<QHBx")
 XATTR_ENTRY = struct.Struct("<BBH")
+CHUNK_INDEX = struct.Struct("<HHI")  # advise, device id, block address
 _IBODY = struct.Struct("<IB7x")
 
 

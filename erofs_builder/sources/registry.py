@@ -37,7 +37,7 @@ first), `BadInput` (anything the registry sends that is malformed, over its limi
 asked for), `ConfigError` (a bad reference).
 
 References and media types live in `registry_names` (pure), settings and credentials in
-`registry_auth`; their public names are re-exported here, so `erofs_builder.registry` is the one
+`registry_auth`; their public names are re-exported here, so `erofs_builder.sources.registry` is the one
 import a caller needs.
 """
 

@@ -41,9 +41,9 @@ import blake3
 
 from layerstore.chunkmap import METADATA
 
+from ..chunking import Cut, MetaSegment
+from ..tree import Kind
 from . import format as fmt
-from .chunking import Cut, MetaSegment
-from .tree import Kind
 
 BS = fmt.BLOCK_SIZE
 _FTYPE = {Kind.REG: fmt.FT_REG, Kind.DIR: fmt.FT_DIR, Kind.CHR: fmt.FT_CHR, Kind.BLK: fmt.FT_BLK,

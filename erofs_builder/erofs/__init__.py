@@ -1,0 +1,1 @@
+"""EROFS format code: the on-disk structures, the image writer, the image reader."""
