@@ -278,7 +278,7 @@ def dedup_variants(full: bool) -> list[tuple[str, dict[str, object], bool]]:
             ("normalized_small_meta_chunks", {**norm, "policy": OLD_POLICY}, False),
             ("normalized_parent_small_meta_chunks", {**norm, "policy": OLD_POLICY}, True),
         ]
-        # the chunk-count / dedup trade-off around the defaults (see docs/erofs-builder.md)
+        # the chunk-count / dedup trade-off around the defaults (see docs/benchmarks-build.md)
         groups = {"512KiB_groups": ChunkPolicy(min_group=128 << 10, target_group=512 << 10, max_group=1 << 20,
                                                big=256 << 10),
                   "64KiB_groups": ChunkPolicy(min_group=16 << 10, target_group=64 << 10, max_group=128 << 10)}

@@ -75,7 +75,7 @@ class ImageLayout:
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """Chunk sizes; docs/erofs-builder.md has the measured trade-off between chunk count and
+    """Chunk sizes; docs/benchmarks-build.md has the measured trade-off between chunk count and
     deduplication behind the defaults."""
 
     max_chunk: int = SLICE  # big files are cut this far apart, from their own start
@@ -83,7 +83,7 @@ class ChunkPolicy:
     min_group: int = 32 << 10
     target_group: int = 128 << 10
     max_group: int = 256 << 10
-    # metadata (docs/erofs-builder.md: the fewer chunks, the fewer requests a cold mount makes)
+    # metadata (docs/benchmarks-build.md: the fewer chunks, the fewer requests a cold mount makes)
     meta_chunk: int = SLICE  # records that hold addresses are cut at fixed offsets this far apart
     dir_chunk: int = 64 << 10  # ... the directories among them this far apart (a parent build rewrites them)
     meta_target: int = 256 << 10  # stable groups merged into content-defined chunks this long (0: not merged)

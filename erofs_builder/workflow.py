@@ -12,7 +12,7 @@ Compressing while building (`build_layer(sink=StoreSink(store))`) stores chunks 
 build, before the source is known to be good. It is therefore used only for sources that say
 they may (`LayerSource.refusable=False`: a sandbox's upper being committed, which is not an
 archive someone hands in) and only when the store takes objects as fast as a push would; see
-docs/erofs-builder.md ("Building and pushing in one pass") for the reasoning and the figures.
+docs/erofs-builder.md ("From a source to published layers") for the reasoning, docs/benchmarks-build.md for the figures.
 """
 
 from __future__ import annotations
