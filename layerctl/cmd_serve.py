@@ -56,7 +56,7 @@ def is_local(bind: dict[str, object]) -> bool:
 @click.option("--body-timeout", type=float, default=None,
               help="Seconds a request body may take to arrive (default 120); slower is a 408.")
 @click.option("--max-connections", type=int, default=None,
-              help="Open connections per worker (default 10000, kept below the file limit); at the cap a new "
+              help="Open connections per worker (default 4096, kept below the file limit); at the cap a new "
                    "connection closes the least recently active idle one.")
 @click.option("--header-timeout", type=float, default=None,
               help="Seconds a connection may take to send a request's headers (default 10); slower is closed.")

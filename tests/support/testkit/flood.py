@@ -45,13 +45,15 @@ def raise_nofile(wanted: int) -> int:
 @dataclass
 class Flood:
     """`count` connections to host:port (loopback only), each idle (nothing sent) or half-sent
-    (`HALF_SENT`: a request whose headers never end), opened `batch` at a time, then held."""
+    (`HALF_SENT`: a request whose headers never end), opened `batch` at a time (at most `rate` a
+    second, 0: as fast as they connect), then held."""
 
     host: str
     port: int
     count: int
     half_sent: bool = False
     batch: int = 500
+    rate: float = 0.0
     opened: int = 0  # connections established
     failed: int = 0  # connects refused or timed out
     closed_by_peer: int = 0  # connections the service closed (EOF or reset seen)
@@ -91,13 +93,19 @@ class Flood:
 
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
+        batch = self.batch if not self.rate else max(1, min(self.batch, int(self.rate / 10)))
+        start = time.monotonic()
         try:
             i = 0
             while i < self.count and not self._stop.is_set():
-                n = min(self.batch, self.count - i)
+                n = min(batch, self.count - i)
                 self._open_batch(sel, i, n)
                 i += n
                 self._reap(sel, 0)
+                if self.rate:
+                    ahead = start + i / self.rate - time.monotonic()
+                    if ahead > 0:
+                        self._reap(sel, ahead)
             self.done_opening.set()
             while not self._stop.is_set():
                 self._reap(sel, 0.2)
@@ -170,12 +178,14 @@ class Flood:
 
 @dataclass
 class FloodGroup:
-    """A flood of `count` connections split over child processes of at most `PER_PROCESS` each."""
+    """A flood of `count` connections split over child processes of at most `PER_PROCESS` each,
+    opened at most `rate` a second in all (0: as fast as they connect)."""
 
     host: str
     port: int
     count: int
     half_sent: bool = False
+    rate: float = 0.0
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _status: dict[int, dict[str, int]] = field(default_factory=dict)
     _readers: list[threading.Thread] = field(default_factory=list)
@@ -200,6 +210,8 @@ class FloodGroup:
             args = [sys.executable, "-m", "testkit.flood", self.host, str(self.port), str(n)]
             if self.half_sent:
                 args.append("--half-sent")
+            if self.rate:
+                args.append(f"--rate={self.rate / parts}")
             proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             self._procs.append(proc)
             t = threading.Thread(target=self._read, args=(i, proc), daemon=True)
@@ -247,9 +259,10 @@ class FloodGroup:
 
 
 def _child(argv: list[str]) -> None:
-    """`python -m testkit.flood HOST PORT COUNT [--half-sent]`: hold a flood, print its counts as a
-    JSON line every 0.2 s, close everything and exit when stdin closes."""
-    flood = Flood(argv[0], int(argv[1]), int(argv[2]), half_sent="--half-sent" in argv)
+    """`python -m testkit.flood HOST PORT COUNT [--half-sent] [--rate=N]`: hold a flood, print its
+    counts as a JSON line every 0.2 s, close everything and exit when stdin closes."""
+    rate = next((float(a.split("=", 1)[1]) for a in argv if a.startswith("--rate=")), 0.0)
+    flood = Flood(argv[0], int(argv[1]), int(argv[2]), half_sent="--half-sent" in argv, rate=rate)
     gone = threading.Event()
 
     def watch_stdin() -> None:
