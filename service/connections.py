@@ -9,9 +9,14 @@ This module is the guard `layerctl serve` runs uvicorn with, per worker process:
   first byte after an answer: else a 408 and close) and a connection cap: at the cap a new
   connection closes the least recently active idle one (no request in progress), or itself if
   every one is busy. Idle keep-alive connections are uvicorn's `timeout_keep_alive`.
-- `guarded_loop`, the event loop factory: an accept that fails for lack of file descriptors
-  (EMFILE, ENFILE, ENOBUFS, ENOMEM) closes a batch of the oldest idle connections instead of a
+- `guarded_loop`, the event loop factory (`GuardedLoop`): at most `ACCEPTS_PER_TICK` accepts a
+  turn, and an accept that fails for lack of file descriptors (EMFILE, ENFILE, ENOBUFS, ENOMEM)
+  lowers the cap below the connections open and closes the excess idle ones instead of a
   traceback per attempt.
+- Garbage: a closed connection's transport cycle is broken (`GuardedHttp.connection_lost`), the
+  loaded app is frozen out of the collector's sight and full collections made rarer
+  (`GC_THRESHOLDS`): a full collection over thousands of connections held the loop for most of a
+  second.
 - `GuardLog`: what the guard did, one line per interval with counts (never a line per event); it
   also swallows uvicorn's per-connection "Invalid HTTP request received." warnings into a count.
 
