@@ -102,10 +102,11 @@ class Flood:
                 self._open_batch(sel, i, n)
                 i += n
                 self._reap(sel, 0)
-                if self.rate:
+                while self.rate and not self._stop.is_set():  # (a reap returns at the first close seen)
                     ahead = start + i / self.rate - time.monotonic()
-                    if ahead > 0:
-                        self._reap(sel, ahead)
+                    if ahead <= 0:
+                        break
+                    self._reap(sel, ahead)
             self.done_opening.set()
             while not self._stop.is_set():
                 self._reap(sel, 0.2)
