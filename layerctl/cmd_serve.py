@@ -55,11 +55,21 @@ def is_local(bind: dict[str, object]) -> bool:
 @click.option("--workers", type=int, default=2, show_default=True, help="uvicorn worker processes.")
 @click.option("--body-timeout", type=float, default=None,
               help="Seconds a request body may take to arrive (default 120); slower is a 408.")
+@click.option("--max-connections", type=int, default=None,
+              help="Open connections per worker (default 4096, kept below the file limit); at the cap a new "
+                   "connection closes the least recently active idle one.")
+@click.option("--header-timeout", type=float, default=None,
+              help="Seconds a connection may take to send a request's headers (default 10); slower is closed.")
+@click.option("--idle-timeout", type=float, default=None,
+              help="Seconds an idle keep-alive connection stays open (default 15).")
+@click.option("--max-inflight", type=int, default=None,
+              help="Requests in progress per token and worker (default 64; 0: no limit); more are a 429.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 @click.pass_context
 def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_file: Path | None,
                 tls_cert: Path | None, tls_key: Path | None, workers: int, body_timeout: float | None,
-                log_level: str) -> None:
+                max_connections: int | None, header_timeout: float | None, idle_timeout: float | None,
+                max_inflight: int | None, log_level: str) -> None:
     """Serve the store over HTTP (FastAPI on uvicorn) until SIGTERM or SIGINT. Clients use the
     store URL http(s)://HOST:PORT with a token ($LAYERSTORE_TOKEN or a credentials file)."""
     if ctx.invoked_subcommand is not None:
@@ -68,7 +78,9 @@ def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_f
 
     from layerstore.config import resolve_store_url
     from layerstore.store import Store
+    from service import connections
     from service.app import BODY_TIMEOUT_ENV, STORE_ENV, TOKENS_ENV
+    from service.inflight import MAX_INFLIGHT_ENV
 
     bind = parse_listen(listen)
     if workers < 1:
@@ -87,6 +99,17 @@ def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_f
         if body_timeout <= 0:
             raise ConfigError("--body-timeout must be positive")
         os.environ[BODY_TIMEOUT_ENV] = str(body_timeout)
+    limits = {connections.MAX_CONNECTIONS_ENV: (max_connections, 1, "--max-connections"),
+              connections.HEADER_TIMEOUT_ENV: (header_timeout, 1e-9, "--header-timeout"),
+              MAX_INFLIGHT_ENV: (max_inflight, 0, "--max-inflight")}
+    for env, (value, least, flag) in limits.items():
+        if value is not None:
+            if value < least:
+                raise ConfigError(f"{flag} must be at least {least:g}" if least >= 1 else f"{flag} must be positive")
+            os.environ[env] = str(value)
+    if idle_timeout is not None and idle_timeout <= 0:
+        raise ConfigError("--idle-timeout must be positive")
+    connections.raise_nofile()  # the workers inherit it
     # Several workers sum their counts through files in a fresh directory; one worker is this
     # process, whose metrics may already exist in memory (prometheus-client picks its mode when it is
     # first imported), so it counts in memory and exposes its own registry.
@@ -101,6 +124,9 @@ def serve_group(ctx: click.Context, store_url: str | None, listen: str, tokens_f
         uvicorn.run("service.app:app_from_env", factory=True, workers=workers, log_level=log_level,
                     ssl_certfile=str(tls_cert) if tls_cert else None, ssl_keyfile=str(tls_key) if tls_key else None,
                     timeout_graceful_shutdown=10, server_header=False, access_log=log_level == "debug",
+                    http="service.connections:GuardedHttp", loop="service.connections:guarded_loop",
+                    backlog=connections.BACKLOG,
+                    timeout_keep_alive=idle_timeout or connections.DEFAULT_IDLE_TIMEOUT,  # type: ignore[arg-type]
                     **bind)  # type: ignore[arg-type]
     finally:
         if metrics_dir:

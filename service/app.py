@@ -46,6 +46,7 @@ from .budget import ByteBudget, budget_from_env
 from .cached_reads import CachedReader
 from .checks import body_limit, check_body, check_key, decode_cost, head_size, limit_for
 from .fastpath import ObjectFastPath
+from .inflight import DEFAULT_MAX_INFLIGHT, MAX_INFLIGHT_ENV, InflightLimit
 from .leaseowner import LeaseGuard
 from .metrics import MetricsMiddleware, exposition
 
@@ -101,7 +102,8 @@ def error_response(e: LayerstoreError) -> JSONResponse:
     return JSONResponse(e.to_wire(), status_code=e.http_status, headers=headers)
 
 
-def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+               max_inflight: int = DEFAULT_MAX_INFLIGHT) -> FastAPI:
     app = FastAPI(title="layerstore store service", version="1",
                   description="The content-addressed store over HTTP: see docs/service.md.")
     app.state.tokens = tokens
@@ -491,6 +493,7 @@ def create_app(store: Store, tokens: TokenTable, *, body_timeout: float = DEFAUL
               for m in getattr(r, "methods", ()) if m in ("GET", "HEAD")}
     app.add_middleware(ObjectFastPath, prefix=wire.OBJECTS, who=lambda request: principal(request, None),
                        get=answer_get, head=answer_head, on_error=edge_error, routes=routes)
+    app.add_middleware(InflightLimit, limit=max_inflight, cookie=signin.COOKIE)  # per token (inflight.py)
     app.add_middleware(MetricsMiddleware)  # outermost: it counts the fast path's answers too
     return app
 
@@ -517,5 +520,7 @@ def app_from_env() -> FastAPI:
     url = os.environ[STORE_ENV]
     tokens = os.environ.get(TOKENS_ENV) or None
     timeout = float(os.environ.get(BODY_TIMEOUT_ENV) or DEFAULT_BODY_TIMEOUT)
+    inflight = int(os.environ.get(MAX_INFLIGHT_ENV) or DEFAULT_MAX_INFLIGHT)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return create_app(Store.open(url), TokenTable(Path(tokens) if tokens else None), body_timeout=timeout)
+    return create_app(Store.open(url), TokenTable(Path(tokens) if tokens else None), body_timeout=timeout,
+                      max_inflight=inflight)

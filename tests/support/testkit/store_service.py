@@ -77,9 +77,9 @@ class Service:
 def start_service(store_url: str, workdir: Path, *, tokens: Path | None = None, workers: int = 1,
                   unix: bool = False, port: int | None = None, body_timeout: float | None = None,
                   env: dict[str, str] | None = None, ready_timeout: float = 60.0,
-                  tls: tuple[Path, Path] | None = None) -> Service:
+                  tls: tuple[Path, Path] | None = None, extra_args: tuple[str, ...] = ()) -> Service:
     """`layerctl serve` on `store_url`, ready (answering HTTP) when this returns; `tls`: a
-    certificate and key (PEM) to serve HTTPS with."""
+    certificate and key (PEM) to serve HTTPS with; `extra_args`: more options of `layerctl serve`."""
     workdir.mkdir(parents=True, exist_ok=True)
     for attempt in range(5):
         if unix:
@@ -97,6 +97,7 @@ def start_service(store_url: str, workdir: Path, *, tokens: Path | None = None, 
         if tls is not None:
             args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
             url = url.replace("http://", "https://")
+        args += list(extra_args)
         log = workdir / f"service-{listen.replace('/', '_').replace(':', '_')[-60:]}.log"
         full_env = {**os.environ, **(env or {})}
         full_env.pop("LAYERSTORE_TOKEN", None)
