@@ -92,6 +92,48 @@ def classify(item: pytest.Item) -> None:
                 item.add_marker(getattr(pytest.mark, mark))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N parts of the selected tests, whole files each, balanced by count "
+                          "(`make check` runs two at once)")
+
+
+def shard_files(counts: dict[str, int], n: int) -> list[set[str]]:
+    """Split files (name -> number of tests) into n parts of near-equal totals: largest first,
+    each to the lightest part so far (ties: the first part). Deterministic for equal input."""
+    parts: list[set[str]] = [set() for _ in range(n)]
+    loads = [0] * n
+    for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        k = loads.index(min(loads))
+        parts[k].add(name)
+        loads[k] += count
+    return parts
+
+
+class Shard:
+    def __init__(self, i: int, n: int) -> None:
+        self.i, self.n = i, n
+
+    @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the parts split what is left
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        counts: dict[str, int] = {}
+        for item in items:
+            counts[item.nodeid.partition("::")[0]] = counts.get(item.nodeid.partition("::")[0], 0) + 1
+        mine = shard_files(counts, self.n)[self.i - 1]
+        config.hook.pytest_deselected(items=[it for it in items if it.nodeid.partition("::")[0] not in mine])
+        items[:] = [it for it in items if it.nodeid.partition("::")[0] in mine]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    shard = config.getoption("--shard")
+    if shard:
+        i, _, n = shard.partition("/")
+        if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+            raise pytest.UsageError(f"--shard {shard}: expected I/N with 1 <= I <= N")
+        config.pluginmanager.register(Shard(int(i), int(n)), "layerstore-shard")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: a mark added here counts there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     why: dict[str, str] = {}
     for item in items:
