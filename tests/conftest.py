@@ -1,15 +1,42 @@
-"""Shared test fixtures (the Ceph ones live in the development kit, `testkit.fixtures_ceph`) and
-the one place that decides what a test marked `root` does without root: it is skipped."""
+"""Shared test fixtures (the Ceph ones live in the development kit, `testkit.fixtures_ceph`) and the
+one place that classifies tests by what they need and decides what a test does where that is missing.
+
+The marks (registered in pyproject.toml; `make check` runs the tests that carry none of them):
+
+- `root`: mounts, namespaces, cgroups: skipped without root (`testkit.shim_support.needs_root` is
+  this same mark, kept importable);
+- `ceph`: the real single-node Ceph (`testkit.fixtures_ceph`): skipped where Ceph is not installed;
+  where it is, a cluster that does not start FAILS the test (CI machines have Ceph);
+- `vm`: qemu and the guest kit of the current sources: skipped where either is missing;
+- `containerd`: containerd and ctr: skipped where missing;
+- `registry`: Debian's docker-registry on loopback: skipped where missing;
+- `slow`: needs nothing above but takes long (a tier of its own, never skipped).
+
+Classified here without edits to the test: a test that uses a Ceph fixture gets `ceph`, one that
+uses a fixture marked by `REQUIRES` below gets that fixture's marks. A Ceph fixture reached
+only through `request.getfixturevalue` (a backend parameter) cannot be seen at collection: the
+parameter carries the mark (`pytest.param("s3", marks=pytest.mark.ceph)`), and the fixture fails a
+test that lacks it (`testkit.fixtures_ceph`), so a missing mark shows on every machine.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["testkit.fixtures_ceph"]
+
+# The marks that say what a test needs, in the order `make check` lists them.
+NEEDS = ("root", "ceph", "vm", "containerd", "registry", "slow")
+# Fixtures whose users need something: fixture name -> marks its users get.
+REQUIRES: dict[str, tuple[str, ...]] = {
+    **{name: ("ceph",) for name in ("ceph", "s3_client", "s3_env", "s3_bucket_name", "s3_store_url",
+                                     "cephfs_store_url")},
+}
 
 
 @pytest.fixture
@@ -24,10 +51,98 @@ def node(tmp_path: Path) -> Iterator[Path]:
         cleanup_node(n, tmp_path)
 
 
+def _root_missing() -> str:
+    return "" if os.geteuid() == 0 else "needs root (mounts)"
+
+
+def _ceph_missing() -> str:
+    if shutil.which("ceph-mon") is None:
+        return "needs Ceph (ceph-mon and friends: .ci/install-deps.sh)"
+    return _root_missing() and "needs root (the Ceph harness mounts CephFS)"
+
+
+def _vm_missing() -> str:
+    from testkit.vm_support import vm_unavailable
+
+    return vm_unavailable()
+
+
+def _containerd_missing() -> str:
+    from testkit.containerd import containerd_missing
+
+    return containerd_missing()
+
+
+def _registry_missing() -> str:
+    from testkit.oci_registry import registry_missing
+
+    return registry_missing()
+
+
+# mark -> why this machine cannot run its tests ("" if it can); asked once, only for marks in use.
+MISSING: dict[str, Callable[[], str]] = {"root": _root_missing, "ceph": _ceph_missing, "vm": _vm_missing,
+                                         "containerd": _containerd_missing, "registry": _registry_missing}
+
+
+def classify(item: pytest.Item) -> None:
+    """Add the marks a test gets from the fixtures it uses."""
+    for name in getattr(item, "fixturenames", ()):
+        for mark in REQUIRES.get(name, ()):
+            if item.get_closest_marker(mark) is None:
+                item.add_marker(getattr(pytest.mark, mark))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the I-th of N parts of the selected tests, whole files each, balanced by count "
+                          "(`make check` runs two at once)")
+
+
+def shard_files(counts: dict[str, int], n: int) -> list[set[str]]:
+    """Split files (name -> number of tests) into n parts of near-equal totals: largest first,
+    each to the lightest part so far (ties: the first part). Deterministic for equal input."""
+    parts: list[set[str]] = [set() for _ in range(n)]
+    loads = [0] * n
+    for name, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        k = loads.index(min(loads))
+        parts[k].add(name)
+        loads[k] += count
+    return parts
+
+
+class Shard:
+    def __init__(self, i: int, n: int) -> None:
+        self.i, self.n = i, n
+
+    @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the parts split what is left
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        counts: dict[str, int] = {}
+        for item in items:
+            counts[item.nodeid.partition("::")[0]] = counts.get(item.nodeid.partition("::")[0], 0) + 1
+        mine = shard_files(counts, self.n)[self.i - 1]
+        config.hook.pytest_deselected(items=[it for it in items if it.nodeid.partition("::")[0] not in mine])
+        items[:] = [it for it in items if it.nodeid.partition("::")[0] in mine]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    shard = config.getoption("--shard")
+    if shard:
+        i, _, n = shard.partition("/")
+        if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+            raise pytest.UsageError(f"--shard {shard}: expected I/N with 1 <= I <= N")
+        config.pluginmanager.register(Shard(int(i), int(n)), "layerstore-shard")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: a mark added here counts there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.geteuid() == 0:
-        return
-    skip = pytest.mark.skip(reason="needs root (mounts)")
+    why: dict[str, str] = {}
     for item in items:
-        if item.get_closest_marker("root") is not None:
-            item.add_marker(skip)
+        classify(item)
+        for mark, missing in MISSING.items():
+            if item.get_closest_marker(mark) is None:
+                continue
+            if mark not in why:
+                why[mark] = missing()
+            if why[mark]:
+                item.add_marker(pytest.mark.skip(reason=why[mark]))
+                break

@@ -2,6 +2,8 @@
 
 - the import graph of the project's modules has no circles (every import counts, also the ones
   inside functions and under TYPE_CHECKING: a lazy import is still a dependency);
+- between top-level packages, imports flow one way: a package imports only what `ALLOWED` lists
+  for it (the tiers below, plus the few sideways imports named with their reason);
 - no private name (`_name`) is used outside the module that defines it: neither imported from
   another module nor reached as an attribute of an object of another module's making.
 """
@@ -123,6 +125,58 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+# The house's tiers, bottom to top: a package may import any package of a lower tier; within a
+# tier only what SIDEWAYS names. (README's architecture diagram draws the same order.)
+TIERS = [
+    ["layerstore"],
+    ["manifest", "erofs_builder"],
+    ["fuse_client", "layergc"],
+    ["runtime_shim", "service", "snapshotter"],
+    ["layerctl"],
+]
+SIDEWAYS = {
+    ("erofs_builder", "manifest"): "an image's runtime config becomes an environment's (image_config, image_env)",
+    ("snapshotter", "runtime_shim"): "the snapshotter mounts layers through the shim's shared blob mounts",
+}
+ALLOWED: dict[str, set[str]] = {
+    pkg: {low for below in TIERS[:i] for low in below} | {b for (a, b) in SIDEWAYS if a == pkg}
+    for i, tier in enumerate(TIERS) for pkg in tier
+}
+
+
+def _top(mod: str) -> str:
+    return mod.partition(".")[0]
+
+
+def upward_imports(graph: dict[str, dict[str, set[str]]]) -> list[str]:
+    """Imports between top-level packages that ALLOWED does not list, as `module -> module`."""
+    return sorted(f"{m} -> {t}" for m, deps in graph.items() for t in deps
+                  if _top(t) != _top(m) and _top(t) not in ALLOWED[_top(m)])
+
+
+def test_the_tiers_name_every_package_once() -> None:
+    named = [pkg for tier in TIERS for pkg in tier]
+    assert sorted(named) == sorted(PACKAGES) and len(set(named)) == len(named)
+
+
+def test_imports_between_packages_flow_one_way() -> None:
+    graph = {m: {t: n for t, n in deps.items() if t in MODULES} for m, deps in GRAPH.items() if m in MODULES}
+    assert upward_imports(graph) == []
+
+
+def test_every_sideways_import_is_still_used() -> None:
+    used = {(_top(m), _top(t)) for m, deps in GRAPH.items() if m in MODULES for t in deps if t in MODULES}
+    assert set(SIDEWAYS) <= used, "a sideways import listed in SIDEWAYS is gone: drop it from the table"
+
+
+def test_an_upward_or_unlisted_sideways_import_is_caught() -> None:
+    graph = {"layerstore.store": {"layerctl.main": {"main"}},  # up
+             "manifest.environment": {"erofs_builder.tree": {""}},  # sideways, not listed
+             "fuse_client.daemon": {"erofs_builder.build": {""}, "fuse_client.linux": {""}},  # down; own package
+             "erofs_builder.image_env": {"manifest.environment": {""}}}  # sideways, listed
+    assert upward_imports(graph) == ["layerstore.store -> layerctl.main", "manifest.environment -> erofs_builder.tree"]
 
 
 def test_import_graph_has_no_circles() -> None:

@@ -1,7 +1,8 @@
 """The node cache, a library with no transport: everything that owns cached chunks.
 
-It knows nothing of FUSE or HTTP; the FUSE file system (`fuse_client.fuse`), the control socket
-(`fuse_client.control`) and a coming fanotify listener sit beside each other on this API:
+It knows nothing of FUSE, fanotify or HTTP; the FUSE file system (`fuse_client.fuse`), the fanotify
+front end (`fuse_client.fanotify`) and the control socket (`fuse_client.control`) sit beside each
+other on this API:
 
 - open: `open_cache(dir, budget, stack)` locks the directory (`CacheBusy`), opens the index and
   recovers (`recovery.recover`); `NodeCache.run` starts its background tasks (journal, touches,

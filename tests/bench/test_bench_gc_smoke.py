@@ -19,6 +19,7 @@ from layerstore.store import Store
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gc_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "gc.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gc.py"), "--backends", "local", "--chunks", "400",

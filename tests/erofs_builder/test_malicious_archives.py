@@ -138,6 +138,7 @@ def assert_store_empty(url: str) -> None:
     assert listing["blobs"] == [] and listing["chunks"] == 0, listing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,match,names", [c[1:] for c in TAR_CASES], ids=[c[0] for c in TAR_CASES])
 def test_cli_refuses(tmp_path: Path, store: str, data: bytes, match: str, names: str) -> None:
     src = tmp_path / "evil.tar"

@@ -348,6 +348,7 @@ _json_values = st.recursive(
     max_leaves=30)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(doc=_json_values, media=st.sampled_from([OCI_MANIFEST, OCI_INDEX, DOCKER_LIST, "application/json", ""]))
 def test_any_manifest_document_gives_a_project_error(doc: object, media: str) -> None:
@@ -358,6 +359,7 @@ def test_any_manifest_document_gives_a_project_error(doc: object, media: str) ->
         _consume(_pull(fake))
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_any_almost_valid_image_gives_a_project_error_or_builds(data: st.DataObject) -> None:

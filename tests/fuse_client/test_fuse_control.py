@@ -42,6 +42,7 @@ def _corrupt_chunk_map(store: Store, blob: str) -> None:
 
 
 # -- errors across the socket ---------------------------------------------------------------------
+@pytest.mark.root
 @pytest.mark.trio
 async def test_errors_keep_their_class_and_exit_code_across_the_socket(store: Store, tmp_path: Path) -> None:
     cmap = put_blob(store, bytes(range(256)) * 1024)

@@ -100,6 +100,7 @@ HOSTILE: list[tuple[str, bytes, int, str]] = [
 ]
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_malformed_and_hostile_requests_get_a_clear_4xx(store: Store, tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
@@ -119,6 +120,7 @@ async def test_malformed_and_hostile_requests_get_a_clear_4xx(store: Store, tmp_
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_lying_slow_and_silent_clients_neither_hang_nor_break_the_server(
         store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -143,6 +145,7 @@ async def test_lying_slow_and_silent_clients_neither_hang_nor_break_the_server(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_what_curl_sends_works_too(store: Store, tmp_path: Path) -> None:
     """`curl --unix-socket DIR/control.sock -d '{...}' http://x/unpin` sends a form content type,
@@ -166,6 +169,7 @@ async def test_what_curl_sends_works_too(store: Store, tmp_path: Path) -> None:
         assert status_of(answer) == 200 and body_of(answer)["checked"] == 0, answer
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_the_openapi_document_describes_every_route(store: Store, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
@@ -180,6 +184,7 @@ async def test_the_openapi_document_describes_every_route(store: Store, tmp_path
     assert schema["required"] == ["blob"]
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_answers_keep_their_content_types_and_errors_their_class(store: Store, tmp_path: Path) -> None:
     cmap = put_blob(store, bytes(range(256)) * 64)
@@ -212,6 +217,7 @@ async def test_a_refused_peer_gets_no_answer_and_the_client_says_permission_deni
         assert server.refused == 2
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_a_connection_that_fails_inside_the_http_server_does_not_stop_the_daemon(
         store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -239,6 +245,7 @@ print("blobs" in res, "trio" in sys.modules)
 """
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_the_blocking_client_talks_without_importing_trio(store: Store, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
@@ -352,6 +359,7 @@ def json_values(blob: str) -> st.SearchStrategy[object]:
                         | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 
+@pytest.mark.root
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_body_on_any_route_gets_an_answer_below_500(running: Running, data: st.DataObject) -> None:

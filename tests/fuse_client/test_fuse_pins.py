@@ -163,6 +163,7 @@ def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_pat
         assert set(cache.pins) == {cmap.blob}
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_pin_routes_and_the_blocking_client(store: Store, data: bytes, tmp_path: Path) -> None:
     cmap = put_blob(store, data)

@@ -85,6 +85,7 @@ def _rounds(store_for: Callable[[], Backend], tmp: Path, rounds: int, seed: int,
     return stats
 
 
+@pytest.mark.slow
 def test_local_races(tmp_path: Path) -> None:
     """1,000 push/collect interleavings on the local backend."""
     root = tmp_path / "store"
@@ -126,6 +127,7 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_kill_collector_at_random_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 of a collector at random points while a pusher runs: what is reachable stays, and
     a rerun removes everything that is not."""

@@ -40,6 +40,7 @@ def tree_tar(tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return af.tar_with_gnu_tar(tree, tmp_path_factory.mktemp("tar") / "tree.tar", "posix")
 
 
+@pytest.mark.root
 def test_json_shape_push_and_get_blob(tmp_path: Path, store: str, tree_tar: Path) -> None:
     out = tmp_path / "layer.erofs"
     r = layerctl("build", str(tree_tar), "--output", str(out), "--push", "--store", store, "--json",
@@ -63,6 +64,7 @@ def test_json_shape_push_and_get_blob(tmp_path: Path, store: str, tree_tar: Path
     assert [b["blob"] for b in listing["blobs"]] == [res["blob"]]
 
 
+@pytest.mark.root
 def test_stdin_directory_and_tar_give_one_image(tmp_path: Path, tree: Path, tree_tar: Path) -> None:
     from_file = layerctl("build", str(tree_tar), "--json")
     from_stdin = layerctl("build", "-", "--json", input=gzip.compress(tree_tar.read_bytes()))
@@ -73,6 +75,7 @@ def test_stdin_directory_and_tar_give_one_image(tmp_path: Path, tree: Path, tree
     assert from_file.json()["blob"] == from_stdin.json()["blob"] == from_dir.json()["blob"]
 
 
+@pytest.mark.root
 def test_human_summary(tmp_path: Path, store: str, tree_tar: Path) -> None:
     r = layerctl("build", str(tree_tar), "--push", "--store", store, "--role", "base")
     assert r.code == 0, r.err
@@ -118,6 +121,7 @@ def test_all_root_and_mtime_clamp(tmp_path: Path, tree: Path) -> None:
     assert all(rec["mtime_ns"] <= 1000 * 10**9 for rec in snap.values())
 
 
+@pytest.mark.root
 def test_usage_errors(tmp_path: Path, tree: Path, tree_tar: Path) -> None:
     r = layerctl("build", str(tmp_path / "missing"))
     assert_clean_failure(r, "no such file")

@@ -188,6 +188,7 @@ def test_cache_gc_cli_offline(store: Store, tmp_path: Path) -> None:
                          "not a node cache")
 
 
+@pytest.mark.root
 @pytest.mark.trio
 async def test_the_control_route_checks_its_body(store: Store, tmp_path: Path) -> None:
     [(a, da)] = blobs_of(store, 1)

@@ -33,7 +33,7 @@ from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject
 from layerstore.store import MAX_OBJECT_SIZE, Store
 
-BACKENDS = ["local", "cephfs", "s3"]
+BACKENDS = ["local", pytest.param("cephfs", marks=pytest.mark.ceph), pytest.param("s3", marks=pytest.mark.ceph)]
 CHUNK = 64 * 1024
 DEADLINE = 60.0  # seconds a refused load may take at most; a hang fails the test instead of blocking it
 

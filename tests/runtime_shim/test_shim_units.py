@@ -271,6 +271,7 @@ def test_default_roots_and_shim_made_uppers_are_found_without_index_entries(tmp_
             assert t.count("targets") == 0 and t.sandboxes() == []
 
 
+@pytest.mark.root
 def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_that_is_refused(
         tmp_path: Path) -> None:
     import json

@@ -9,6 +9,11 @@
   processes (spawned while the test runs) all pick them up.
 - `cephfs_store_url`: a fresh path on the ceph-fuse mount per test; like the local-directory
   store, the store directory itself does not exist yet, its parent does.
+
+A test that uses these must carry the `ceph` mark (tests/conftest.py adds it to the users it can
+see; a backend parameter reaching them through `request.getfixturevalue` carries it itself):
+the per-test fixtures fail a test without it, on every machine, so that `make check` on a
+machine without Ceph never meets a Ceph test.
 """
 
 from __future__ import annotations
@@ -89,6 +94,12 @@ def s3_env(ceph: CephCluster, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]
     return env
 
 
+def require_ceph_mark(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("ceph") is None:
+        pytest.fail(f"{request.node.nodeid} uses Ceph but is not marked `ceph`: mark the test, or the "
+                    f"parameter that reaches the Ceph fixture, with pytest.mark.ceph", pytrace=False)
+
+
 def _slug(request: pytest.FixtureRequest) -> str:
     return re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:24] or "test"
 
@@ -96,6 +107,7 @@ def _slug(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def s3_bucket_name(s3_env: dict[str, str], request: pytest.FixtureRequest) -> str:
     """A bucket name nobody has used in this cluster (the bucket itself is not created)."""
+    require_ceph_mark(request)
     return f"ls-{next(_counter)}-{secrets.token_hex(3)}-{_slug(request)}"[:63].rstrip("-")
 
 
@@ -108,6 +120,7 @@ def s3_store_url(ceph: CephCluster, s3_client: Any, s3_bucket_name: str) -> str:
 
 @pytest.fixture
 def cephfs_store_url(ceph: CephCluster, request: pytest.FixtureRequest) -> str:
+    require_ceph_mark(request)
     parent = ceph.mount_path / "tests" / f"{next(_counter)}-{secrets.token_hex(3)}-{_slug(request)}"
     parent.mkdir(parents=True)
     return str(parent / "store")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from runtime_shim.shim import Shim
 
 BUSYBOX = shutil.which("busybox")
-needs_root = pytest.mark.root  # skipped without root by tests/conftest.py
+needs_root = pytest.mark.root  # the `root` mark under its older name (tests/conftest.py skips it without root)
 needs_busybox = pytest.mark.skipif(BUSYBOX is None or not os.path.exists("/usr/share/doc/busybox-static"),
                                    reason="needs busybox-static (.ci/install-deps.sh)")
 needs_runc = pytest.mark.skipif(shutil.which("runc") is None, reason="needs runc (.ci/install-deps.sh)")

@@ -1,6 +1,7 @@
 """What the VM tests share (microVM and full VM backends):
 
-- `needs_vm`: skip unless qemu-system-x86 and the guest kit for the current sources are there;
+- `needs_vm`: the `vm` mark (tests/conftest.py skips it unless `vm_unavailable()` is "": qemu-system-x86
+  and the guest kit for the current sources are there);
 - `tcg`: a fixture body that selects TCG unless LAYERSTORE_VM_ACCEL says otherwise (this node
   kind's /dev/kvm boots no guest);
 - `kill9_daemon(shim)`: kill -9 the node daemon a shim uses and reap it; returns its record.
@@ -30,7 +31,7 @@ def vm_unavailable() -> str:
     return "" if shutil.which("qemu-system-x86_64") else "needs qemu-system-x86"
 
 
-needs_vm = pytest.mark.skipif(bool(vm_unavailable()), reason=vm_unavailable() or "-")
+needs_vm = pytest.mark.vm  # skipped by tests/conftest.py where vm_unavailable() says why
 
 
 def tcg(monkeypatch: pytest.MonkeyPatch) -> None:
