@@ -1,8 +1,9 @@
 """The standing A/B: this checkout against another commit, the read, compose and fetch-CPU benches
 interleaved round by round in the same minutes, each figure's ratio (this / base) with its spread.
 
-    python bench/ab.py --base COMMIT [--rounds N] [--size quick|full] [--benches read,compose,fetch_cpu]
-                       [--read-contenders erofs_local,fuse_warm,promoted] [--out FILE]
+    python bench/ab.py --base COMMIT [--this COMMIT] [--rounds N] [--size quick|full]
+                       [--benches read,compose,fetch_cpu] [--read-contenders erofs_local,fuse_warm,promoted]
+                       [--read-reps N] [--out FILE]
     make bench-ab BASE=<commit> [ROUNDS=5] [SIZE=quick] [BENCHES=read,compose,fetch_cpu]
 
 The base is checked out (detached) in a git worktree under bench/.cache/ab-<commit> (made once, kept
@@ -12,8 +13,7 @@ one after a heavy run starts on a busier machine), so both see the same minutes 
 
 What a side is, per bench:
 - read (bench/read.py --reps 1 or `--read-reps`, the same --big-mib for both, no S3, hot or hit-path
-  sections): each
-  side's own bench in its own tree (store and chunk-map formats change between commits, so one
+  sections): each side's own bench in its own tree (store and chunk-map formats change between commits, so one
   side's harness cannot feed the other's daemon). Figures: each contender's ratio to EROFS on a
   local file in that round (bench/read.py's paired ratio), per workload: `read.<workload>.<contender>`;
   for FUSE contenders also the daemon's misses and CPU ms per FUSE request.
@@ -127,11 +127,12 @@ def compose_figures(tree: Path, args: argparse.Namespace, tmp: Path, log: Path) 
     return figs
 
 
-def fetch_cpu_pair(base: Path, args: argparse.Namespace, tmp: Path, log: Path) -> dict[str, dict[str, float]]:
+def fetch_cpu_pair(this: Path, base: Path, args: argparse.Namespace, tmp: Path,
+                   log: Path) -> dict[str, dict[str, float]]:
     """Both sides at once (the bench interleaves its own children): {"this": ..., "base": ...}."""
     out = tmp / "fetch_cpu.json"
-    doc = run_json([sys.executable, str(ROOT / "bench" / "fetch_cpu.py"), "--size", args.size, "--rounds", "1",
-                    "--peer", str(base), "--out", str(out)], cwd=ROOT, env=side_env(ROOT), out=out, log=log)
+    doc = run_json([sys.executable, str(this / "bench" / "fetch_cpu.py"), "--size", args.size, "--rounds", "1",
+                    "--peer", str(base), "--out", str(out)], cwd=this, env=side_env(this), out=out, log=log)
     res = doc["results"]
     return {side: {"fetch_cpu.big.cpu_s_per_GB": res[key]["big"]["cpu_s_per_GB_median"],
                    "fetch_cpu.small.cpu_us_per_chunk": res[key]["small"]["cpu_us_per_chunk_median"]}
@@ -159,6 +160,8 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the commit to compare against")
+    ap.add_argument("--this", default=None, metavar="COMMIT",
+                    help="compare this commit (checked out as the base is) instead of this checkout: a bisection step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--size", choices=("quick", "full"), default=os.environ.get("BENCH_SIZE") or "quick")
     ap.add_argument("--benches", default=",".join(BENCHES))
@@ -177,23 +180,25 @@ def main(argv: list[str] | None = None) -> int:
         print("needs root (the read and compose benches mount)", file=sys.stderr)
         return 2
     base = base_checkout(args.base)
-    this_commit, base_commit = git("rev-parse", "--short", "HEAD"), git("rev-parse", "--short", "HEAD", cwd=base)
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    this = base_checkout(args.this) if args.this else ROOT
+    this_commit = git("rev-parse", "--short", "HEAD", cwd=this)
+    base_commit = git("rev-parse", "--short", "HEAD", cwd=base)
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", cwd=this))
     out = args.out or RESULTS / f"ab-{args.size}-{this_commit}-vs-{base_commit}.json"
-    log = out.with_suffix(".log")
+    log = CACHE / f"{out.stem}.log"  # (the benches' own output: bulky, not a result)
     print(f"A/B: this {this_commit}{' (uncommitted changes)' if dirty else ''} vs base {base_commit} ({base}); "
           f"{args.rounds} rounds of {','.join(benches)} at {args.size}; bench output in {log}", flush=True)
     rounds: list[dict[str, Any]] = []
     failures: list[str] = []
     t0 = time.monotonic()
     for rnd in range(args.rounds):
-        order = [("this", ROOT), ("base", base)] if rnd % 2 == 0 else [("base", base), ("this", ROOT)]
+        order = [("this", this), ("base", base)] if rnd % 2 == 0 else [("base", base), ("this", this)]
         got: dict[str, Any] = {"this": {}, "base": {}, "load_start": os.getloadavg()}
         with tempfile.TemporaryDirectory(prefix="ab-", dir="/var/tmp") as tmp:
             for bench in benches:
                 if bench == "fetch_cpu":
                     try:
-                        for side, figs in fetch_cpu_pair(base, args, Path(tmp), log).items():
+                        for side, figs in fetch_cpu_pair(this, base, args, Path(tmp), log).items():
                             got[side].update(figs)
                     except (RuntimeError, KeyError, ValueError) as e:
                         failures.append(f"round {rnd} fetch_cpu: {e}")
