@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{n} {got['this'][n]:.3f}/{got['base'].get(n, float('nan')):.3f}"
                           for n in sorted(got["this"])), flush=True)
     figs = summary(rounds)
-    print(f"\n{'figure':44s} {'this: median [range]':>24s} {'base: median [range]':>24s} {'this/base paired':>24s}")
+    print(f"\n{'figure':52s} {'this: median [range]':>24s} {'base: median [range]':>24s} {'this/base paired':>24s}")
     for n, f in figs.items():
-        print(f"{n:44s} {spread(f['this']):>24s} {spread(f['base']):>24s} {spread(f['ratio_paired']):>24s}")
+        print(f"{n:52s} {spread(f['this']):>24s} {spread(f['base']):>24s} {spread(f['ratio_paired']):>24s}")
     for line in failures:
         print(f"failed: {line}")
     loads = [r["load_start"][0] for r in rounds] + [r["load_end"][0] for r in rounds]
