@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint deps system-deps bench clean
+.PHONY: demo test check lint deps system-deps bench bench-ab clean
 
 demo: deps
 	@bash .ci/demo.sh
@@ -34,12 +34,20 @@ lint: deps
 SIZE ?= quick
 # A failing bench does not stop the others; the run then ends with the list of failures and exits 1.
 bench: deps
-	@t0=$$(date +%s); failed=""; times=""; for b in bench/*.py; do t=$$(date +%s); echo "== $$b (SIZE=$(SIZE))"; \
+	@t0=$$(date +%s); failed=""; times=""; for b in $(filter-out bench/ab.py,$(wildcard bench/*.py)); do t=$$(date +%s); echo "== $$b (SIZE=$(SIZE))"; \
 		if BENCH_SIZE=$(SIZE) $(VPY) $$b $(BENCH_ARGS); then s=ok; else s="FAILED (exit $$?)"; failed="$$failed $$b"; fi; \
 		line="$$b: $$s, $$(( $$(date +%s) - t )) s, load $$(cut -d' ' -f1 /proc/loadavg)"; echo "== $$line"; \
 		times="$$times\n   $$line"; done; \
 		printf '%b\n' "== make bench SIZE=$(SIZE): $$(( $$(date +%s) - t0 )) s, load $$(cut -d' ' -f1-3 /proc/loadavg)$$times"; \
 		if [ -n "$$failed" ]; then echo "== make bench: FAILED:$$failed (their output is above)" >&2; exit 1; fi
+
+# The standing A/B (bench/ab.py): this checkout against BASE (a commit), the read, compose and fetch-CPU
+# benches interleaved round by round in the same minutes; each figure's ratio this/base with its spread.
+ROUNDS ?= 5
+BENCHES ?= read,compose,fetch_cpu
+bench-ab: deps
+	@test -n "$(BASE)" || { echo "usage: make bench-ab BASE=<commit> [ROUNDS=5] [SIZE=quick|full] [BENCHES=read,compose,fetch_cpu]" >&2; exit 2; }
+	$(VPY) bench/ab.py --base $(BASE) --rounds $(ROUNDS) --size $(SIZE) --benches $(BENCHES) $(AB_ARGS)
 
 deps: system-deps $(STAMP)
 	@$(VPY) -m snapshotter.protoc  # containerd API stubs into snapshotter/api (git-ignored), when stale
@@ -47,7 +55,7 @@ deps: system-deps $(STAMP)
 system-deps:
 	@bash .ci/install-deps.sh
 
-$(STAMP): pyproject.toml tests/support/pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py tests/support/pyproject.toml constraints.txt
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test,bench]' -e tests/support
 	touch $(STAMP)

@@ -227,6 +227,13 @@ class FanotifyFrontEnd:
         if held:
             self._dispatch(held)
 
+    def attach_unmarked(self, entry: BlobEntry, path: Path, key: tuple[int, int]) -> None:
+        """Serve events on the file `key` (st_dev, st_ino) from `entry` with no mark, no holder
+        and no persistence: for measuring the event path without a kernel group
+        (bench/fanotify_event_cost.py). Never called by the daemon."""
+        with self._lock:
+            self._by_key[key] = Attached(entry, path, key, set(), None, marked=False)  # type: ignore[arg-type]
+
     def stats_json(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.stats.to_json())
         out["generation"] = self.generation

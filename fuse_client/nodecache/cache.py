@@ -18,7 +18,9 @@ leave data without a record (recovery punches it), never a record without data.
 A record says the bytes were verified once, not that they still are: after a restart (a crash, or
 someone writing to the data files meanwhile) recovery keeps recorded chunks as `unverified`, and
 nothing serves them until they are re-hashed against the chunk map (`check_unverified`: by the
-fetcher on first demand, by `pin_blob` before a direct mount, by `verify`).
+fetcher on first demand, by `pin_blob` before a direct mount, by `verify`). A clean close writes
+the verified seal (`seal`): the next open serves at once the recorded chunks of every data file
+that was not changed since (the seal is removed on open: a crash leaves none).
 
 Protected blobs (`protect`): a front end that mounts a blob's data file directly and sees only the
 start of each read (fanotify: after its answer the kernel's read goes on without it) cannot know
@@ -51,7 +53,7 @@ from layerstore.chunkmap import ChunkMap
 from layerstore.errors import BadInput, ConfigError, LayerstoreError
 from layerstore.fileio import fsync_dir
 
-from . import frames
+from . import frames, seal
 from . import index as ci
 from .entry import BlobEntry, Flight
 from .errors import BlobIncomplete, BlobPinned, CacheIOError, NoPlainImage
@@ -181,9 +183,31 @@ class NodeCache:
         self.map_files = True  # data files may be mapped (see `disable_mapping`)
 
     def close(self) -> None:
-        for e in self.entries.values():
+        """Close every data file and write the verified seal (`seal`): what this process
+        verified, and each data file's identity once no write can reach it any more."""
+        entries = list(self.entries.values())
+        for e in entries:
+            e.stop_writes()
+        sealed: dict[str, seal.Sealed] = {}
+        try:
+            stats = {e.blob: os.fstat(e.fd) for e in entries if 1 in e.present}
+            seal.settle_clock([st.st_ctime_ns for st in stats.values()])
+            for e in entries:
+                if e.blob in stats:
+                    sealed[e.blob] = seal.Sealed(seal.file_identity(os.fstat(e.fd)), seal.map_digest(e.cmap.encode()),
+                                                 seal.runs_of(e.present))
+        except OSError as err:
+            log.warning("cache: no verified seal (%s): the next start re-hashes recovered chunks", err)
+            sealed = {}
+        for e in entries:
             e.close()
         self.entries.clear()
+        if sealed:
+            try:
+                seal.write(self.root, sealed)
+            except OSError as err:
+                log.warning("cache: cannot write the verified seal (%s): the next start re-hashes recovered chunks",
+                            err)
 
     # -- blobs ---------------------------------------------------------------------------
     def get(self, blob: str) -> BlobEntry | None:

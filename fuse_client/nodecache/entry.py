@@ -220,9 +220,14 @@ class BlobEntry:
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
 
-    def close(self) -> None:
+    def stop_writes(self) -> None:
+        """No write reaches the data file from now on (a fetch thread still writing finishes
+        first); its descriptor stays open (the cache's seal takes the file's identity, `seal`)."""
         with self.io_lock:
             self.closed = True
+
+    def close(self) -> None:
+        self.stop_writes()
         if self._map is not None:
             assert self.view is not None
             try:

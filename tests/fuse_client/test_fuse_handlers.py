@@ -403,13 +403,11 @@ async def test_restart_keeps_cache_and_serves_without_store(store: Store, backen
     backend.fail = StoreUnavailable("down")
     async with rig(store, tmp_path / "cache", deadline=0.3) as r:
         fh = await r.open_blob(cmap.blob)  # the chunk map comes from the cache too
-        # The first reads re-hash the recovered chunks (misses, but no store fetch), then hit.
+        # The clean close's verified seal vouches for the unchanged data file: every read is a hit,
+        # nothing re-hashed, nothing fetched (after a crash the first reads re-hash: test_fuse_integrity).
         assert await r.read_all(fh, len(data)) == data
         assert r.stats.blobs[cmap.blob].fetched_bytes == 0
-        misses = r.stats.blobs[cmap.blob].misses
-        assert await r.read_all(fh, len(data)) == data
-        assert r.stats.blobs[cmap.blob].misses == misses
-        assert r.cache.verified_chunks == len(cmap.chunks)
+        assert r.stats.blobs[cmap.blob].misses == 0 and r.cache.verified_chunks == 0
 
 
 @pytest.mark.usefixtures("cache_format")

@@ -20,6 +20,7 @@ from testkit.nodecache_formats import compressible
 from fuse_client.nodecache import BlobIncomplete
 from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.maintenance import ls, pin_offline, verify
+from fuse_client.nodecache.seal import SEAL_NAME
 from layerstore import digest as digestmod
 from layerstore.errors import StoreUnavailable
 from layerstore.store import Store
@@ -32,6 +33,8 @@ def data() -> bytes:
 
 
 def _fill(store: Store, cache_dir: Path, blob: str, size: int, *, pin: str | None = None) -> None:
+    """The whole blob read into the cache, then the cache left as a crash leaves it (no verified
+    seal: `_crashed`)."""
     async def go() -> None:
         async with rig(store, cache_dir) as r:
             fh = await r.open_blob(blob)
@@ -40,6 +43,12 @@ def _fill(store: Store, cache_dir: Path, blob: str, size: int, *, pin: str | Non
                 await r.cache.pin_blob(blob, pin)
 
     trio.run(go)
+    _crashed(cache_dir)
+
+
+def _crashed(cache_dir: Path) -> None:
+    """What a crash leaves: no verified seal (a clean close writes one, the next open removes it)."""
+    (cache_dir / SEAL_NAME).unlink(missing_ok=True)
 
 
 def _corrupt(cache_dir: Path, blob: str, offset: int) -> None:
@@ -168,13 +177,15 @@ def test_recovered_chunks_count_in_usage_ls_eviction_and_verify(store: Store, da
     res = verify(cache_dir)
     assert res["checked"] == len(cmap.chunks)
     assert [(b["blob"], b["chunk"]) for b in res["bad"]] == [(cmap.blob, 0)]
+    _crashed(cache_dir)
     res = ls(cache_dir)
     used = res["used_bytes"]
-    assert res["unverified_bytes"] == len(data) - CHUNK  # (a new open: unverified again)
+    assert res["unverified_bytes"] == len(data) - CHUNK  # (a new open after a crash: unverified again)
+    _crashed(cache_dir)
     assert used == res["blobs"][0]["stored_bytes"] < blob["stored_bytes"]
 
     async def go() -> None:
-        async with rig(store, cache_dir) as r:  # unverified again after this reopen
+        async with rig(store, cache_dir) as r:  # unverified again after this reopen (after a crash)
             assert r.cache.usage == used
             n, b = await r.cache.evict_to(0)
             assert (n, b) == (len(cmap.chunks) - 1, used)

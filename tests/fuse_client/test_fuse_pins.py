@@ -26,6 +26,7 @@ from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.index import CacheIndex, DelChunk
 from fuse_client.nodecache.maintenance import pin_offline, unpin_offline
 from fuse_client.nodecache.recovery import recover
+from fuse_client.nodecache.seal import SEAL_NAME
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob, rig
@@ -149,6 +150,7 @@ def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_pat
             await r.cache.pin_blob(cmap.blob, "h")
 
     trio.run(fill)
+    (cache_dir / SEAL_NAME).unlink()  # a crash: no verified seal
     index = CacheIndex(cache_dir / INDEX_DIR)
     index.apply([DelChunk(cmap.blob, 2)])  # as if the record had been lost: its bytes are unrecorded
     files = BlobFiles(cache_dir)
