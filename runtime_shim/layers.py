@@ -34,8 +34,8 @@ import logging
 import os
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
+from layerstore.linux import detach
 from layerstore.errors import LayerstoreError
 from layerstore.fileio import rmdir_quiet
 

@@ -20,8 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
+from layerstore.linux import detach
 from layerstore.fileio import rmdir_quiet
 
 from . import records, utab

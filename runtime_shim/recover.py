@@ -44,8 +44,8 @@ from typing import Any
 
 import lmdb
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
+from layerstore.linux import detach
 from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
 

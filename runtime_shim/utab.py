@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fuse_client.linux import escape, unescape
+from layerstore.linux import escape, unescape
 from layerstore.fileio import write_atomic
 
 UTAB_DIR = Path("/run/mount")

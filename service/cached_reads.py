@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from fuse_client.linux import OVERLAYFS_MAGIC, fs_type
+from layerstore.linux import OVERLAYFS_MAGIC, fs_type
 from layerstore.backends.posix import PosixBackend
 
 EXT4_MAGIC = 0xEF53

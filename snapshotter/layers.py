@@ -24,8 +24,8 @@ import os
 import threading
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
+from layerstore.linux import detach
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet

@@ -9,7 +9,7 @@ A tree someone else may be changing while it is read (a running sandbox's upper 
 is walked by `untrusted_entries` instead: through directory descriptors, one component at a
 time, never following a symlink, opening nothing but a regular file it has just checked to be the
 inode its walk saw (the opening itself is handed in: `Beneath`, Linux's openat2 in
-`fuse_client.linux`, which sits above the builder).
+`layerstore.linux`, which sits above the builder).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _entry(rel: bytes, disk: bytes, st: os.stat_result, all_root: bool,
 # -- trees someone else may be changing (a running sandbox's upper) --------------------------------
 @dataclass(frozen=True)
 class Beneath:
-    """The safe opening `untrusted_entries` needs, handed in by the caller (`fuse_client.linux`
+    """The safe opening `untrusted_entries` needs, handed in by the caller (`layerstore.linux`
     implements both; the builder sits below it and binds no Linux call itself)."""
 
     # (directory fd, relative path, expect=(st_dev, st_ino)) -> a read-only fd of that regular

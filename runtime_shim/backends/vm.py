@@ -65,7 +65,7 @@ from typing import Any
 import blake3
 
 from erofs_builder.tree import Kind
-from fuse_client.linux import find_mount
+from layerstore.linux import find_mount
 from layerstore.errors import ConfigError
 from layerstore.fileio import write_atomic
 

@@ -16,7 +16,7 @@ from erofs_builder.build import BuiltLayer, build_layer
 from erofs_builder.sources.image_config import runtime_config
 from erofs_builder.sources.source_oci import image_layers, whiteouts
 from erofs_builder.tree import Entry, Kind
-from fuse_client.linux import MS_RDONLY, mount, umount
+from layerstore.linux import MS_RDONLY, mount, umount
 from layerstore.errors import BadInput, NotFound
 
 BASE = [

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from fuse_client import linux
+from layerstore import linux
 from fuse_client.nodecache.files import BlobFiles
 from layerstore import digest as digestmod
 

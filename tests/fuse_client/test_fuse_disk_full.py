@@ -15,7 +15,7 @@ import pyfuse3
 import pytest
 import trio
 
-from fuse_client import linux
+from layerstore import linux
 from fuse_client.daemon import DaemonConfig
 from fuse_client.nodecache import Budget
 from fuse_client.nodecache.eviction import DEFAULT_FS_FRACTION

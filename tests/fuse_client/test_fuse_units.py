@@ -12,7 +12,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuse_client.linux import data_extents
+from layerstore.linux import data_extents
 from fuse_client.nodecache.eviction import Budget, Candidate, choose_victims
 from fuse_client.nodecache.files import BlobFiles, punch_hole
 from fuse_client.nodecache.index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch

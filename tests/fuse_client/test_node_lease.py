@@ -26,7 +26,7 @@ from testkit.node_lease import (
     set_run_state,
 )
 
-from fuse_client import linux
+from layerstore import linux
 from fuse_client.nodecache.inuse import blob_key, interval_from_env
 from layerstore import leases
 from layerstore.errors import PermissionDenied

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim import records
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
@@ -220,7 +220,7 @@ def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> 
 
 
 def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
-    from fuse_client.linux import detach
+    from layerstore.linux import detach
 
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))

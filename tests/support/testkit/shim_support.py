@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore import digest as digestmod
 from runtime_shim.daemon import is_alive
 from runtime_shim.environment import EnvSpec, LayerSpec
