@@ -60,8 +60,8 @@ from testkit.fanotify_helpers import mounted_layer, node_daemon, process_marks, 
 from testkit.fuse_helpers import build_and_push, make_tree  # noqa: E402
 
 from erofs_builder.build import BuiltLayer  # noqa: E402
-from layerstore import linux  # noqa: E402
 from fuse_client.control import request_json  # noqa: E402
+from layerstore import linux  # noqa: E402
 from layerstore.backends.posix import PosixBackend  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 

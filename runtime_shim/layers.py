@@ -35,9 +35,9 @@ import os
 from pathlib import Path
 
 from layerstore import linux
-from layerstore.linux import detach
 from layerstore.errors import LayerstoreError
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from .blobs import BlobSource
 from .errors import ShimError

@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 
 from layerstore import linux
-from layerstore.linux import detach
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from . import records, utab
 from .errors import SandboxExists, SandboxNotFound

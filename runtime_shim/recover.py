@@ -45,9 +45,9 @@ from typing import Any
 import lmdb
 
 from layerstore import linux
-from layerstore.linux import detach
 from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from . import records
 from .backends.base import SandboxBackend

@@ -8,9 +8,9 @@ import bisect
 import logging
 from pathlib import Path
 
-from layerstore.linux import data_extents
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject
+from layerstore.linux import data_extents
 
 from . import index as ci
 from .cache import NodeCache, read_protected

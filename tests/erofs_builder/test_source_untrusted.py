@@ -23,8 +23,8 @@ from testkit.hostile import SECRET, host_dir
 
 from erofs_builder.sources.source_dir import Beneath, dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
-from layerstore.linux import entry_path, open_regular_beneath, read_regular_beneath
 from layerstore.errors import BadInput, NotFound
+from layerstore.linux import entry_path, open_regular_beneath, read_regular_beneath
 
 BENEATH = Beneath(open_regular_beneath, entry_path)
 DEADLINE = 20.0  # seconds: a walk that has not ended by then hangs
