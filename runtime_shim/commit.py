@@ -126,14 +126,11 @@ def upper_source(upper: Path, userns: int | None = None) -> LayerSource:
     overlayfs's bookkeeping xattrs dropped, owners mapped back to the sandbox's ids if it has a
     user namespace (`userns`: its range's base). Not refusable: a failure half-way is the
     commit's, so its chunks may be stored while it is built."""
-    from erofs_builder.sources.source_dir import Beneath, untrusted_entries
+    from erofs_builder.sources.source_dir import untrusted_entries
     from erofs_builder.workflow import LayerSource
-    from layerstore.linux import entry_path, open_regular_beneath
-
-    beneath = Beneath(open_regular_beneath, entry_path)
 
     def entries(_progress: Any) -> Iterator[tuple[Any, Any]]:
-        walked = layer_entries(untrusted_entries(upper, beneath))
+        walked = layer_entries(untrusted_entries(upper))
         return walked if userns is None else unmapped_entries(walked, userns)
 
     return LayerSource(str(upper), entries, None, counts_input=False, refusable=False)

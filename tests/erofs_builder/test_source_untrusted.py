@@ -21,18 +21,17 @@ import pytest
 from testkit import deadline
 from testkit.hostile import SECRET, host_dir
 
-from erofs_builder.sources.source_dir import Beneath, dir_entries, untrusted_entries
+from erofs_builder.sources.source_dir import dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
 from layerstore.errors import BadInput, NotFound
-from layerstore.linux import entry_path, open_regular_beneath, read_regular_beneath
+from layerstore.linux import read_regular_beneath
 
-BENEATH = Beneath(open_regular_beneath, entry_path)
 DEADLINE = 20.0  # seconds: a walk that has not ended by then hangs
 
 
 def walk(root: Path) -> Iterator[tuple[object, object]]:
     """The walker under test (the one a commit reads an upper with)."""
-    return untrusted_entries(root, BENEATH)
+    return untrusted_entries(root)
 
 
 def contents(entries: Iterator[tuple[object, object]]) -> dict[bytes, tuple[Kind, bytes | None]]:
