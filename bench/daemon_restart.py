@@ -60,8 +60,8 @@ from testkit.fanotify_helpers import mounted_layer, node_daemon, process_marks, 
 from testkit.fuse_helpers import build_and_push, make_tree  # noqa: E402
 
 from erofs_builder.build import BuiltLayer  # noqa: E402
-from fuse_client import linux  # noqa: E402
 from fuse_client.control import request_json  # noqa: E402
+from layerstore import linux  # noqa: E402
 from layerstore.backends.posix import PosixBackend  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 
@@ -164,7 +164,7 @@ def kill_all(args: argparse.Namespace) -> int:
 
     from fuse_client.control import attach
     from fuse_client.fanotify import handover
-    from fuse_client.linux import mount_erofs
+    from layerstore.linux import mount_erofs
     from runtime_shim.daemon import DaemonSupervisor, is_alive
     from runtime_shim.paths import NodePaths
     from runtime_shim.state import NodeState
@@ -282,7 +282,7 @@ def kill_all_fd_store(args: argparse.Namespace) -> int:
 
     from fuse_client.control import attach
     from fuse_client.fanotify import handover
-    from fuse_client.linux import mount_erofs
+    from layerstore.linux import mount_erofs
 
     for k in ("LAYERSTORE_DATA_PATH", "LAYERSTORE_DAEMON_WATCH"):
         os.environ.pop(k, None)  # (the daemon's own default decides: auto)

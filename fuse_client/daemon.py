@@ -39,7 +39,7 @@ from pathlib import Path
 
 import trio
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.backends import Backend
 from layerstore.errors import ConfigError, LayerstoreError
 from layerstore.fileio import private_dir

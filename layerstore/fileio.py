@@ -1,7 +1,7 @@
 """Plain file I/O that every layer of the house needs, written once: whole reads and writes at an
 offset however many system calls they take, and files replaced whole or not at all.
 
-Portable POSIX, no Linux-only calls (those live in `fuse_client.linux`, with the mount code): the
+Portable POSIX, no Linux-only calls (those live in `layerstore.linux`, with the mount code): the
 store, the manifests and the builder sit below the node daemon and use these too.
 """
 

@@ -12,7 +12,7 @@ moment, to a symlink to a host directory, a FIFO or a device node in particular.
 (1) freezes it first: every backend that keeps a workload for the sandbox is asked to `pause` it
 (the container backend: the cgroup freezer) for the whole read, and resumes it afterwards; a
 workload that runs and cannot be frozen refuses the commit; and (2) reads the upper as an
-untrusted tree whatever (`erofs_builder.sources.source_dir.untrusted_entries` with `fuse_client.linux`'s
+untrusted tree whatever (`erofs_builder.sources.source_dir.untrusted_entries` with `layerstore.linux`'s
 openat2): no symlink is ever followed, nothing but a regular file checked to be the inode the walk
 saw is ever opened, no device node but a whiteout is taken, so a writer the freezer does not
 reach (a process outside the sandbox's cgroup writing to a caller's upper) gets the commit
@@ -126,14 +126,11 @@ def upper_source(upper: Path, userns: int | None = None) -> LayerSource:
     overlayfs's bookkeeping xattrs dropped, owners mapped back to the sandbox's ids if it has a
     user namespace (`userns`: its range's base). Not refusable: a failure half-way is the
     commit's, so its chunks may be stored while it is built."""
-    from erofs_builder.sources.source_dir import Beneath, untrusted_entries
+    from erofs_builder.sources.source_dir import untrusted_entries
     from erofs_builder.workflow import LayerSource
-    from fuse_client.linux import entry_path, open_regular_beneath
-
-    beneath = Beneath(open_regular_beneath, entry_path)
 
     def entries(_progress: Any) -> Iterator[tuple[Any, Any]]:
-        walked = layer_entries(untrusted_entries(upper, beneath))
+        walked = layer_entries(untrusted_entries(upper))
         return walked if userns is None else unmapped_entries(walked, userns)
 
     return LayerSource(str(upper), entries, None, counts_input=False, refusable=False)

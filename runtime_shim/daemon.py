@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import LayerstoreError
 
 from .errors import DaemonError

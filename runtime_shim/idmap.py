@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput, LayerstoreError
 
 from .errors import ShimError

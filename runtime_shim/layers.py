@@ -34,10 +34,10 @@ import logging
 import os
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
 from layerstore.errors import LayerstoreError
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from .blobs import BlobSource
 from .errors import ShimError

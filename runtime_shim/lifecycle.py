@@ -20,9 +20,9 @@ import os
 import shutil
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from . import records, utab
 from .errors import SandboxExists, SandboxNotFound

@@ -108,7 +108,7 @@ def node_dir_of(target: str) -> str | None:
     import os
     import re
 
-    from fuse_client import linux
+    from layerstore import linux
 
     m = linux.find_mount(os.path.abspath(target))  # parses only the lines naming the target
     if m is None or m.fstype != "overlay":
@@ -178,7 +178,7 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
         target = parse_umount_argv(sys.argv[1:] if argv is None else argv)
     except LayerstoreError as e:
         return _fail(e, EXIT_USAGE)
-    from fuse_client import linux
+    from layerstore import linux
 
     from . import utab
     from .errors import SandboxNotFound

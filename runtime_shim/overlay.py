@@ -20,7 +20,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 
 from .errors import NodeFull, ShimError
 from .paths import check_overlay_safe

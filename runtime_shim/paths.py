@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from fuse_client import linux
 from layerstore import digest as digestmod
+from layerstore import linux
 from layerstore.errors import ConfigError
 from layerstore.fileio import private_dir
 

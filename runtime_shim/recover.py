@@ -44,10 +44,10 @@ from typing import Any
 
 import lmdb
 
-from fuse_client import linux
-from fuse_client.linux import detach
+from layerstore import linux
 from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 
 from . import records
 from .backends.base import SandboxBackend

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.fileio import rmdir_quiet
 
 from . import records, utab

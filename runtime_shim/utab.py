@@ -21,8 +21,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fuse_client.linux import escape, unescape
 from layerstore.fileio import write_atomic
+from layerstore.linux import escape, unescape
 
 UTAB_DIR = Path("/run/mount")
 HELPER = "layerstore"

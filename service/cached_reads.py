@@ -16,8 +16,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from fuse_client.linux import OVERLAYFS_MAGIC, fs_type
 from layerstore.backends.posix import PosixBackend
+from layerstore.linux import OVERLAYFS_MAGIC, fs_type
 
 EXT4_MAGIC = 0xEF53
 XFS_MAGIC = 0x58465342

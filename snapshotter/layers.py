@@ -24,11 +24,11 @@ import os
 import threading
 from pathlib import Path
 
-from fuse_client import linux
-from fuse_client.linux import detach
 from layerstore import digest as digestmod
+from layerstore import linux
 from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet
+from layerstore.linux import detach
 from runtime_shim.blobs import BlobSource
 from runtime_shim.environment import CachingResolver, EnvSpec, LayerSpec
 from runtime_shim.errors import SandboxExists, SandboxNotFound

@@ -174,7 +174,7 @@ def test_every_sideways_import_is_still_used() -> None:
 def test_an_upward_or_unlisted_sideways_import_is_caught() -> None:
     graph = {"layerstore.store": {"layerctl.main": {"main"}},  # up
              "manifest.environment": {"erofs_builder.tree": {""}},  # sideways, not listed
-             "fuse_client.daemon": {"erofs_builder.build": {""}, "fuse_client.linux": {""}},  # down; own package
+             "fuse_client.daemon": {"erofs_builder.build": {""}, "fuse_client.fuse.mount": {""}},  # down; own package
              "erofs_builder.image_env": {"manifest.environment": {""}}}  # sideways, listed
     assert upward_imports(graph) == ["layerstore.store -> layerctl.main", "manifest.environment -> erofs_builder.tree"]
 
@@ -241,3 +241,30 @@ def test_no_private_name_used_outside_its_module() -> None:
 @pytest.mark.parametrize("mod", sorted(MODULES))
 def test_module_parses(mod: str) -> None:
     assert TREES[mod] is not None
+
+
+# -- one libc loader (issue 29) ----------------------------------------------------------------------
+LIBC_HOME = "layerstore.linux.libc"
+# ctypes' ways to load a shared library (and to find one by name): whoever names one loads libc itself
+_LOADERS = {"CDLL", "PyDLL", "cdll", "pydll", "LibraryLoader", "LoadLibrary", "find_library"}
+
+
+def libc_loaders() -> dict[str, list[int]]:
+    """Module -> the lines that name a ctypes library loader (a call, an attribute, an import of
+    one). bench/ and tests/ are not walked (they may load what they measure with)."""
+    found: dict[str, list[int]] = {}
+    for mod in MODULES:
+        for node in ast.walk(TREES[mod]):
+            named = (node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name)
+                     else None)
+            imported = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ctypes") and any(
+                a.name in _LOADERS or a.name == "*" for a in node.names)
+            if named in _LOADERS or imported:
+                found.setdefault(mod, []).append(node.lineno)
+    return found
+
+
+def test_one_module_loads_libc() -> None:
+    """Every Linux call goes through layerstore.linux, whose `libc` module is the one loader."""
+    loaders = libc_loaders()
+    assert sorted(loaders) == [LIBC_HOME], {m: lines for m, lines in loaders.items() if m != LIBC_HOME}

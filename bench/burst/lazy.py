@@ -308,7 +308,7 @@ def tree_bytes(root: Path) -> int:
 
 def sweep_mounts(root: Path) -> None:
     """Unmount whatever is still mounted under `root`, deepest first (a crashed run's leftovers)."""
-    from fuse_client import linux
+    from layerstore import linux
 
     for m in linux.mounts_under(linux.read_mounts(), str(root.resolve())):  # deepest first
         with contextlib.suppress(linux.MountError):

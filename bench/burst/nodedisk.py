@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_client.linux import syncfs
+from layerstore.linux import syncfs
 
 SECTOR = 512
 

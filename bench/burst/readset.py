@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fuse_client.linux import resident_pages
+from layerstore.linux import resident_pages
 
 from . import oci, spec
 from .conventional import mount_overlay

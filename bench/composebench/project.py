@@ -9,7 +9,7 @@ from typing import Any
 
 
 def linux() -> ModuleType:
-    from fuse_client import linux
+    from layerstore import linux
 
     return linux
 

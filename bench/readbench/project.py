@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from erofs_builder.build import build_layer, push_layer
 from erofs_builder.sources.source_dir import dir_entries
-from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, pin, request_json, unpin
 from fuse_client.fuse.fs import BLOBS_INODE, BlobFS
 from fuse_client.nodecache import DEFAULT_CONCURRENCY, LazyCache, Stats, open_cache
 from layerstore import digest as digestmod
+from layerstore import linux
 from layerstore.store import Store
 
 __all__ = ["BLOBS_INODE", "DEFAULT_CONCURRENCY", "BlobFS", "DaemonNotRunning", "LazyCache", "Stats", "Store",

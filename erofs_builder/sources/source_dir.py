@@ -8,8 +8,7 @@ holes handed on as `Hole`s. File contents are read lazily, when the writer consu
 A tree someone else may be changing while it is read (a running sandbox's upper being committed)
 is walked by `untrusted_entries` instead: through directory descriptors, one component at a
 time, never following a symlink, opening nothing but a regular file it has just checked to be the
-inode its walk saw (the opening itself is handed in: `Beneath`, Linux's openat2 in
-`fuse_client.linux`, which sits above the builder).
+inode its walk saw (with openat2 beneath a directory: `layerstore.linux.beneath`).
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 from layerstore.errors import BadInput, LayerstoreError
+from layerstore.linux.beneath import entry_path, open_regular_beneath
 
 from ..tree import Data, Entry, Hole, Kind
 
@@ -178,31 +177,18 @@ def _entry(rel: bytes, disk: bytes, st: os.stat_result, all_root: bool,
 
 
 # -- trees someone else may be changing (a running sandbox's upper) --------------------------------
-@dataclass(frozen=True)
-class Beneath:
-    """The safe opening `untrusted_entries` needs, handed in by the caller (`fuse_client.linux`
-    implements both; the builder sits below it and binds no Linux call itself)."""
-
-    # (directory fd, relative path, expect=(st_dev, st_ino)) -> a read-only fd of that regular
-    # file, resolved without following any symlink and without leaving the directory; BadInput
-    # (or NotFound) for anything else, which is never opened
-    open_regular: Callable[..., int]
-    # (directory fd, one name) -> a path naming that entry through the descriptor, for the
-    # calls that take no directory descriptor (llistxattr)
-    entry_path: Callable[[int, bytes], bytes]
-
-
 DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def untrusted_entries(root: Path, beneath: Beneath, *, all_root: bool = False) -> Iterator[tuple[Entry, Data | None]]:
+def untrusted_entries(root: Path, *, all_root: bool = False) -> Iterator[tuple[Entry, Data | None]]:
     """`dir_entries` for a tree its owner may be changing while it is read, and whose owner may
     be hostile (a sandbox's upper): the same entries, in the same order, for a tree that holds
     still; for one that does not, sandbox content only or `BadInput`, never a hang.
 
     `root` itself is the caller's (followed as given). Below it every directory is opened from
     its parent's descriptor by one name with O_NOFOLLOW and checked to be the directory the
-    walk's lstat saw; every regular file is opened through `beneath.open_regular` and checked
+    walk's lstat saw; every regular file is opened with `open_regular_beneath` (openat2: no
+    symlink on the path, never leaving the directory, nothing but the regular file checked) and checked
     likewise (content read later, for a large file, is opened again from the root, beneath it,
     and checked again); a symlink is recorded by readlinkat, never followed; nothing on another
     filesystem than the root's is taken. Whiteouts (character device 0/0), FIFOs and sockets are
@@ -214,7 +200,7 @@ def untrusted_entries(root: Path, beneath: Beneath, *, all_root: bool = False) -
     stack: list[tuple[bytes, int, list[bytes], int]] = [(b"", rootfd, [], 0)]
     try:
         st = os.fstat(rootfd)
-        walk = _UntrustedWalk(top, beneath, all_root, st.st_dev)
+        walk = _UntrustedWalk(top, all_root, st.st_dev)
         stack[0] = (b"", rootfd, _names(rootfd), 0)
         yield _make(b"", Kind.DIR, st, all_root, read_xattrs(rootfd)), None
         while stack:
@@ -241,8 +227,8 @@ def _names(dirfd: int) -> list[bytes]:
 
 
 class _UntrustedWalk:
-    def __init__(self, top: bytes, beneath: Beneath, all_root: bool, dev: int) -> None:
-        self.top, self.beneath, self.all_root, self.dev = top, beneath, all_root, dev
+    def __init__(self, top: bytes, all_root: bool, dev: int) -> None:
+        self.top, self.all_root, self.dev = top, all_root, dev
         self.first_path: dict[tuple[int, int], bytes] = {}
 
     def changed(self, path: bytes, why: object) -> BadInput:
@@ -283,7 +269,7 @@ class _UntrustedWalk:
         if kind is Kind.REG:
             return *self.regular(dfd, name, path, st), None
         try:
-            xattrs = read_xattrs(self.beneath.entry_path(dfd, name))  # llistxattr: nothing is opened
+            xattrs = read_xattrs(entry_path(dfd, name))  # llistxattr: nothing is opened
         except OSError as e:  # ENOENT: gone since the lstat
             raise self.changed(path, e.strerror) from None
         entry = _make(path, kind, st, self.all_root, xattrs)
@@ -298,7 +284,7 @@ class _UntrustedWalk:
 
     def open(self, dirfd: int, rel: bytes, path: bytes, st: os.stat_result) -> int:
         try:
-            return self.beneath.open_regular(dirfd, rel, expect=(st.st_dev, st.st_ino))
+            return open_regular_beneath(dirfd, rel, expect=(st.st_dev, st.st_ino))
         except LayerstoreError as e:
             raise self.changed(path, e) from None
 

@@ -34,7 +34,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import ConfigError
 
 from .api import ControlAPI

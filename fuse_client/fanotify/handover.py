@@ -19,7 +19,7 @@ import os
 import socket
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 
 SOCKET_NAME = "fanotify.sock"
 IDENTITY_NAME = "fanotify.holder"

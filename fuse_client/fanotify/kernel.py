@@ -1,4 +1,5 @@
-"""fanotify's system calls (ctypes over libc) and the probe that decides the data path.
+"""What the daemon asks of fanotify (the system calls themselves are `layerstore.linux.fanotify`'s)
+and the probe that decides the data path.
 
 The group is opened with `O_RDWR`: the event fds are used to nothing but `fstat` (the daemon
 writes through its own descriptors), `O_LARGEFILE` for files beyond 2 GiB.
@@ -7,58 +8,43 @@ writes through its own descriptors), `O_LARGEFILE` for files beyond 2 GiB.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
+import errno as errnos
 import os
 import tempfile
 from pathlib import Path
 
+from layerstore.linux.fanotify import fanotify_init, fanotify_mark
+
 from . import abi
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
-_libc.fanotify_init.restype = ctypes.c_int
-_libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
-_libc.fanotify_mark.restype = ctypes.c_int
-
-AT_FDCWD = -100
 GROUP_FLAGS = abi.FAN_CLASS_PRE_CONTENT | abi.FAN_CLOEXEC | abi.FAN_UNLIMITED_QUEUE | abi.FAN_UNLIMITED_MARKS
 EVENT_FLAGS = os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
 
 
-def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
-
-
 def init_group() -> int:
     """A new pre-content group: its fd."""
-    return _check(_libc.fanotify_init(GROUP_FLAGS, EVENT_FLAGS), "fanotify_init")
+    return fanotify_init(GROUP_FLAGS, EVENT_FLAGS)
 
 
 def mark(group: int, path: str | os.PathLike[str], mask: int = abi.FAN_PRE_ACCESS) -> None:
     """Add an inode mark for `mask` on `path` (a regular file; symlinks not followed)."""
-    _check(_libc.fanotify_mark(group, abi.FAN_MARK_ADD | abi.FAN_MARK_DONT_FOLLOW, mask, AT_FDCWD,
-                               os.fsencode(path)), f"fanotify_mark add {path}")
+    fanotify_mark(group, abi.FAN_MARK_ADD | abi.FAN_MARK_DONT_FOLLOW, mask, path, f"fanotify_mark add {path}")
 
 
 def unmark(group: int, path: str | os.PathLike[str], mask: int = abi.FAN_PRE_ACCESS) -> bool:
     """Remove the mark; False if there was none (ENOENT) or the file is gone."""
-    ret = _libc.fanotify_mark(group, abi.FAN_MARK_REMOVE | abi.FAN_MARK_DONT_FOLLOW, mask, AT_FDCWD,
-                              os.fsencode(path))
-    if ret < 0:
-        err = ctypes.get_errno()
-        if err == 2:  # ENOENT: no such mark, or no such file
+    try:
+        fanotify_mark(group, abi.FAN_MARK_REMOVE | abi.FAN_MARK_DONT_FOLLOW, mask, path, f"fanotify_mark remove {path}")
+    except OSError as e:
+        if e.errno == errnos.ENOENT:  # no such mark, or no such file
             return False
-        raise OSError(err, f"fanotify_mark remove {path}: {os.strerror(err)}")
+        raise
     return True
 
 
 def flush_marks(group: int) -> None:
     """Remove every inode mark of the group (`FAN_MARK_FLUSH`)."""
-    _check(_libc.fanotify_mark(group, abi.FAN_MARK_FLUSH, 0, AT_FDCWD, None), "fanotify_mark flush")
+    fanotify_mark(group, abi.FAN_MARK_FLUSH, 0, None, "fanotify_mark flush")
 
 
 def respond(group: int, fd: int, *, allow: bool, errno: int = 0) -> bool:

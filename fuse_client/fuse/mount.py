@@ -14,7 +14,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import ConfigError
 
 from .fs import BlobFS

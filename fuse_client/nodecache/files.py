@@ -18,8 +18,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from fuse_client import linux
 from layerstore import digest as digestmod
+from layerstore import linux
 from layerstore.errors import LayerstoreError
 
 from .errors import CacheIOError

@@ -9,9 +9,9 @@ import bisect
 import logging
 from pathlib import Path
 
-from fuse_client.linux import data_extents
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject
+from layerstore.linux import data_extents
 
 from . import index as ci
 from . import seal

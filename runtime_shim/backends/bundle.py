@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fuse_client.linux import read_regular_beneath, regular_size_beneath
 from layerstore.errors import BadInput, NotFound
 from layerstore.fileio import write_atomic
+from layerstore.linux import read_regular_beneath, regular_size_beneath
 
 from ..idmap import RANGE_SIZE
 from .base import Confinement

@@ -65,9 +65,9 @@ from typing import Any
 import blake3
 
 from erofs_builder.tree import Kind
-from fuse_client.linux import find_mount
 from layerstore.errors import ConfigError
 from layerstore.fileio import write_atomic
+from layerstore.linux import find_mount
 
 from ..errors import ShimError
 from ..paths import NodePaths

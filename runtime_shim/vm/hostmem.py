@@ -5,8 +5,8 @@ pmem tests and bench/vm_memory.py compare (docs/vm-memory.md).
   Private_* in bytes, keyed by the mapped path ("" for anonymous memory: a VMM's guest RAM).
   Pss splits a page shared by N processes N ways, so the Pss of one file's mapping summed over
   every process mapping it is that file's resident mapped pages counted once.
-- `resident(path)`: how many bytes of a file are in the host page cache (mincore over a shared
-  mapping of it, which faults nothing in).
+- `resident(path)`: how many bytes of a file are in the host page cache (`layerstore.linux`'s
+  mincore over a shared mapping of it, which faults nothing in).
 - `host_memory(pids, files)`: the memory a set of VMMs and the files they read cost the host,
   each page once: the processes' Pss except their mappings of `files`, plus the page cache of
   `files` (mapped or not).
@@ -14,14 +14,12 @@ pmem tests and bench/vm_memory.py compare (docs/vm-memory.md).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-PAGE = mmap.PAGESIZE
+from layerstore.linux.memory import PAGE, resident_pages
+
 _FIELDS = {"Rss": "rss", "Pss": "pss", "Shared_Clean": "shared_clean", "Shared_Dirty": "shared_dirty",
            "Private_Clean": "private_clean", "Private_Dirty": "private_dirty"}
 
@@ -77,34 +75,9 @@ def mappings(pid: int) -> ProcessMemory:
     return pm
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
 def resident(path: str | os.PathLike[str]) -> int:
     """Bytes of `path` in the host page cache (whole pages; 0 for an empty file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return 0
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
-        try:
-            pages = (size + PAGE - 1) // PAGE
-            vec = ctypes.create_string_buffer(pages)
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {path}")
-            return sum(b & 1 for b in vec.raw) * PAGE
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
+    return sum(b & 1 for b in resident_pages(path, follow=True)) * PAGE
 
 
 def host_memory(pids: Iterable[int], files: Iterable[str]) -> dict[str, int]:

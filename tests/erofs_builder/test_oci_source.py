@@ -16,8 +16,8 @@ from erofs_builder.build import BuiltLayer, build_layer
 from erofs_builder.sources.image_config import runtime_config
 from erofs_builder.sources.source_oci import image_layers, whiteouts
 from erofs_builder.tree import Entry, Kind
-from fuse_client.linux import MS_RDONLY, mount, umount
 from layerstore.errors import BadInput, NotFound
+from layerstore.linux import MS_RDONLY, mount, umount
 
 BASE = [
     ("dir", ".", 0o755), ("dir", "etc", 0o755), ("file", "etc/os-release", b"base\n"),

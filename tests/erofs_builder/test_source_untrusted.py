@@ -1,5 +1,5 @@
 """Reading a tree a hostile owner may change while it is read (a running sandbox's upper being
-committed): `untrusted_entries` with the safe opening of `fuse_client.linux`, and that opening
+committed): `untrusted_entries` with the safe opening of `layerstore.linux`, and that opening
 itself (`read_regular_beneath`).
 
 The races are made deterministic: a hook on `os.lstat` swaps a path right after the walk has
@@ -21,18 +21,17 @@ import pytest
 from testkit import deadline
 from testkit.hostile import SECRET, host_dir
 
-from erofs_builder.sources.source_dir import Beneath, dir_entries, untrusted_entries
+from erofs_builder.sources.source_dir import dir_entries, untrusted_entries
 from erofs_builder.tree import Kind
-from fuse_client.linux import entry_path, open_regular_beneath, read_regular_beneath
 from layerstore.errors import BadInput, NotFound
+from layerstore.linux import read_regular_beneath
 
-BENEATH = Beneath(open_regular_beneath, entry_path)
 DEADLINE = 20.0  # seconds: a walk that has not ended by then hangs
 
 
 def walk(root: Path) -> Iterator[tuple[object, object]]:
     """The walker under test (the one a commit reads an upper with)."""
-    return untrusted_entries(root, BENEATH)
+    return untrusted_entries(root)
 
 
 def contents(entries: Iterator[tuple[object, object]]) -> dict[bytes, tuple[Kind, bytes | None]]:

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from fuse_client import linux
 from fuse_client.nodecache.files import BlobFiles
 from layerstore import digest as digestmod
+from layerstore import linux
 
 
 def _blob(n: int) -> str:

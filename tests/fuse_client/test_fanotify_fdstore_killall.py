@@ -21,7 +21,7 @@ from testkit.fuse_helpers import CountingBackend, make_tree, wait_until
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import attach, request_json
 from fuse_client.fanotify import handover
-from fuse_client.linux import mount_erofs
+from layerstore.linux import mount_erofs
 
 pytestmark = [pytest.mark.root, needs_fanotify]
 

@@ -31,9 +31,9 @@ from testkit.fuse_helpers import CountingBackend, DaemonProcess, force_unmount, 
 from erofs_builder.build import BuiltLayer
 from fuse_client.control import attach, detach, request_json
 from fuse_client.fanotify import handover
-from fuse_client.linux import mount_erofs, umount
 from fuse_client.nodecache.files import BlobFiles
 from layerstore.errors import LayerstoreError
+from layerstore.linux import mount_erofs, umount
 
 pytestmark = [pytest.mark.root, needs_fanotify]
 

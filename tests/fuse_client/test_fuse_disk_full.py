@@ -15,12 +15,12 @@ import pyfuse3
 import pytest
 import trio
 
-from fuse_client import linux
 from fuse_client.daemon import DaemonConfig
 from fuse_client.nodecache import Budget
 from fuse_client.nodecache.eviction import DEFAULT_FS_FRACTION
 from fuse_client.nodecache.files import BlobFiles
 from fuse_client.nodecache.index import CacheIndex
+from layerstore import linux
 from layerstore.store import Store
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob, rig
 

@@ -17,10 +17,9 @@ from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tr
 from testkit.fuse_helpers import CountingBackend, DaemonThread, make_tree, read_errno, wait_until
 
 from erofs_builder.build import BuiltLayer
-from fuse_client import linux
 from fuse_client.control import request_json
 from fuse_client.fuse.mount import DEFAULT_KERNEL_READAHEAD_KB
-from layerstore import keys
+from layerstore import keys, linux
 from layerstore.store import Store
 
 pytestmark = pytest.mark.root

@@ -12,7 +12,6 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuse_client.linux import data_extents
 from fuse_client.nodecache.eviction import Budget, Candidate, choose_victims
 from fuse_client.nodecache.files import BlobFiles, punch_hole
 from fuse_client.nodecache.index import CacheIndex, DelBlob, DelChunk, PutChunk, PutMap, Touch
@@ -24,6 +23,7 @@ from layerctl.cmd_daemon import parse_size
 from layerstore import digest as digestmod
 from layerstore.chunkmap import METADATA, ChunkMap, ChunkRef
 from layerstore.errors import BadInput, ConfigError
+from layerstore.linux import data_extents
 
 BLOB = digestmod.of(b"blob")
 OTHER = digestmod.of(b"other")

@@ -26,9 +26,8 @@ from testkit.node_lease import (
     set_run_state,
 )
 
-from fuse_client import linux
 from fuse_client.nodecache.inuse import blob_key, interval_from_env
-from layerstore import leases
+from layerstore import leases, linux
 from layerstore.errors import PermissionDenied
 from layerstore.store import Store
 from tests.fuse_client.test_fuse_handlers import CHUNK, put_blob

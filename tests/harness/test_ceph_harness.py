@@ -19,7 +19,7 @@ import pytest
 from testkit import ceph_cluster
 from testkit.ceph_cluster import CephCluster, CephError
 
-from fuse_client import linux
+from layerstore import linux
 
 pytestmark = [pytest.mark.ceph, pytest.mark.root]
 

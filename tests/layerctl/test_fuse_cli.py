@@ -18,8 +18,8 @@ from testkit.erofs_helpers import assert_trees_equal, mounted_erofs, snapshot_tr
 from testkit.fuse_helpers import DaemonProcess, build_and_push, force_unmount, make_tree, read_errno, wait_until
 
 from erofs_builder.build import BuiltLayer
-from fuse_client import linux
 from fuse_client.control import request, request_json
+from layerstore import linux
 from layerstore.store import Store
 
 pytestmark = pytest.mark.root

@@ -21,7 +21,7 @@ from testkit.cli_helpers import layerctl
 from testkit.fanotify_helpers import needs_fanotify, stop_holder
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc, snapshot
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim.daemon import is_alive
 from runtime_shim.state import NodeState
 
@@ -200,7 +200,7 @@ def test_eager_fetches_every_chunk_before_mounting(store: dict[str, str], nodes:
 
 def test_complete_layers_are_mounted_directly_and_survive_the_daemon(store: dict[str, str], nodes: list[Path],
                                                                      tmp_path: Path) -> None:
-    from fuse_client import linux
+    from layerstore import linux
 
     node, target = nodes[0], tmp_path / "direct"
     r = layerctl("mount", "--store", store["url"], "--node-dir", str(node), "--eager", "--sandbox", "d1", "big:1",
@@ -322,7 +322,7 @@ def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], 
 
 
 def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
-    from fuse_client import linux
+    from layerstore import linux
     from runtime_shim.shim import Shim
 
     node = nodes[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim.layers import DIRECT, LayerMounts
 from runtime_shim.paths import NodePaths
 from runtime_shim.state import ATTACHED_PREFIX, LayerMount

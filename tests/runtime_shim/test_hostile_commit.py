@@ -42,7 +42,7 @@ from testkit.shim_support import (
     store_with_env,
 )
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from runtime_shim.commit import commit, frozen

@@ -28,7 +28,7 @@ from testkit.shim_support import (
     spec,
 )
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput
 from runtime_shim import runner
 from runtime_shim.backends.base import Confinement
@@ -226,7 +226,7 @@ def write_bundle_in_a_child(rootfs: Path, user: str, tmp_path: Path) -> subproce
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
 from pathlib import Path
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput
 from runtime_shim.backends.bundle import write_bundle
 try:

@@ -26,7 +26,7 @@ from testkit.shim_support import (
     store_with_env,
 )
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.store import Store
 from runtime_shim import runner
 from runtime_shim.blobs import DirBlobs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from testkit.shim_support import needs_root
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim import records
 from runtime_shim.errors import SandboxExists, SandboxNotFound
 from runtime_shim.layers import LayerMounts

@@ -102,7 +102,7 @@ def test_every_drive_but_the_upper_is_read_only(tmp_path: Path) -> None:
 @pytest.mark.root
 @needs_busybox
 def test_a_guest_composed_sandbox_has_its_layers_mounted_and_no_root_on_the_host(tmp_path: Path) -> None:
-    from fuse_client.linux import detach
+    from layerstore.linux import detach
 
     blobs, blob = busybox_image(tmp_path)
     with dir_shim(tmp_path, blobs) as shim:

@@ -309,7 +309,7 @@ class PinningBlobs(DirBlobs):
         return self.path(blob)
 
     def unpin(self, blob: str, holder: str) -> None:
-        from fuse_client import linux
+        from layerstore import linux
 
         self.calls.append(("unpin", holder))
         self.mounted_at_unpin.append(linux.is_mount(holder.split(":", 1)[1]))

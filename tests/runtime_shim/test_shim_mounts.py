@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim import records
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
@@ -220,7 +220,7 @@ def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> 
 
 
 def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict[str, object]) -> None:
-    from fuse_client.linux import detach
+    from layerstore.linux import detach
 
     with open_shim(node, images) as shim:
         a, b = shim.mount(env2(images)), shim.mount(env2(images))
@@ -263,8 +263,9 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
         def scan(*_a: object, **_k: object) -> None:
             raise AssertionError("the mount table was read on the path of one sandbox")
 
-        monkeypatch.setattr(linux, "read_mounts", scan)
-        monkeypatch.setattr(linux, "find_mount", scan)
+        for where in (linux, linux.mounttable):  # the callers' name and the one the package's own calls use
+            monkeypatch.setattr(where, "read_mounts", scan)
+            monkeypatch.setattr(where, "find_mount", scan)
         monkeypatch.setattr(shim_module.Shim, "sandboxes", scan)  # and no walk over every sandbox
         sb = shim.mount(env2(images))
         assert shim.check(sb.id).ok and shim.recover_if_needed() is None

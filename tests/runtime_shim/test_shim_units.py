@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput, ConfigError
 from runtime_shim import overlay
 from runtime_shim.backends import bundle

@@ -28,7 +28,7 @@ from testkit.shim_support import (
     store_with_env,
 )
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim import records
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.lock import NodeLock

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim.blobs import DirBlobs
 from snapshotter import server
 from snapshotter.layers import RemoteLayers

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from testkit.shim_support import busybox_image, needs_busybox
 
-from fuse_client import linux
+from layerstore import linux
 from snapshotter.snapshots import LABEL_BLOB, LABEL_REF, REMOTE_PREFIX
 from snapshotter.stubs import snapshots_pb2 as pb
 

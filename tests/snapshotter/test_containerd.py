@@ -37,7 +37,7 @@ from testkit.oci_registry import Registry, needs_registry, oci_registry
 from testkit.registry_images import EXPECTED_OUTPUT, push_busybox
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_runc, store_with_env
 
-from fuse_client import linux
+from layerstore import linux
 from snapshotter.client import ContainerdClient
 from snapshotter.snapshots import CRASH_ENV, REMOTE_PREFIX
 from snapshotter.stubs import snapshots_pb2 as pb

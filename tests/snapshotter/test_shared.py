@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from testkit.shim_support import busybox_image, needs_busybox
 
-from fuse_client import linux
+from layerstore import linux
 from runtime_shim.blobs import DirBlobs
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.paths import NodePaths

@@ -12,7 +12,7 @@ import pytest
 from testkit.cli_helpers import layerctl
 from testkit.shim_support import busybox_image, busybox_rootfs, needs_busybox, store_with_env
 
-from fuse_client import linux
+from layerstore import linux
 from layerstore.errors import BadInput, PermissionDenied
 from layerstore.store import Store
 from manifest.errors import UntrustedManifest

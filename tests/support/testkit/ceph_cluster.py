@@ -7,7 +7,7 @@ on a free loopback port), one mds with a CephFS filesystem, and ceph-fuse client
 in the foreground (`-f`) as our child and is tracked by PID; `state.json` in `workdir` records the
 PIDs and mounts so that another process (`python -m testkit.ceph_cluster stop DIR`) can tear it down.
 
-The shell entry point, with the project's Python (mounts go through the project's `fuse_client.linux`):
+The shell entry point, with the project's Python (mounts go through the project's `layerstore.linux`):
 
     python -m testkit.ceph_cluster start DIR    # prints endpoint, keys and mount as JSON, leaves it running
     python -m testkit.ceph_cluster stop DIR
@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuse_client import linux
+from layerstore import linux
 
 STATE_FILE = "state.json"
 CONF_FILE = "ceph.conf"

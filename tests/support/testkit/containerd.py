@@ -162,18 +162,13 @@ class Containerd:
 
 
 def _detach_under(root: Path) -> None:
-    libc_umount = None
-    with contextlib.suppress(OSError):
-        import ctypes
+    from layerstore import linux
 
-        libc_umount = ctypes.CDLL(None, use_errno=True).umount2
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f]
     prefix = str(root) + "/"
     for mp in sorted((p for p in points if p.startswith(prefix)), key=lambda p: p.count("/"), reverse=True):
-        mp = mp.replace("\\040", " ")
-        if libc_umount is not None:
-            libc_umount(mp.encode(), 2)  # MNT_DETACH
+        linux.umount2(linux.unescape(mp), linux.MNT_DETACH)  # the errno, if any, is ignored
 
 
 def remove_cgroups(namespace: str) -> None:

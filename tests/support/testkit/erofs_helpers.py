@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import blake3
 import pytest
 
-from fuse_client.linux import mount_erofs, umount
+from layerstore.linux import mount_erofs, umount
 
 HAVE_ROOT = os.geteuid() == 0
 HAVE_FSCK = shutil.which("fsck.erofs") is not None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fuse_client.control import attach, detach, request_json
-from fuse_client.linux import mount_erofs, umount
+from layerstore.linux import mount_erofs, umount
 
 
 def remount_cold(cache_dir: Path, blob: str, target: Path, holder: str = "test") -> int:

@@ -24,7 +24,7 @@ import pytest
 from fuse_client.control import DaemonNotRunning, attach, detach, request_json
 from fuse_client.fanotify import abi, handover, kernel
 from fuse_client.fanotify.frontend import FanotifyFrontEnd
-from fuse_client.linux import mount_erofs, umount
+from layerstore.linux import mount_erofs, umount
 
 from .fuse_helpers import LAYERCTL, READY_TIMEOUT, DaemonProcess, force_unmount, wait_until
 

@@ -24,7 +24,7 @@ import blake3
 
 from erofs_builder.build import build_layer
 from erofs_builder.tree import Entry
-from fuse_client.linux import MS_RDONLY, mount, mount_erofs, umount
+from layerstore.linux import MS_RDONLY, mount, mount_erofs, umount
 
 
 def build_layers(tmp: Path, specs: Sequence[Sequence[tuple[Entry, Any]]]) -> list[Path]:

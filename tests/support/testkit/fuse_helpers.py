@@ -22,10 +22,10 @@ import trio
 
 from erofs_builder.build import BuiltLayer, build_layer, push_layer
 from erofs_builder.sources.source_dir import dir_entries
-from fuse_client import linux
 from fuse_client.control import DaemonNotRunning, request_json
 from fuse_client.daemon import Daemon, DaemonConfig
 from fuse_client.nodecache import Budget, LazyCache, open_cache
+from layerstore import linux
 from layerstore.backends.base import Backend, ObjectInfo
 from layerstore.store import Store
 

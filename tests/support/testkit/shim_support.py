@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from fuse_client import linux
 from layerstore import digest as digestmod
+from layerstore import linux
 from runtime_shim.daemon import is_alive
 from runtime_shim.environment import EnvSpec, LayerSpec
 from runtime_shim.state import NodeState
