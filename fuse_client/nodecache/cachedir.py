@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from layerstore.budget import size_from_env
 from layerstore.chunkmap import DECODED_ENTRY
 from layerstore.errors import ConfigError, CorruptObject
 from layerstore.fileio import fsync_dir, private_dir
@@ -143,12 +144,4 @@ def open_cache(cache_dir: Path, budget: Budget | None, stack: contextlib.ExitSta
 def map_budget_from_env() -> int:
     """Chunk-map entries a node keeps in memory: $LAYERSTORE_MAP_BUDGET bytes (K/M/G suffixes;
     0: no limit) over `chunkmap.DECODED_ENTRY`, else 256 MiB's worth (~840,000 entries)."""
-    raw = (os.environ.get(MAP_BUDGET_ENV) or "").strip()
-    n = DEFAULT_MAP_BUDGET
-    if raw:
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1].upper(), 1)
-        try:
-            n = int(raw[:-1] if scale > 1 else raw) * scale
-        except ValueError:
-            raise ConfigError(f"{MAP_BUDGET_ENV}={raw!r}: expected a number of bytes") from None
-    return max(0, n) // DECODED_ENTRY
+    return size_from_env(MAP_BUDGET_ENV, DEFAULT_MAP_BUDGET, zero_ok=True) // DECODED_ENTRY

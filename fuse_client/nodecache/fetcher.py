@@ -52,7 +52,7 @@ from layerstore.store import MAX_OBJECT_SIZE
 
 from . import frames
 from .cache import NodeCache
-from .decodebudget import DecodeBudget, budget_from_env, cost
+from .decodebudget import ByteBudget, budget_from_env, cost
 from .entry import BlobEntry, Flight
 from .errors import CacheIOError
 from .limiter import DEMAND, PREFETCH, PriorityLimiter, default_background
@@ -116,7 +116,7 @@ class Fetcher:
         # Worker threads for store calls: as many as slots, so a thread abandoned by a cancelled
         # flight (it finishes in the background) still counts against the cap.
         self._threads = trio.CapacityLimiter(concurrency)
-        self.decoding = DecodeBudget(decode_budget or budget_from_env())
+        self.decoding = ByteBudget(decode_budget or budget_from_env())
         # Prefetch and readahead: at most `background` requests queued or in flight, each holding
         # a token (a prefetch of a whole blob does not queue thousands of flights at once).
         self.prefetch_tokens = trio.CapacityLimiter(background if priorities else concurrency)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from layerstore.errors import ConfigError
 from service.budget import BUDGET_ENV, DEFAULT_BUDGET, ByteBudget, budget_from_env
 
 
@@ -57,5 +58,5 @@ def test_budget_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(BUDGET_ENV, "64M")
     assert budget_from_env() == 64 << 20
     monkeypatch.setenv(BUDGET_ENV, "0")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         budget_from_env()
