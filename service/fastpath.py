@@ -4,7 +4,7 @@ FastAPI's routing (docs/service.md, "Where a GET's time goes").
 A chunk GET is most of what a node daemon asks for. Through FastAPI's router, dependency solver
 and exception middlewares it cost about twice the bare HTTP exchange on the 2-core machine; this
 pure ASGI middleware hands the same request to the same answering functions the documented routes
-call (`answer_get`, `answer_head` in `app.py`), so the behaviour (scopes, statuses, headers, error
+call (`answer_get`, `answer_head` in `routes/objects.py`), so the behaviour (scopes, statuses, headers, error
 bodies) is one piece of code, only the path to it is shorter. Anything it does not recognise
 goes on to the app unchanged."""
 
