@@ -152,7 +152,7 @@ def boot(kit: Any, image: Path, devices: list[Path], work: Path) -> tuple[float,
                                                         env=("PATH=/usr/bin:/bin",)))
     upper = work / "upper.img"
     upper.unlink(missing_ok=True)
-    from runtime_shim.overlay import make_upper_image
+    from runtime_shim.node.overlay import make_upper_image
 
     make_upper_image(upper, 1 << 30)
     drives = [Drive(str(image), role="root", serial="layer0")]
@@ -279,7 +279,7 @@ def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list
                  caches: list[str]) -> dict[str, Any]:
     from testkit.shim_support import cleanup_node
 
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     out: dict[str, Any] = {}
     for name in names:

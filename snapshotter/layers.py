@@ -29,12 +29,12 @@ from fuse_client.linux import detach
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet
-from runtime_shim.blobs import BlobSource
-from runtime_shim.environment import CachingResolver, EnvSpec, LayerSpec
 from runtime_shim.errors import SandboxExists, SandboxNotFound
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED
+from runtime_shim.node.blobs import BlobSource
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED
+from runtime_shim.resolve.environment import CachingResolver, EnvSpec, LayerSpec
 
 HOLD_BACKEND = "containerd"  # the holds' Sandbox.backend: their roots are composed by containerd
 

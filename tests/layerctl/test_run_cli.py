@@ -22,8 +22,8 @@ from testkit.fanotify_helpers import needs_fanotify, stop_holder
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc, snapshot
 
 from fuse_client import linux
-from runtime_shim.daemon import is_alive
-from runtime_shim.state import NodeState
+from runtime_shim.node.state import NodeState
+from runtime_shim.supervise.daemon import is_alive
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 BIN = Path(sys.executable).parent
@@ -323,7 +323,7 @@ def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], 
 
 def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
     from fuse_client import linux
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     node = nodes[0]
     with Shim.for_node(node, store["url"]) as shim:

@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 
 from layerstore.errors import ConfigError
-from runtime_shim import idmap, runner, signals
 from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.container import ContainerBackend, CrunBackend, RuncBackend
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import RuntimeNotAvailable, ShimError
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, Sandbox
+from runtime_shim.node import idmap
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, Sandbox
+from runtime_shim.sandbox import runner, signals
 
 
 class FakeBackend:

@@ -45,10 +45,10 @@ from testkit.shim_support import (
 from fuse_client import linux
 from layerstore.errors import BadInput
 from layerstore.store import Store
-from runtime_shim.commit import commit, frozen
 from runtime_shim.errors import ShimError
-from runtime_shim.shim import Shim
-from runtime_shim.state import Sandbox
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import Sandbox
+from runtime_shim.sandbox.commit import commit, frozen
 
 LONG = os.environ.get("LAYERSTORE_LONG_RACE") == "1"
 RACE_SECONDS = 30.0 if LONG else 3.0

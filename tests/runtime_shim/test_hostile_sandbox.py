@@ -30,11 +30,11 @@ from testkit.shim_support import (
 
 from fuse_client import linux
 from layerstore.errors import BadInput
-from runtime_shim import runner
 from runtime_shim.backends.base import Confinement
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 PROBE_SOURCE = Path(__file__).parent / "data" / "syscall_probe.c"

@@ -37,10 +37,10 @@ import pytest
 from testkit.shim_support import busybox_image, busybox_rootfs, cleanup_node, dir_shim, loops_under, needs_busybox, spec
 from testkit.vm_support import kill9_daemon, needs_vm, tcg
 
-from runtime_shim import runner
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.microvm import MicrovmBackend
 from runtime_shim.errors import ShimError
+from runtime_shim.sandbox import runner
 from runtime_shim.vm.config import GuestConfig, config_tar
 from runtime_shim.vm.qemu import parse_status, qemu_argv
 from runtime_shim.vm.spec import Drive, Stream, VmSpec, VmSpecError
@@ -136,7 +136,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     file nobody reads) under a workspace that deletes /data/drop; a node (real daemon) on it."""
     from testkit.cli_helpers import layerctl
 
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     root = tmp_path_factory.mktemp("microvm")
     url = str(root / "store")

@@ -13,12 +13,12 @@ import pytest
 from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
 from fuse_client import linux
-from runtime_shim import records
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, UNMOUNTING
+from runtime_shim.node import records
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, UNMOUNTING
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -255,7 +255,7 @@ def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -
 def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[str, object],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """At 10,000 sandboxes /proc/self/mountinfo is several MB: one mount or teardown must not parse it."""
-    from runtime_shim import shim as shim_module
+    from runtime_shim.node import shim as shim_module
 
     with open_shim(node, images) as shim:
         keep = shim.mount(env2(images))
@@ -277,10 +277,10 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
 CRASH = """
 import json, os, sys
 from pathlib import Path
-from runtime_shim import lifecycle, records, shim as shim_module
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
+from runtime_shim.node import lifecycle, records, shim as shim_module
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
+from runtime_shim.node.paths import NodePaths
 
 node, blobs, layers, point, op, upper = sys.argv[1:7]
 def die_after(fn):
@@ -363,7 +363,7 @@ def test_a_caller_upper_survives_a_crash_mid_teardown(node: Path, images: dict[s
 
 
 def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
-    from runtime_shim.state import Sandbox
+    from runtime_shim.node.state import Sandbox
 
     with open_shim(node, images) as shim:
         a = shim.mount(env2(images), sandbox="a")
@@ -439,9 +439,9 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
 INFLIGHT = """
 import os, sys, time
 from pathlib import Path
-from runtime_shim import lifecycle, shim as shim_module
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.paths import NodePaths
+from runtime_shim.node import lifecycle, shim as shim_module
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
 
 node, blobs, marker, go = sys.argv[1:5]
 real = lifecycle.detach

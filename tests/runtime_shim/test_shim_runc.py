@@ -19,8 +19,8 @@ from testkit.shim_support import (
     spec,
 )
 
-from runtime_shim import runner
-from runtime_shim.shim import Shim
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 

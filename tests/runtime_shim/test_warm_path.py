@@ -29,12 +29,12 @@ from testkit.shim_support import (
 )
 
 from fuse_client import linux
-from runtime_shim import records
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.lock import NodeLock
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, NodeState
+from runtime_shim.node import records
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.lock import NodeLock
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, NodeState
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -67,10 +67,10 @@ def open_shim(node: Path, blobs: dict[str, object], **kw: object) -> Shim:
 VICTIM = r"""
 import json, os, signal, sys
 from pathlib import Path
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
 node, blobs, blob, point = sys.argv[1:5]
 spec = EnvSpec("", (LayerSpec(blob, 0, "base"),), {"cmd": ["/bin/sh"]}, "test")
 s = Shim(NodePaths(Path(node)), DirBlobs(blobs))

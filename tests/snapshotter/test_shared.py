@@ -12,10 +12,10 @@ import pytest
 from testkit.shim_support import busybox_image, needs_busybox
 
 from fuse_client import linux
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 from snapshotter.snapshots import LABEL_BLOB, LABEL_REF, REMOTE_PREFIX
 
 from .conftest import Served, code_of

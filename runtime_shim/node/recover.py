@@ -49,10 +49,10 @@ from fuse_client.linux import detach
 from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
 
+from ..backends.base import SandboxBackend
+from ..errors import RuntimeNotAvailable, ShimError
 from . import records
-from .backends.base import SandboxBackend
 from .blobs import BlobSource
-from .errors import RuntimeNotAvailable, ShimError
 from .layers import LayerMounts
 from .lifecycle import SandboxLifecycle
 from .overlay import mount_overlay, mount_upper_image

@@ -24,8 +24,8 @@ from fuse_client import linux
 from fuse_client.linux import detach
 from layerstore.fileio import rmdir_quiet
 
+from ..errors import SandboxExists, SandboxNotFound
 from . import records, utab
-from .errors import SandboxExists, SandboxNotFound
 from .layers import LayerMounts
 from .lock import NodeLock
 from .paths import NodePaths

@@ -21,13 +21,14 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
-from . import idmap, signals
-from .backends.base import Confinement, Stdio
-from .environment import EnvSpec
-from .errors import ShimError
-from .paths import NodePaths
-from .shim import Shim
-from .state import Sandbox
+from ..backends.base import Confinement, Stdio
+from ..errors import ShimError
+from ..node import idmap
+from ..node.paths import NodePaths
+from ..node.shim import Shim
+from ..node.state import Sandbox
+from ..resolve.environment import EnvSpec
+from . import signals
 
 LIMITS_FILE = "limits.json"
 

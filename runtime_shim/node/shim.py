@@ -25,12 +25,12 @@ from pathlib import Path
 from fuse_client import linux
 from layerstore.fileio import rmdir_quiet
 
+from ..backends import SandboxBackend, node_backends
+from ..errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
+from ..resolve.environment import EnvSpec
+from ..supervise.daemon import DaemonCommand, default_command
 from . import records, utab
-from .backends import SandboxBackend, node_backends
 from .blobs import BlobSource, DaemonBlobs
-from .daemon import DaemonCommand, default_command
-from .environment import EnvSpec
-from .errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
 from .idmap import chown_to_range, idmapped_lowers
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
@@ -116,7 +116,7 @@ class Shim:
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import CachingResolver, node_policy
+        from ..resolve.environment import CachingResolver, node_policy
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
