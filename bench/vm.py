@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
 from bench.burst import inputs  # noqa: E402
 from erofs_builder.flatten import build_flattened, build_multidevice  # noqa: E402
 from runtime_shim.backends.base import Confinement  # noqa: E402
+from runtime_shim.node.request import MountRequest  # noqa: E402
 from runtime_shim.vm.kit import find_kit  # noqa: E402
 from runtime_shim.vm.qemu import start_vm  # noqa: E402
 from runtime_shim.vm.roots import layer_tags  # noqa: E402
@@ -243,9 +244,9 @@ def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier
         return
     t0 = time.monotonic()
     if getattr(backend, "guest_root", False):  # a VM whose guest composes the root (as runner.run mounts it)
-        sb = shim.mount(tag, guest=backend_name)
+        sb = shim.mount(MountRequest(tag, guest=backend_name))
     else:
-        sb = shim.mount(tag, upper_size=256 << 20)
+        sb = shim.mount(MountRequest(tag, upper_size=256 << 20))
     r, w = os.pipe()
     try:
         rec["mount_s"] = time.monotonic() - t0

@@ -58,13 +58,14 @@ def _sandbox_json(sb: Any) -> dict[str, Any]:
 def mount_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
               upper: str | None, upper_size: str | None, as_json: bool, env: str, target: str) -> None:
     """Mount the root filesystem of a new sandbox of ENV (NAME:TAG or b3:...) on TARGET."""
+    from runtime_shim.node.request import MountRequest
     from runtime_shim.sandbox.runner import kept_upper_image
 
     from .cmd_daemon import parse_size
 
     with _shim(node_dir, store_url, policy) as shim:
         image = None if upper else kept_upper_image(shim.paths, parse_size(upper_size) if upper_size else None)
-        sb = shim.mount(env, target, sandbox=sandbox, upper=upper, eager=eager, upper_image=image)
+        sb = shim.mount(MountRequest(env, target, sandbox=sandbox, upper=upper, eager=eager, upper_image=image))
     if as_json:
         emit_json(_sandbox_json(sb))
     else:

@@ -145,6 +145,7 @@ def _fail(e: LayerstoreError, code: int) -> int:
 
 
 def mount_main(argv: Sequence[str] | None = None) -> int:
+    from .node.request import MountRequest
     from .node.shim import Shim
     from .sandbox.runner import kept_upper_image
 
@@ -160,8 +161,8 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
             # the utab entry makes a plain `umount TARGET` come back to umount.layerstore
             # a shim-owned upper gets the node's quota (a sparse image: NodeDefaults.kept_upper_size)
             image = None if req.upper else kept_upper_image(shim.paths)
-            sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
-                            utab_entry=True, upper_image=image)
+            sb = shim.mount(MountRequest(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
+                            utab_entry=True, upper_image=image))
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
     if req.verbose:

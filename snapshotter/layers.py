@@ -32,6 +32,7 @@ from layerstore.fileio import rmdir_quiet
 from runtime_shim.errors import SandboxExists, SandboxNotFound
 from runtime_shim.node.blobs import BlobSource
 from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
 from runtime_shim.node.state import MOUNTED
 from runtime_shim.resolve.environment import CachingResolver, EnvSpec, LayerSpec
@@ -150,7 +151,7 @@ class RemoteLayers:
         spec = EnvSpec("", (LayerSpec(blob, 0, "layer"),), ref=environment or HOLD_BACKEND,
                        prefetch={blob: hints} if hints else {})
         try:
-            self.shim.mount(spec, sandbox=sid, guest=HOLD_BACKEND)
+            self.shim.mount(MountRequest(spec, sandbox=sid, guest=HOLD_BACKEND))
         except SandboxExists:
             if not self.usable(blob):
                 raise

@@ -202,11 +202,13 @@ class LayerstoreNode:
 
     def _run_api(self, sid: str, env: str, command: list[str], result: SandboxResult) -> tuple[str, str, int]:
         """`runtime_shim.sandbox.runner.run`, step by step so that each step is timed."""
+        from runtime_shim.node.request import MountRequest
+
         shim = self.shim
         t0 = time.time()
         spec_ = shim.resolve(self.env_refs[env])  # timed apart; mount() takes the resolved environment
         tr = time.time()
-        sb = shim.mount(spec_, sandbox=sid, eager=self.eager)
+        sb = shim.mount(MountRequest(spec_, sandbox=sid, eager=self.eager))
         t1 = time.time()
         lock_wait = shim.lock.waited
         try:

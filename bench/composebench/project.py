@@ -20,6 +20,12 @@ def shim_class() -> Any:
     return Shim
 
 
+def mount_request_class() -> Any:
+    from runtime_shim.node.request import MountRequest
+
+    return MountRequest
+
+
 def node_state_class() -> Any:
     from runtime_shim.node.state import NodeState
 

@@ -323,11 +323,12 @@ def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], 
 
 def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
     from fuse_client import linux
+    from runtime_shim.node.request import MountRequest
     from runtime_shim.node.shim import Shim
 
     node = nodes[0]
     with Shim.for_node(node, store["url"]) as shim:
-        sbs = [shim.mount("big:1") for _ in range(1000)]
+        sbs = [shim.mount(MountRequest("big:1")) for _ in range(1000)]
         assert shim.layer_refs() == {store["base"]: 1000, store["toolkit"]: 1000}
         assert (Path(sbs[-1].target) / "data" / "keep").read_text() == "keep\n"
         assert len((Path(sbs[0].target) / "opt" / "big").read_bytes()) == 6 << 20  # through the daemon

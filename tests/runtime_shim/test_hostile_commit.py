@@ -46,6 +46,7 @@ from fuse_client import linux
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from runtime_shim.errors import ShimError
+from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
 from runtime_shim.node.state import Sandbox
 from runtime_shim.sandbox.commit import commit, frozen
@@ -103,7 +104,7 @@ def count(sb: Sandbox) -> int:
 def hostile_sandbox(shim: Shim, host: Path) -> Iterator[Sandbox]:
     """A mounted sandbox whose runc container runs SWAPPER; deleted and unmounted afterwards,
     whatever happens."""
-    sb = shim.mount("bb:1")
+    sb = shim.mount(MountRequest("bb:1"))
     try:
         backend = shim.backend("runc")
         backend.prepare(sb, ["/bin/sh", "-c", SWAPPER, "swapper", str(host)])

@@ -213,6 +213,7 @@ def test_kill_while_a_shim_sandbox_shares_the_layer(child: Child, tmp_path: Path
     layer is mounted once until the sandbox goes too."""
     from runtime_shim.node.blobs import DirBlobs
     from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.request import MountRequest
     from runtime_shim.node.shim import Shim
     from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 
@@ -221,7 +222,7 @@ def test_kill_while_a_shim_sandbox_shares_the_layer(child: Child, tmp_path: Path
     stub = child.start(crash="remote:mounted")
     shim = Shim(NodePaths(child.node), DirBlobs(child.blobs), backends={})
     try:
-        sb = shim.mount(EnvSpec("", (LayerSpec(blob, 0, "base"),)), tmp_path / "sb-root")
+        sb = shim.mount(MountRequest(EnvSpec("", (LayerSpec(blob, 0, "base"),)), tmp_path / "sb-root"))
         with pytest.raises(grpc.RpcError) as ei:
             _op(stub, "remote:mounted", blob)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and child.died_by_sigkill()
