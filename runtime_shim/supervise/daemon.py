@@ -55,16 +55,10 @@ WATCH_ENV = "LAYERSTORE_DAEMON_WATCH"  # "0": no watch process
 DaemonCommand = Callable[[str, Path, Path], list[str]]
 
 
-def layerctl_argv() -> list[str]:
-    """How to run this installation's `layerctl`: the script beside the interpreter when there is one."""
-    script = Path(sys.executable).with_name("layerctl")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from layerctl.main import main; main()"]
-
-
 def default_command(store: str, cache: Path, mountpoint: Path) -> list[str]:
-    return [*layerctl_argv(), "daemon", "--store", store, "--cache", str(cache), "--mountpoint", str(mountpoint)]
+    """The node daemon as a module of this interpreter (`fuse_client.daemon`), not through the CLI."""
+    return [sys.executable, "-m", "fuse_client.daemon", "--store", store, "--cache", str(cache),
+            "--mountpoint", str(mountpoint)]
 
 
 def proc_start_time(pid: int) -> int | None:

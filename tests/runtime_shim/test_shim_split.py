@@ -1,16 +1,21 @@
 """The shim split by concern (issue 29): a mount is asked with one request value; recovery runs
-as named phases, no function of the shim longer than 120 lines. Pure: no root, no mounts."""
+as named phases, no function of the shim longer than 120 lines; the node daemon is started as a
+module and its options are checked by its config. Pure: no root, no mounts."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
+from fuse_client.daemon import DaemonConfig
+from layerstore.errors import ConfigError
 from runtime_shim.errors import ShimError
 from runtime_shim.node import recover
 from runtime_shim.node.request import MountRequest
+from runtime_shim.supervise.daemon import default_command
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 120
@@ -62,3 +67,32 @@ def test_recovery_is_named_phases_each_saying_what_it_repairs() -> None:
     for name in phases:
         doc = getattr(recover, name).__doc__ or ""
         assert doc.split()[:1] in (["Repairs"], ["Unpin"], ["Workloads"]), (name, doc)
+
+
+def test_the_shim_starts_the_daemon_as_a_module_not_through_the_cli() -> None:
+    argv = default_command("file:///s", Path("/n/cache"), Path("/n/fuse"))
+    assert argv[:3] == [sys.executable, "-m", "fuse_client.daemon"]
+    assert "layerctl" not in " ".join(argv)
+    assert argv[3:] == ["--store", "file:///s", "--cache", "/n/cache", "--mountpoint", "/n/fuse"]
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [("fetch_deadline", 0.0, "--fetch-deadline"),
+                                                     ("fetch_concurrency", 0, "--fetch-concurrency"),
+                                                     ("readahead", -1, "--readahead"),
+                                                     ("high_watermark", 1.5, "watermark")])
+def test_the_daemons_config_checks_its_options(tmp_path: Path, field: str, value: object, says: str) -> None:
+    cfg = DaemonConfig(cache_dir=tmp_path / "cache", mountpoint=tmp_path / "mnt", cache_size=1 << 30)
+    cfg.check()
+    setattr(cfg, field, value)
+    with pytest.raises(ConfigError, match=says):
+        cfg.check()
+
+
+def test_the_daemon_module_says_a_bad_option_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "fuse_client.daemon", "--store", "nosuchscheme://x", "--cache",
+                        str(tmp_path / "cache"), "--mountpoint", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and not (tmp_path / "m").exists()  # (refused before mounting anything)
+    assert p.stderr.strip().splitlines()[-1].startswith("fuse_client.daemon: error:"), p.stderr
