@@ -14,7 +14,7 @@ failed reads, wrong reads, the gaps (kill to the next daemon answering), the loa
 what the successors answered and filled.
 
 `--kill-all` (bench/results/daemon_restart-kill-all.json): the daemon is started by the runtime
-shim's supervisor (runtime_shim.daemon, with its watch process), and each cycle kills the daemon
+shim's supervisor (runtime_shim.supervise.daemon, with its watch process), and each cycle kills the daemon
 *and* the fanotify holder with -9 at once: the group dies with them. Measured per cycle: how long
 until the watch has made a new group with the attached file marked (`marks_back`: from the kill
 until the watch's new group, or the new holder's, shows the mark; holes read as zeros before it:
@@ -165,9 +165,9 @@ def kill_all(args: argparse.Namespace) -> int:
     from fuse_client.control import attach
     from fuse_client.fanotify import handover
     from layerstore.linux import mount_erofs
-    from runtime_shim.daemon import DaemonSupervisor, is_alive
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.state import NodeState
+    from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
 
     os.environ["LAYERSTORE_DATA_PATH"] = "fanotify"
     os.environ.pop("LAYERSTORE_DAEMON_WATCH", None)

@@ -57,7 +57,9 @@ def version(binary: str) -> str:
 
 def one(shim: Any, runtime: str, sid: str, env_spec: Any) -> dict[str, Any]:
     """One sandbox through `runtime`: the shim's steps (mount, bundle, run, delete, unmount), timed."""
-    sb = shim.mount(env_spec, sandbox=sid)
+    from runtime_shim.node.request import MountRequest
+
+    sb = shim.mount(MountRequest(env_spec, sandbox=sid))
     out: dict[str, Any] = {"runtime": runtime}
     try:
         backend = shim.backend(runtime)

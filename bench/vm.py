@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
 from bench.burst import inputs  # noqa: E402
 from erofs_builder.flatten import build_flattened, build_multidevice  # noqa: E402
 from runtime_shim.backends.base import Confinement  # noqa: E402
+from runtime_shim.node.request import MountRequest  # noqa: E402
 from runtime_shim.vm.kit import find_kit  # noqa: E402
 from runtime_shim.vm.qemu import start_vm  # noqa: E402
 from runtime_shim.vm.roots import layer_tags  # noqa: E402
@@ -152,7 +153,7 @@ def boot(kit: Any, image: Path, devices: list[Path], work: Path) -> tuple[float,
                                                         env=("PATH=/usr/bin:/bin",)))
     upper = work / "upper.img"
     upper.unlink(missing_ok=True)
-    from runtime_shim.overlay import make_upper_image
+    from runtime_shim.node.overlay import make_upper_image
 
     make_upper_image(upper, 1 << 30)
     drives = [Drive(str(image), role="root", serial="layer0")]
@@ -243,9 +244,9 @@ def one_sandbox(shim: Any, backend_name: str, tag: str, ready: threading.Barrier
         return
     t0 = time.monotonic()
     if getattr(backend, "guest_root", False):  # a VM whose guest composes the root (as runner.run mounts it)
-        sb = shim.mount(tag, guest=backend_name)
+        sb = shim.mount(MountRequest(tag, guest=backend_name))
     else:
-        sb = shim.mount(tag, upper_size=256 << 20)
+        sb = shim.mount(MountRequest(tag, upper_size=256 << 20))
     r, w = os.pipe()
     try:
         rec["mount_s"] = time.monotonic() - t0
@@ -279,7 +280,7 @@ def backends_run(env: dict[str, Any], work: Path, names: list[str], counts: list
                  caches: list[str]) -> dict[str, Any]:
     from testkit.shim_support import cleanup_node
 
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     out: dict[str, Any] = {}
     for name in names:

@@ -53,12 +53,12 @@ from erofs_builder.erofs.read import read_layer  # noqa: E402
 from erofs_builder.sources.source_dir import dir_entries  # noqa: E402
 from erofs_builder.tree import Entry, Kind  # noqa: E402
 from layerstore import digest as digestmod  # noqa: E402
-from runtime_shim import runner  # noqa: E402
 from runtime_shim.backends.base import Confinement  # noqa: E402
 from runtime_shim.backends.vm import VmBackend  # noqa: E402
-from runtime_shim.blobs import DirBlobs  # noqa: E402
-from runtime_shim.paths import NodePaths  # noqa: E402
-from runtime_shim.shim import Shim  # noqa: E402
+from runtime_shim.node.blobs import DirBlobs  # noqa: E402
+from runtime_shim.node.paths import NodePaths  # noqa: E402
+from runtime_shim.node.shim import Shim  # noqa: E402
+from runtime_shim.sandbox import runner  # noqa: E402
 from runtime_shim.vm import hostmem  # noqa: E402
 from runtime_shim.vm.pmem import pmem_image  # noqa: E402
 

@@ -167,6 +167,18 @@ class DaemonConfig:
             where = where.parent
         return Budget.default_for(linux.fs_size(where), self.high_watermark, self.low_watermark)
 
+    def check(self) -> None:
+        """Refuse a configuration the daemon cannot serve, before anything is mounted (the
+        options' names are the CLI's: `layerctl daemon` and `python -m fuse_client.daemon`)."""
+        if self.fetch_deadline <= 0:
+            raise ConfigError("--fetch-deadline must be positive")
+        if self.fetch_concurrency < 1:
+            raise ConfigError("--fetch-concurrency must be at least 1")
+        if self.readahead < 0:
+            raise ConfigError("--readahead must be >= 0")
+        self.budget()
+        self.control_gid()
+
     def control_gid(self) -> int | None:
         if self.control_group is None:
             return None
@@ -376,6 +388,41 @@ def run(config: DaemonConfig, store: ChunkSource) -> None:
     note_clean_stop(config.cache_dir)  # (the shim's watch restarts daemons that die, not stopped ones)
 
 
+def serve(config: DaemonConfig, store_url: str | None) -> None:
+    """Check `config`, open the store and serve until SIGTERM or SIGINT (the store may be
+    unreachable now: the daemon still starts and serves what is cached)."""
+    from layerstore.store import Store
+
+    config.check()  # before mounting
+    with Store.open(store_url) as store:
+        run(config, store)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m fuse_client.daemon --store URL --cache DIR --mountpoint DIR`: the node daemon as
+    the shim starts it (the full set of options is `layerctl daemon`'s). A `LayerstoreError` is one
+    line on stderr and its exit code."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m fuse_client.daemon")
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--cache", required=True, type=Path)
+    ap.add_argument("--mountpoint", required=True, type=Path)
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(DaemonConfig(cache_dir=args.cache, mountpoint=args.mountpoint), args.store)
+    except LayerstoreError as e:
+        print(f"fuse_client.daemon: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
 def _sole_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one expected error inside nested nursery groups, for the CLI's error edge (which
     prints one line for a `LayerstoreError`); anything else stays a group."""
@@ -392,3 +439,11 @@ def _sole_error(eg: BaseExceptionGroup[BaseException]) -> BaseException:
     if len(leaves) == 1 and isinstance(leaves[0], LayerstoreError | KeyboardInterrupt):
         return leaves[0]
     return eg
+
+
+if __name__ == "__main__":
+    import sys
+
+    from fuse_client.daemon import main as entry  # (the module under its own name, not a second copy)
+
+    sys.exit(entry())

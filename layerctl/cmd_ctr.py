@@ -28,7 +28,7 @@ def ctr_group() -> None:
 def push_cmd(store_url: str | None, env: str, ref: str, as_json: bool) -> None:
     """Push environment ENV (NAME:TAG or digest) to registry reference REF (HOST/NAME:TAG) as an
     OCI image whose layers point at the environment's blobs."""
-    from runtime_shim.environment import resolve
+    from runtime_shim.resolve.environment import resolve
     from snapshotter.push import push
 
     with open_store(store_url) as store:

@@ -64,35 +64,19 @@ def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_s
                control_group: str | None, cache_format: str | None, log_level: str) -> None:
     """Serve every blob of the store read-only at MOUNTPOINT/blobs/<digest>, lazily, through
     the node cache. Runs in the foreground until SIGTERM or SIGINT; ready once mounted."""
-    from fuse_client.daemon import DaemonConfig, run
-    from layerstore.store import Store
+    from fuse_client.daemon import DaemonConfig, serve
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DaemonConfig(cache_dir=cache_dir, mountpoint=mountpoint,
                        cache_size=parse_size(cache_size) if cache_size else None,
                        record_trace=record_trace, control_group=control_group, cache_format=cache_format)
-    if high_watermark is not None:
-        cfg.high_watermark = high_watermark
-    if low_watermark is not None:
-        cfg.low_watermark = low_watermark
-    if fetch_deadline is not None:
-        if fetch_deadline <= 0:
-            raise ConfigError("--fetch-deadline must be positive")
-        cfg.fetch_deadline = fetch_deadline
-    if fetch_concurrency is not None:
-        if fetch_concurrency < 1:
-            raise ConfigError("--fetch-concurrency must be at least 1")
-        cfg.fetch_concurrency = fetch_concurrency
-    if readahead is not None:
-        if readahead < 0:
-            raise ConfigError("--readahead must be >= 0")
-        cfg.readahead = readahead
-    cfg.budget()  # validate before mounting
-    cfg.control_gid()
-    # The store may be unreachable now: the daemon still starts and serves what is cached.
-    with Store.open(store_url) as store:
-        run(cfg, store)
+    for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark),
+                        ("fetch_deadline", fetch_deadline), ("fetch_concurrency", fetch_concurrency),
+                        ("readahead", readahead)):
+        if value is not None:
+            setattr(cfg, name, value)
+    serve(cfg, store_url)  # (checks the config before mounting: a ConfigError is the CLI's one line)
 
 
 @click.command("prefetch")

@@ -27,8 +27,8 @@ sandbox_option = click.option("--sandbox", "sandbox", metavar="ID", default=None
 def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None = None) -> Iterator[Any]:
     """The node's shim, with SIGTERM and SIGHUP stopping a command as SIGINT does (raised as
     `signals.Stopped`, a KeyboardInterrupt: the shim's clean-ups run, the CLI exits 130)."""
-    from runtime_shim import signals
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
+    from runtime_shim.sandbox import signals
 
     with signals.stopping(), Shim.for_node(node_dir, store_url, policy=policy) as shim:
         yield shim
@@ -58,13 +58,14 @@ def _sandbox_json(sb: Any) -> dict[str, Any]:
 def mount_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
               upper: str | None, upper_size: str | None, as_json: bool, env: str, target: str) -> None:
     """Mount the root filesystem of a new sandbox of ENV (NAME:TAG or b3:...) on TARGET."""
-    from runtime_shim.runner import kept_upper_image
+    from runtime_shim.node.request import MountRequest
+    from runtime_shim.sandbox.runner import kept_upper_image
 
     from .cmd_daemon import parse_size
 
     with _shim(node_dir, store_url, policy) as shim:
         image = None if upper else kept_upper_image(shim.paths, parse_size(upper_size) if upper_size else None)
-        sb = shim.mount(env, target, sandbox=sandbox, upper=upper, eager=eager, upper_image=image)
+        sb = shim.mount(MountRequest(env, target, sandbox=sandbox, upper=upper, eager=eager, upper_image=image))
     if as_json:
         emit_json(_sandbox_json(sb))
     else:
@@ -140,8 +141,8 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
     \b
     layerctl run NAME:TAG -- sh -c 'echo hello'
     API_TOKEN=... layerctl run -e API_TOKEN NAME:TAG -- ./agent"""
-    from runtime_shim import runner
     from runtime_shim.backends.base import Confinement
+    from runtime_shim.sandbox import runner
 
     from .cmd_daemon import parse_size
 
@@ -236,7 +237,7 @@ def commit_cmd(store_url: str | None, node_dir: str | None, tag: str, as_json: b
     A container still running in SANDBOX is frozen (paused) while its files are read. A microVM
     sandbox is committed once its VM has stopped: a helper VM reads its upper drive."""
     from layerstore.store import Store
-    from runtime_shim.commit import commit
+    from runtime_shim.sandbox.commit import commit
 
     with _shim(node_dir, store_url) as shim:
         sb = shim.find(sandbox)
@@ -254,7 +255,7 @@ def commit_cmd(store_url: str | None, node_dir: str | None, tag: str, as_json: b
 @json_option
 def recover_cmd(node_dir: str | None, as_json: bool) -> None:
     """Rebuild the node's mounts after a crash of the shim or the daemon (also runs on every start)."""
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     with Shim.for_node(node_dir, auto_recover=False) as shim:
         rep = shim.recover()
@@ -282,7 +283,7 @@ def node_group() -> None:
 @node_dir_option
 def node_stop_cmd(node_dir: str | None) -> None:
     """Stop the node daemon (refused while sandboxes are mounted)."""
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     with Shim.for_node(node_dir, auto_recover=False) as shim:
         stopped = shim.stop_daemon()

@@ -124,8 +124,8 @@ def check_node_dir(req: MountRequest) -> None:
     `Shim.for_node`.)"""
     if req.node_dir is None:
         return
-    from .environment import node_floor
-    from .paths import resolve_node_dir
+    from .node.paths import resolve_node_dir
+    from .resolve.environment import node_floor
 
     default, chosen = resolve_node_dir(None), resolve_node_dir(req.node_dir)
     if chosen == default:
@@ -145,8 +145,9 @@ def _fail(e: LayerstoreError, code: int) -> int:
 
 
 def mount_main(argv: Sequence[str] | None = None) -> int:
-    from .runner import kept_upper_image
-    from .shim import Shim
+    from .node.request import MountRequest
+    from .node.shim import Shim
+    from .sandbox.runner import kept_upper_image
 
     try:
         req = parse_mount_argv(sys.argv[1:] if argv is None else argv)
@@ -160,8 +161,8 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
             # the utab entry makes a plain `umount TARGET` come back to umount.layerstore
             # a shim-owned upper gets the node's quota (a sparse image: NodeDefaults.kept_upper_size)
             image = None if req.upper else kept_upper_image(shim.paths)
-            sb = shim.mount(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
-                            utab_entry=True, upper_image=image)
+            sb = shim.mount(MountRequest(req.env, req.target, sandbox=req.sandbox, upper=req.upper, eager=req.eager,
+                            utab_entry=True, upper_image=image))
     except LayerstoreError as e:
         return _fail(e, EXIT_FAILURE)
     if req.verbose:
@@ -172,7 +173,7 @@ def mount_main(argv: Sequence[str] | None = None) -> int:
 def umount_main(argv: Sequence[str] | None = None) -> int:
     import os
 
-    from .shim import Shim
+    from .node.shim import Shim
 
     try:
         target = parse_umount_argv(sys.argv[1:] if argv is None else argv)
@@ -180,8 +181,8 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
         return _fail(e, EXIT_USAGE)
     from layerstore import linux
 
-    from . import utab
     from .errors import SandboxNotFound
+    from .node import utab
 
     try:
         with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR") or node_dir_of(target)) as shim:

@@ -29,12 +29,13 @@ from layerstore import linux
 from layerstore.errors import BadInput, LayerstoreError, PermissionDenied
 from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
-from runtime_shim.blobs import BlobSource
-from runtime_shim.environment import CachingResolver, EnvSpec, LayerSpec
 from runtime_shim.errors import SandboxExists, SandboxNotFound
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED
+from runtime_shim.node.blobs import BlobSource
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED
+from runtime_shim.resolve.environment import CachingResolver, EnvSpec, LayerSpec
 
 HOLD_BACKEND = "containerd"  # the holds' Sandbox.backend: their roots are composed by containerd
 
@@ -150,7 +151,7 @@ class RemoteLayers:
         spec = EnvSpec("", (LayerSpec(blob, 0, "layer"),), ref=environment or HOLD_BACKEND,
                        prefetch={blob: hints} if hints else {})
         try:
-            self.shim.mount(spec, sandbox=sid, guest=HOLD_BACKEND)
+            self.shim.mount(MountRequest(spec, sandbox=sid, guest=HOLD_BACKEND))
         except SandboxExists:
             if not self.usable(blob):
                 raise

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from erofs_builder.sources.registry import Reference, RegistryClient
 from layerstore.errors import ConfigError
-from runtime_shim.environment import EnvSpec
+from runtime_shim.resolve.environment import EnvSpec
 
 from .image import EnvImage, image_of_environment
 

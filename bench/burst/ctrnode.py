@@ -199,7 +199,7 @@ class ContainerdNode:
         return self.node_dir.parent / "k"
 
     def _start_layerstore(self) -> None:
-        from runtime_shim.shim import Shim
+        from runtime_shim.node.shim import Shim
 
         with Shim.for_node(self.ls_node, self.store_url) as shim, shim.lock:
             shim.blobs.ensure()  # the node daemon on an empty cache, before the burst (as for `lazy`)
@@ -294,7 +294,7 @@ class ContainerdNode:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         if self.snapshotter == "layerstore" and self.ls_node.exists():
-            from runtime_shim.shim import Shim
+            from runtime_shim.node.shim import Shim
 
             with contextlib.suppress(Exception), Shim.for_node(self.ls_node, self.store_url,
                                                                auto_recover=False) as shim, shim.lock:

@@ -138,7 +138,7 @@ class LayerstoreNode:
     """One node: the daemon on an empty cache, started before the burst (a node service, like the
     conventional path's containerd), and a node agent that starts every sandbox of the burst at once.
 
-    launcher "api" (default): the agent calls the shim in-process (the steps of `runtime_shim.runner.run`:
+    launcher "api" (default): the agent calls the shim in-process (the steps of `runtime_shim.sandbox.runner.run`:
     mount the sandbox's root, write the bundle, runc, unmount), one thread per sandbox, as the
     conventional runner does with its overlay and runc, over one `Shim.for_node` (one store client for
     the burst; the node lock is per thread). A manifest's prefetch hints are applied by the shim.
@@ -164,8 +164,8 @@ class LayerstoreNode:
         self._start_daemon()
 
     def _start_daemon(self) -> None:
-        from runtime_shim.daemon import default_command
-        from runtime_shim.shim import Shim
+        from runtime_shim.node.shim import Shim
+        from runtime_shim.supervise.daemon import default_command
 
         trace = self.record_trace
         extra = self.daemon_args
@@ -201,12 +201,14 @@ class LayerstoreNode:
             result.phases.update({"to_start_s": result.started - t0, "run_s": result.finished - result.started})
 
     def _run_api(self, sid: str, env: str, command: list[str], result: SandboxResult) -> tuple[str, str, int]:
-        """`runtime_shim.runner.run`, step by step so that each step is timed."""
+        """`runtime_shim.sandbox.runner.run`, step by step so that each step is timed."""
+        from runtime_shim.node.request import MountRequest
+
         shim = self.shim
         t0 = time.time()
         spec_ = shim.resolve(self.env_refs[env])  # timed apart; mount() takes the resolved environment
         tr = time.time()
-        sb = shim.mount(spec_, sandbox=sid, eager=self.eager)
+        sb = shim.mount(MountRequest(spec_, sandbox=sid, eager=self.eager))
         t1 = time.time()
         lock_wait = shim.lock.waited
         try:

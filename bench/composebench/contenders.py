@@ -71,12 +71,14 @@ class Api:
     def __init__(self, node: Path, store: str, *, fsync: bool = False) -> None:
         self.node, self.store, self.fsync = node, store, fsync
         self.shim: Any = None
+        self.request: Any = None
         self.lock: TimedLock | None = None
         if fsync:
             self.name = "layerstore-api-fsync"
 
     def open(self) -> None:
         self.shim = project.shim_class().for_node(self.node, self.store)
+        self.request = project.mount_request_class()
         self.lock = self.shim.lock = TimedLock(self.shim.lock)
         if self.fsync:
             state = self.shim.state
@@ -91,7 +93,7 @@ class Api:
             state.write = synced_write
 
     def mount(self, i: str) -> tuple[str, str]:
-        sb = self.shim.mount(ENV_TAG, sandbox=f"c{i}")
+        sb = self.shim.mount(self.request(ENV_TAG, sandbox=f"c{i}"))
         return sb.id, sb.target
 
     def unmount(self, handle: str) -> None:

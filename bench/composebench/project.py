@@ -15,18 +15,24 @@ def linux() -> ModuleType:
 
 
 def shim_class() -> Any:
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     return Shim
 
 
+def mount_request_class() -> Any:
+    from runtime_shim.node.request import MountRequest
+
+    return MountRequest
+
+
 def node_state_class() -> Any:
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.state import NodeState
 
     return NodeState
 
 
 def record_of(sandbox_dir: Any) -> bytes | None:
-    from runtime_shim import records
+    from runtime_shim.node import records
 
     return records.load(sandbox_dir)

@@ -68,7 +68,8 @@ def inner(args: argparse.Namespace) -> int:
         node = run / "node"
         cfg = {"work": str(run), "node": str(node), "store": store, "trees": {k: str(v) for k, v in trees.items()}}
         shim = shim_cls.for_node(node, store)
-        anchor = shim.mount(ENV_TAG, sandbox="anchor")  # starts the daemon, mounts the layers: warm
+        # starts the daemon, mounts the layers: warm
+        anchor = shim.mount(project.mount_request_class()(ENV_TAG, sandbox="anchor"))
         usable(anchor.target)
         doc["environment"] = {"tag": ENV_TAG, "layers": blobs, "probes": list(PROBES)}
         contenders = [(kind, c) for kind in CONTENDERS for c in args.clients]

@@ -27,10 +27,10 @@ from types import FrameType
 
 from layerstore.errors import ConfigError
 
-from .. import cgroups, signals
 from ..errors import RuntimeNotAvailable, ShimError
-from ..paths import NodePaths
-from ..state import Sandbox
+from ..node.paths import NodePaths
+from ..node.state import Sandbox
+from ..sandbox import cgroups, signals
 from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 

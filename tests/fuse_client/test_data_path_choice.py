@@ -12,7 +12,7 @@ import pytest
 from fuse_client import daemon as node_daemon
 from fuse_client.fanotify import kernel as fan_kernel
 from layerstore.errors import ConfigError
-from runtime_shim.daemon import SERVICE_MANAGER_ENV, daemon_environment
+from runtime_shim.supervise.daemon import SERVICE_MANAGER_ENV, daemon_environment
 
 KEPT = {"FDSTORE": "4", "NOTIFY_SOCKET": "/run/systemd/notify"}
 

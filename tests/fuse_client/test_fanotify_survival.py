@@ -101,14 +101,14 @@ def test_a_restart_rehashes_recovered_metadata_before_attaching(backend: Countin
 def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
         backend: CountingBackend, src: Path, layer: BuiltLayer, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shim's watch (runtime_shim.daemon) sees both pidfds end: a new group with the attached
+    """The shim's watch (runtime_shim.supervise.daemon) sees both pidfds end: a new group with the attached
     file marked (before any daemon runs), then a daemon; the old mount's reads return the right
     bytes (filled on the new group's events, never zeros). Then `daemon-upgrade` replaces the
     daemon: the watch adopts the new one into the shim's record instead of starting another."""
     from fuse_client.fanotify.upgrade import upgrade
-    from runtime_shim.daemon import DaemonSupervisor, is_alive
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.state import NodeState
+    from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
 
     monkeypatch.setenv("LAYERSTORE_DATA_PATH", "fanotify")
     monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)

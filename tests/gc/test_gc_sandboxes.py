@@ -22,6 +22,7 @@ from layerstore import keys
 from layerstore.errors import NotFound
 from layerstore.store import Store
 from runtime_shim.errors import ShimError
+from runtime_shim.node.request import MountRequest
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -79,7 +80,7 @@ def test_sandboxes_keep_an_untagged_environment_until_they_end(tmp_path: Path,
         store.delete_tag("old:1")  # nothing uses it: garbage
 
         with store_shim(tmp_path, url) as shim:
-            sandboxes = [shim.mount("app:1"), shim.mount("app:1")]
+            sandboxes = [shim.mount(MountRequest("app:1")), shim.mount(MountRequest("app:1"))]
             first = Path(sandboxes[0].target) / "data"
             # The sandboxes read some of it (the rest is fetched only later, after the collection).
             assert (first / "d1" / "small1.txt").read_bytes()
@@ -108,9 +109,9 @@ def test_sandboxes_keep_an_untagged_environment_until_they_end(tmp_path: Path,
             # A mount of the collected environment fails cleanly. (This shim resolved its manifest
             # before and cached it: the daemon's lookup of the layer is what says it is gone.)
             with pytest.raises(ShimError, match="No such file"):
-                shim.mount(keys.digest_of_key(app_manifest)[1])
+                shim.mount(MountRequest(keys.digest_of_key(app_manifest)[1]))
             with shim.state.read() as t:
                 assert list(t.sandboxes()) == []
             with pytest.raises(NotFound):
-                shim.mount("app:1")
+                shim.mount(MountRequest("app:1"))
         assert node_leases(store.backend) == []  # the daemon stopped: its lease was released

@@ -22,8 +22,8 @@ from testkit.fanotify_helpers import needs_fanotify, stop_holder
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc, snapshot
 
 from layerstore import linux
-from runtime_shim.daemon import is_alive
-from runtime_shim.state import NodeState
+from runtime_shim.node.state import NodeState
+from runtime_shim.supervise.daemon import is_alive
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 BIN = Path(sys.executable).parent
@@ -323,11 +323,12 @@ def test_the_sandbox_cannot_reach_the_daemon_or_the_node(store: dict[str, str], 
 
 def test_a_thousand_sandboxes_through_the_daemon_then_nothing_left(store: dict[str, str], nodes: list[Path]) -> None:
     from layerstore import linux
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.request import MountRequest
+    from runtime_shim.node.shim import Shim
 
     node = nodes[0]
     with Shim.for_node(node, store["url"]) as shim:
-        sbs = [shim.mount("big:1") for _ in range(1000)]
+        sbs = [shim.mount(MountRequest("big:1")) for _ in range(1000)]
         assert shim.layer_refs() == {store["base"]: 1000, store["toolkit"]: 1000}
         assert (Path(sbs[-1].target) / "data" / "keep").read_text() == "keep\n"
         assert len((Path(sbs[0].target) / "opt" / "big").read_bytes()) == 6 << 20  # through the daemon

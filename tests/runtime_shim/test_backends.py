@@ -19,15 +19,17 @@ from typing import Any
 import pytest
 
 from layerstore.errors import ConfigError
-from runtime_shim import idmap, runner, signals
 from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.container import ContainerBackend, CrunBackend, RuncBackend
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import RuntimeNotAvailable, ShimError
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, Sandbox
+from runtime_shim.node import idmap
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, Sandbox
+from runtime_shim.sandbox import runner, signals
 
 
 class FakeBackend:
@@ -270,11 +272,11 @@ class FakeShim:
         self.unmounted: list[str] = []
         self.mount_options: dict[str, Any] = {}
 
-    def mount(self, env: object, *, sandbox: str | None = None, eager: bool = False, **options: Any) -> Sandbox:
-        self.mount_options = options
+    def mount(self, req: MountRequest) -> Sandbox:
+        self.mount_options = {k: getattr(req, k) for k in ("upper_size", "upper_image", "nosuid", "nodev", "userns")}
         if self.mount_fails:
             raise OSError("mount failed")
-        return sandbox_of(self.paths, sandbox or "sb-1")
+        return sandbox_of(self.paths, req.sandbox or "sb-1")
 
     def backend(self, name: str) -> FakeBackend:
         self.be.check()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from layerstore import linux
-from runtime_shim.layers import DIRECT, LayerMounts
-from runtime_shim.paths import NodePaths
-from runtime_shim.state import ATTACHED_PREFIX, LayerMount
+from runtime_shim.node.layers import DIRECT, LayerMounts
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.state import ATTACHED_PREFIX, LayerMount
 
 pytestmark = pytest.mark.root
 

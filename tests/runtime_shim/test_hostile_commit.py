@@ -45,10 +45,11 @@ from testkit.shim_support import (
 from layerstore import linux
 from layerstore.errors import BadInput
 from layerstore.store import Store
-from runtime_shim.commit import commit, frozen
 from runtime_shim.errors import ShimError
-from runtime_shim.shim import Shim
-from runtime_shim.state import Sandbox
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import Sandbox
+from runtime_shim.sandbox.commit import commit, frozen
 
 LONG = os.environ.get("LAYERSTORE_LONG_RACE") == "1"
 RACE_SECONDS = 30.0 if LONG else 3.0
@@ -103,7 +104,7 @@ def count(sb: Sandbox) -> int:
 def hostile_sandbox(shim: Shim, host: Path) -> Iterator[Sandbox]:
     """A mounted sandbox whose runc container runs SWAPPER; deleted and unmounted afterwards,
     whatever happens."""
-    sb = shim.mount("bb:1")
+    sb = shim.mount(MountRequest("bb:1"))
     try:
         backend = shim.backend("runc")
         backend.prepare(sb, ["/bin/sh", "-c", SWAPPER, "swapper", str(host)])

@@ -28,8 +28,9 @@ from testkit.shim_support import cleanup_node, needs_root, store_with_env
 from fuse_client.nodecache.files import BlobFiles
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
 
 pytestmark = [pytest.mark.hostile, needs_root]
 
@@ -153,7 +154,7 @@ def test_another_user_reads_nothing_of_a_node_dir_made_0755(open_dir: Path, tmp_
     lmdb.open(str(paths.state), mode=0o644).close()  # (an older version's database: 0644 files)
     assert stat.S_IMODE((paths.state / "data.mdb").stat().st_mode) == 0o644
     with node_shim(open_dir, url) as shim:
-        sb = shim.mount("bb:1", sandbox="victim", upper_image=64 << 20)
+        sb = shim.mount(MountRequest("bb:1", sandbox="victim", upper_image=64 << 20))
         root = Path(sb.target)
         (root / "upper-secret.env").write_bytes(SECRET + b"upper\n")
         (root / "upper-secret.env").chmod(0o644)

@@ -30,11 +30,12 @@ from testkit.shim_support import (
 
 from layerstore import linux
 from layerstore.errors import BadInput
-from runtime_shim import runner
 from runtime_shim.backends.base import Confinement
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 PROBE_SOURCE = Path(__file__).parent / "data" / "syscall_probe.c"
@@ -183,7 +184,7 @@ def _read(path: Path) -> str:
 # -- what the sandbox can see -----------------------------------------------------------------------
 def test_nothing_of_the_node_is_visible_and_system_paths_are_masked(shim: Shim, image: tuple[Path, str],
                                                                        tmp_path: Path) -> None:
-    other = shim.mount(spec((image[1], "base")), upper_size=MiB)
+    other = shim.mount(MountRequest(spec((image[1], "base")), upper_size=MiB))
     node = str(shim.paths.root)
     probes = [node, f"{node}/cache", f"{node}/fuse", f"{node}/state", f"{node}/sandboxes", other.upper,
               other.target, str(tmp_path), "/var/lib/layerstore", "/work", "/root/.cache", "/run/containerd"]
@@ -205,8 +206,8 @@ def test_nothing_of_the_node_is_visible_and_system_paths_are_masked(shim: Shim, 
 
 
 def test_mounts_are_nosuid_nodev_unless_relaxed(shim: Shim, image: tuple[Path, str]) -> None:
-    sb = shim.mount(spec((image[1], "base")))
-    relaxed = shim.mount(spec((image[1], "base")), nosuid=False, nodev=False)
+    sb = shim.mount(MountRequest(spec((image[1], "base"))))
+    relaxed = shim.mount(MountRequest(spec((image[1], "base")), nosuid=False, nodev=False))
     try:
         for path in (sb.target, str(shim.paths.layer_mount(image[1]))):
             st = os.statvfs(path)

@@ -28,11 +28,12 @@ from testkit.shim_support import (
 
 from layerstore import linux
 from layerstore.store import Store
-from runtime_shim import runner
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.commit import commit
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
+from runtime_shim.sandbox.commit import commit
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 EXT4_MAGIC = 0xEF53
@@ -107,9 +108,9 @@ def test_a_kept_sandboxs_files_survive_a_reboot(shim: Shim, image: tuple[Path, s
 
 
 def test_a_crash_after_the_image_is_mounted_is_rolled_back(shim: Shim, image: tuple[Path, str]) -> None:
-    from runtime_shim.state import MOUNTING
+    from runtime_shim.node.state import MOUNTING
 
-    sb = shim.mount(spec((image[1], "base")), sandbox="crashed", upper_image=QUOTA)
+    sb = shim.mount(MountRequest(spec((image[1], "base")), sandbox="crashed", upper_image=QUOTA))
     with shim.state.write() as t:  # as a mount a crash interrupted leaves it: `mounting`, pending, owner gone
         cur = t.sandbox(sb.id)
         cur.status = MOUNTING
@@ -122,7 +123,7 @@ def test_a_crash_after_the_image_is_mounted_is_rolled_back(shim: Shim, image: tu
 
 def test_an_explicit_upper_stays_the_callers(shim: Shim, image: tuple[Path, str], tmp_path: Path) -> None:
     mine = tmp_path / "mine"
-    sb = shim.mount(spec((image[1], "base")), upper=mine, upper_image=QUOTA)
+    sb = shim.mount(MountRequest(spec((image[1], "base")), upper=mine, upper_image=QUOTA))
     try:
         assert sb.upper == str(mine) and not shim.paths.upper_image(sb.id).exists()
         assert loops_under(shim.paths.root) == []

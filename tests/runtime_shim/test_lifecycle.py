@@ -11,13 +11,13 @@ import pytest
 from testkit.shim_support import needs_root
 
 from layerstore import linux
-from runtime_shim import records
 from runtime_shim.errors import SandboxExists, SandboxNotFound
-from runtime_shim.layers import LayerMounts
-from runtime_shim.lifecycle import SandboxLifecycle
-from runtime_shim.lock import NodeLock
-from runtime_shim.paths import NodePaths
-from runtime_shim.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox
+from runtime_shim.node import records
+from runtime_shim.node.layers import LayerMounts
+from runtime_shim.node.lifecycle import SandboxLifecycle
+from runtime_shim.node.lock import NodeLock
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox
 
 A, B = "b3:" + "a" * 64, "b3:" + "b" * 64
 
@@ -218,8 +218,8 @@ def test_the_last_sandbox_out_releases_the_roots_mount(life: tuple[SandboxLifecy
 def test_the_shim_and_its_lifecycle_share_one_lock(tmp_path: Path) -> None:
     """A wrapper put in place of `shim.lock` (a benchmark's timed lock) is the lock every step
     takes, also the lifecycle's own (`undo_mount`)."""
-    from runtime_shim.blobs import DirBlobs
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.blobs import DirBlobs
+    from runtime_shim.node.shim import Shim
 
     with Shim(NodePaths(tmp_path / "node"), DirBlobs(tmp_path / "blobs"), auto_recover=False) as shim:
         assert shim.lifecycle.lock is shim.lock and shim.lifecycle.state is shim.state

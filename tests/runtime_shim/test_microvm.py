@@ -37,10 +37,11 @@ import pytest
 from testkit.shim_support import busybox_image, busybox_rootfs, cleanup_node, dir_shim, loops_under, needs_busybox, spec
 from testkit.vm_support import kill9_daemon, needs_vm, tcg
 
-from runtime_shim import runner
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.microvm import MicrovmBackend
 from runtime_shim.errors import ShimError
+from runtime_shim.node.request import MountRequest
+from runtime_shim.sandbox import runner
 from runtime_shim.vm.config import GuestConfig, config_tar
 from runtime_shim.vm.qemu import parse_status, qemu_argv
 from runtime_shim.vm.spec import Drive, Stream, VmSpec, VmSpecError
@@ -106,7 +107,7 @@ def test_a_guest_composed_sandbox_has_its_layers_mounted_and_no_root_on_the_host
 
     blobs, blob = busybox_image(tmp_path)
     with dir_shim(tmp_path, blobs) as shim:
-        sb = shim.mount(spec((blob, "base")), guest="microvm", upper_image=64 << 20)
+        sb = shim.mount(MountRequest(spec((blob, "base")), guest="microvm", upper_image=64 << 20))
         assert sb.backend == "microvm" and not os.path.exists(sb.target)
         assert os.path.ismount(shim.paths.layer_mount(blob)) and shim.layer_refs() == {blob: 1}
         assert Path(sb.upper) == shim.paths.upper_image(sb.id) and Path(sb.upper).stat().st_size == 64 << 20
@@ -118,7 +119,7 @@ def test_a_guest_composed_sandbox_has_its_layers_mounted_and_no_root_on_the_host
         assert blob in rep.remounted_layers and not rep.remounted_sandboxes and not rep.broken
         assert os.path.ismount(shim.paths.layer_mount(blob)) and not os.path.exists(sb.target)
         with pytest.raises(ShimError):
-            shim.mount(spec((blob, "base")), guest="microvm", upper_size=1 << 20)
+            shim.mount(MountRequest(spec((blob, "base")), guest="microvm", upper_size=1 << 20))
         shim.unmount(sb.id)
         assert shim.sandboxes() == [] and shim.layer_refs() == {}
         assert not shim.paths.sandbox_dir(sb.id).exists() and not os.path.ismount(shim.paths.layer_mount(blob))
@@ -136,7 +137,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     file nobody reads) under a workspace that deletes /data/drop; a node (real daemon) on it."""
     from testkit.cli_helpers import layerctl
 
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     root = tmp_path_factory.mktemp("microvm")
     url = str(root / "store")
@@ -253,7 +254,7 @@ def test_2_commit_reads_the_upper_drive_in_a_helper_vm(world: dict[str, Any]) ->
     assert res["layer"] not in world["blobs"] and res["frozen"] == []
     assert _blob_sha(world) == before  # the layers' blobs are as they were
     # the new environment on the host (a container-style mount is enough to look)
-    look = shim.mount("mv:2")
+    look = shim.mount(MountRequest("mv:2"))
     try:
         data = Path(look.target) / "data"
         assert sorted(os.listdir(data)) == ["new", "out"]

@@ -13,12 +13,13 @@ from typing import Any
 
 from testkit.shim_support import needs_busybox, needs_root, spec
 
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import ShimError
-from runtime_shim.lock import NodeLock
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, MOUNTING
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.lock import NodeLock
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, MOUNTING
 from tests.runtime_shim.test_shim_mounts import env2, erofs_mounts, images, open_shim  # noqa: F401  (fixtures)
 
 pytestmark = [needs_root, needs_busybox]
@@ -91,7 +92,7 @@ def test_a_cold_layer_is_mounted_once_outside_the_lock_and_its_layers_side_by_si
     with open_shim(node, images) as shim:
         warm = spec((images["base"], "base"))  # type: ignore[arg-type]
         gate = Gate(shim, {base, tk})  # type: ignore[arg-type]
-        threads = [in_thread(lambda: shim.mount(env2(images))) for _ in range(4)]
+        threads = [in_thread(lambda: shim.mount(MountRequest(env2(images)))) for _ in range(4)]
         try:
             # both layers of the environment are being mounted at once (neither waits for the other)
             assert gate.entered[base].wait(WAIT) and gate.entered[tk].wait(WAIT)  # type: ignore[index]
@@ -111,7 +112,7 @@ def test_a_cold_layer_is_mounted_once_outside_the_lock_and_its_layers_side_by_si
         assert len(erofs_mounts(node)) == 2
         with shim.state.read() as t:
             assert {lm.status for lm in t.layers()} == {MOUNTED} and all(lm.owner is None for lm in t.layers())
-        more = shim.mount(warm)
+        more = shim.mount(MountRequest(warm))
         for r in results:
             shim.unmount(r["value"].id)
         shim.unmount(more.id)
@@ -121,12 +122,12 @@ def test_a_cold_layer_is_mounted_once_outside_the_lock_and_its_layers_side_by_si
 def test_a_warm_environment_does_not_wait_for_a_cold_one(node: Path, images: dict[str, object]) -> None:  # noqa: F811
     base, tk = images["base"], images["toolkit"]
     with open_shim(node, images) as shim:
-        first = shim.mount(spec((base, "base")))  # type: ignore[arg-type]
+        first = shim.mount(MountRequest(spec((base, "base"))))  # type: ignore[arg-type]
         gate = Gate(shim, {tk})  # type: ignore[arg-type]
-        cold, out = in_thread(lambda: shim.mount(env2(images)))
+        cold, out = in_thread(lambda: shim.mount(MountRequest(env2(images))))
         try:
             assert gate.entered[tk].wait(WAIT)  # type: ignore[index]
-            warm = shim.mount(spec((base, "base")))  # type: ignore[arg-type]  (while toolkit is mid-mount)
+            warm = shim.mount(MountRequest(spec((base, "base"))))  # type: ignore[arg-type]  (while toolkit is mid-mount)
             assert shim.check(warm.id).ok
             with shim.state.read() as t:
                 lm = t.layer(tk)  # type: ignore[arg-type]
@@ -148,7 +149,7 @@ def test_a_failed_layer_mount_fails_its_waiters_and_is_tried_again(node: Path, i
     base, tk = images["base"], images["toolkit"]
     with open_shim(node, images) as shim:
         gate = Gate(shim, {tk}, fail={tk: ShimError("layer toolkit: simulated failure")})  # type: ignore[dict-item]
-        threads = [in_thread(lambda: shim.mount(env2(images))) for _ in range(3)]
+        threads = [in_thread(lambda: shim.mount(MountRequest(env2(images)))) for _ in range(3)]
         try:
             assert gate.entered[tk].wait(WAIT)  # type: ignore[index]
             assert wait_for(lambda: shim.layer_refs().get(tk) == 3)  # type: ignore[call-overload]  (all waiting)
@@ -160,7 +161,7 @@ def test_a_failed_layer_mount_fails_its_waiters_and_is_tried_again(node: Path, i
         assert all(isinstance(e, ShimError) and "simulated failure" in str(e) for e in errors), errors
         assert gate.calls.count(tk) == 1
         assert shim.sandboxes() == [] and shim.layer_refs() == {} and erofs_mounts(node) == []
-        sb = shim.mount(env2(images))  # the next mount claims it again
+        sb = shim.mount(MountRequest(env2(images)))  # the next mount claims it again
         assert shim.layer_refs() == {base: 1, tk: 1}
         shim.unmount(sb.id)
 
@@ -173,10 +174,10 @@ def test_an_abandoned_claim_is_taken_over_by_a_waiter(node: Path, images: dict[s
     base, tk = images["base"], images["toolkit"]
     with open_shim(node, images) as shim:
         gate = Gate(shim, {tk}, fail={tk: Abandon()})  # type: ignore[dict-item]
-        first, out1 = in_thread(lambda: shim.mount(env2(images), sandbox="first"))
+        first, out1 = in_thread(lambda: shim.mount(MountRequest(env2(images), sandbox="first")))
         try:
             assert gate.entered[tk].wait(WAIT)  # type: ignore[index]
-            second, out2 = in_thread(lambda: shim.mount(env2(images), sandbox="second"))
+            second, out2 = in_thread(lambda: shim.mount(MountRequest(env2(images), sandbox="second")))
             # the second sandbox holds its references and waits for the first one's claim
             assert wait_for(lambda: shim.layer_refs().get(tk) == 2)  # type: ignore[call-overload]
         finally:
@@ -205,7 +206,7 @@ def test_a_claim_whose_process_died_is_taken_by_the_next_mount(node: Path, image
             assert lm is not None
             lm.owner, lm.refs = {"pid": int(dead.stdout), "start": 1}, 0
             t.put_layer(lm)
-        sb = shim.mount(env2(images))
+        sb = shim.mount(MountRequest(env2(images)))
         assert shim.layer_refs() == {base: 1, tk: 1} and shim.check(sb.id).ok
         shim.unmount(sb.id)
         assert shim.layer_refs() == {} and erofs_mounts(node) == []
@@ -266,20 +267,20 @@ def test_prefetch_hints_are_sent_once_per_chunk_per_node(node: Path, images: dic
     one = replace(env2(images), prefetch={base: (3, 1, 2), tk: (0,), "b3:" + "c" * 64: (5,)})
     two = replace(spec((base, "base")), prefetch={base: (2, 7)})  # type: ignore[arg-type]
     with Shim(NodePaths(node), blobs) as shim:
-        a = shim.mount(one)
-        b = shim.mount(one)
+        a = shim.mount(MountRequest(one))
+        b = shim.mount(MountRequest(one))
         hints_sent(shim)
     assert sorted(blobs.sent) == sorted([(base, [3, 1, 2]), (tk, [0])])  # in order; other blobs ignored
     blobs.sent.clear()
     with Shim(NodePaths(node), blobs) as shim:  # another process, later: nothing is sent again
-        c = shim.mount(one)
+        c = shim.mount(MountRequest(one))
         blobs.fail = True
-        d = shim.mount(two)  # a failed send is not recorded ...
+        d = shim.mount(MountRequest(two))  # a failed send is not recorded ...
         hints_sent(shim)
         blobs.fail = False
     assert blobs.sent == []
     with Shim(NodePaths(node), blobs) as shim:
-        e = shim.mount(two)  # ... and is tried again; only the chunks not sent before
+        e = shim.mount(MountRequest(two))  # ... and is tried again; only the chunks not sent before
         hints_sent(shim)
         for sb in (a, b, c, d, e):
             shim.unmount(sb.id)
@@ -324,8 +325,8 @@ def test_direct_mounts_need_no_daemon_and_are_unpinned_after_the_last_user(
     base, tk = images["base"], images["toolkit"]
     blobs = PinningBlobs(images["blobs"])  # type: ignore[arg-type]
     with Shim(NodePaths(node), blobs) as shim:
-        a = shim.mount(env2(images))
-        b = shim.mount(spec((base, "base")))  # type: ignore[arg-type]
+        a = shim.mount(MountRequest(env2(images)))
+        b = shim.mount(MountRequest(spec((base, "base"))))  # type: ignore[arg-type]
         with shim.state.read() as t:
             lms = {lm.blob: lm for lm in t.layers()}
         assert {lm.pin for lm in lms.values()} == {shim.layers.holder(base), shim.layers.holder(tk)}  # type: ignore[arg-type]

@@ -13,12 +13,13 @@ import pytest
 from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, needs_root, spec
 
 from layerstore import linux
-from runtime_shim import records
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import SandboxExists, ShimError
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, UNMOUNTING
+from runtime_shim.node import records
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, UNMOUNTING
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -63,12 +64,12 @@ def erofs_mounts(node: Path) -> list[str]:
 
 def test_layers_are_mounted_once_and_reference_counted(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a = shim.mount(env2(images))
-        b = shim.mount(env2(images))
+        a = shim.mount(MountRequest(env2(images)))
+        b = shim.mount(MountRequest(env2(images)))
         assert a.id != b.id and a.upper != b.upper
         assert len(erofs_mounts(node)) == 2  # one per layer, not per sandbox
         assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 2}
-        only_base = shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+        only_base = shim.mount(MountRequest(spec((images["base"], "base"))))  # type: ignore[arg-type]
         assert shim.layer_refs()[images["base"]] == 3
         shim.unmount(a.target)
         assert shim.layer_refs() == {images["base"]: 2, images["toolkit"]: 1}
@@ -84,7 +85,7 @@ def test_layers_are_mounted_once_and_reference_counted(node: Path, images: dict[
 
 def test_whiteouts_and_opaque_directories_across_layers(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        sb = shim.mount(env2(images))
+        sb = shim.mount(MountRequest(env2(images)))
         root = Path(sb.target)
         assert (root / "data" / "a").read_text() == "a from base\n"
         assert not (root / "data" / "b").exists()
@@ -96,7 +97,7 @@ def test_whiteouts_and_opaque_directories_across_layers(node: Path, images: dict
 
 def test_writes_land_in_the_private_upper_only(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(env2(images)))
         ra, rb = Path(a.target), Path(b.target)
         (ra / "etc" / "motd").write_text("changed in a\n")
         (ra / "new-file").write_text("only a\n")
@@ -120,13 +121,13 @@ def test_writes_land_in_the_private_upper_only(node: Path, images: dict[str, obj
 
 def test_sandbox_ids_and_uppers_are_unique(node: Path, images: dict[str, object], tmp_path: Path) -> None:
     with open_shim(node, images) as shim:
-        shim.mount(env2(images), sandbox="task-1")
+        shim.mount(MountRequest(env2(images), sandbox="task-1"))
         with pytest.raises(SandboxExists):
-            shim.mount(env2(images), sandbox="task-1")
+            shim.mount(MountRequest(env2(images), sandbox="task-1"))
         mine = tmp_path / "keep" / "upper"
-        shim.mount(env2(images), tmp_path / "t2", sandbox="task-2", upper=mine)
+        shim.mount(MountRequest(env2(images), tmp_path / "t2", sandbox="task-2", upper=mine))
         with pytest.raises(SandboxExists):
-            shim.mount(env2(images), tmp_path / "t3", sandbox="task-3", upper=mine)  # in use
+            shim.mount(MountRequest(env2(images), tmp_path / "t3", sandbox="task-3", upper=mine))  # in use
         (tmp_path / "t2" / "work.txt").write_text("progress\n")
         shim.unmount(str(tmp_path / "t2"))
         assert (mine / "work.txt").read_text() == "progress\n"  # the caller's upper is kept
@@ -134,11 +135,11 @@ def test_sandbox_ids_and_uppers_are_unique(node: Path, images: dict[str, object]
         (NodePaths(node).sandbox_dir("task-4") / "upper").mkdir(parents=True)
         (NodePaths(node).sandbox_dir("task-4") / "upper" / "f").write_text("old\n")
         with pytest.raises(SandboxExists):
-            shim.mount(env2(images), sandbox="task-4")
-        sb = shim.mount(env2(images), sandbox="task-4", upper=NodePaths(node).upper("task-4"))
+            shim.mount(MountRequest(env2(images), sandbox="task-4"))
+        sb = shim.mount(MountRequest(env2(images), sandbox="task-4", upper=NodePaths(node).upper("task-4")))
         assert (Path(sb.target) / "f").read_text() == "old\n"
         # resume the kept upper under a new sandbox
-        sb5 = shim.mount(env2(images), sandbox="task-5", upper=mine)
+        sb5 = shim.mount(MountRequest(env2(images), sandbox="task-5", upper=mine))
         assert (Path(sb5.target) / "work.txt").read_text() == "progress\n"
         for s in shim.sandboxes():
             shim.unmount(s.id)
@@ -147,10 +148,10 @@ def test_sandbox_ids_and_uppers_are_unique(node: Path, images: dict[str, object]
 
 def test_failed_mount_leaves_nothing(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        keep = shim.mount(env2(images))
+        keep = shim.mount(MountRequest(env2(images)))
         missing = "b3:" + "e" * 64
         with pytest.raises(ShimError):
-            shim.mount(spec((images["base"], "base"), (missing, "toolkit")), sandbox="doomed")  # type: ignore[arg-type]
+            shim.mount(MountRequest(spec((images["base"], "base"), (missing, "toolkit")), sandbox="doomed"))  # type: ignore[arg-type]
         assert [s.id for s in shim.sandboxes()] == [keep.id]
         assert shim.layer_refs() == {images["base"]: 1, images["toolkit"]: 1}
         assert not NodePaths(node).sandbox_dir("doomed").exists()
@@ -159,7 +160,7 @@ def test_failed_mount_leaves_nothing(node: Path, images: dict[str, object]) -> N
 
 def test_recover_when_state_says_mounted_but_mounts_are_gone(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(spec((images["base"], "base"))))  # type: ignore[arg-type]
         (Path(a.target) / "mine").write_text("a's data\n")
     for m in sorted(linux.mounts_under(linux.read_mounts(), str(node)), key=lambda m: -len(m.mountpoint)):
         linux.umount(m.mountpoint, lazy=True)  # the mounts vanish (reboot, crashed namespace)
@@ -176,8 +177,8 @@ def test_recover_when_state_says_mounted_but_mounts_are_gone(node: Path, images:
 
 def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a = shim.mount(env2(images))
-        gone = shim.mount(env2(images))
+        a = shim.mount(MountRequest(env2(images)))
+        gone = shim.mount(MountRequest(env2(images)))
         (Path(a.target) / "mine").write_text("kept\n")
         (Path(gone.target) / "g").write_text("upper data\n")
     shutil.rmtree(node / "state")  # the database is lost; mounts and records remain
@@ -197,7 +198,7 @@ def test_recover_when_mounts_are_present_but_state_is_lost(node: Path, images: d
 
 def test_recover_finishes_an_interrupted_teardown(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(env2(images)))
         with shim.state.write() as t:  # the shim died right after marking `a` for teardown
             rec = t.sandbox(a.id)
             assert rec is not None
@@ -213,7 +214,7 @@ def test_recover_finishes_an_interrupted_teardown(node: Path, images: dict[str, 
 
 def test_state_records_are_plain_json(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        sb = shim.mount(env2(images), sandbox="rec-1")
+        sb = shim.mount(MountRequest(env2(images), sandbox="rec-1"))
         rec = json.loads(records.load(NodePaths(node).sandbox_dir("rec-1")) or b"")
         assert rec["id"] == "rec-1" and rec["layers"] == [images["base"], images["toolkit"]]
         shim.unmount(sb.id)
@@ -223,7 +224,7 @@ def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict
     from layerstore.linux import detach
 
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(env2(images)))
         detach(a.target)  # the shim died after moving a's directory to the trash
         assert records.trash(shim.paths, a.id) is not None
         rep = shim.recover()
@@ -236,7 +237,7 @@ def test_recover_finishes_a_teardown_found_in_the_trash(node: Path, images: dict
 
 def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        sbs = [shim.mount(env2(images)) for _ in range(1000)]
+        sbs = [shim.mount(MountRequest(env2(images))) for _ in range(1000)]
         assert shim.layer_refs() == {images["base"]: 1000, images["toolkit"]: 1000}
         assert len(erofs_mounts(node)) == 2
         overlays = [m for m in linux.read_mounts().values() if m.fstype == "overlay"
@@ -255,10 +256,10 @@ def test_a_thousand_sandboxes_then_none(node: Path, images: dict[str, object]) -
 def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[str, object],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """At 10,000 sandboxes /proc/self/mountinfo is several MB: one mount or teardown must not parse it."""
-    from runtime_shim import shim as shim_module
+    from runtime_shim.node import shim as shim_module
 
     with open_shim(node, images) as shim:
-        keep = shim.mount(env2(images))
+        keep = shim.mount(MountRequest(env2(images)))
 
         def scan(*_a: object, **_k: object) -> None:
             raise AssertionError("the mount table was read on the path of one sandbox")
@@ -267,7 +268,7 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
             monkeypatch.setattr(where, "read_mounts", scan)
             monkeypatch.setattr(where, "find_mount", scan)
         monkeypatch.setattr(shim_module.Shim, "sandboxes", scan)  # and no walk over every sandbox
-        sb = shim.mount(env2(images))
+        sb = shim.mount(MountRequest(env2(images)))
         assert shim.check(sb.id).ok and shim.recover_if_needed() is None
         shim.unmount(sb.id)
         shim.unmount(keep.id)
@@ -278,10 +279,11 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
 CRASH = """
 import json, os, sys
 from pathlib import Path
-from runtime_shim import lifecycle, records, shim as shim_module
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
+from runtime_shim.node import lifecycle, records, shim as shim_module
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
+from runtime_shim.node.paths import NodePaths
 
 node, blobs, layers, point, op, upper = sys.argv[1:7]
 def die_after(fn):
@@ -293,7 +295,7 @@ spec = EnvSpec("", tuple(LayerSpec(b, 0, "base" if i == 0 else "toolkit") for i,
                {"cmd": ["/bin/sh"]}, "test")
 s = shim_module.Shim(NodePaths(Path(node)), DirBlobs(blobs))
 if op == "unmount":
-    s.mount(spec, sandbox="victim", upper=upper or None, target=(node + "/t-victim") if upper else None)
+    s.mount(MountRequest(spec, sandbox="victim", upper=upper or None, target=(node + "/t-victim") if upper else None))
 if point == "record":
     records.save = die_after(records.save)
 elif point == "layers":
@@ -305,7 +307,7 @@ elif point == "detach":
 elif point == "trash":
     records.trash = die_after(records.trash)
 if op == "mount":
-    s.mount(spec, sandbox="victim")
+    s.mount(MountRequest(spec, sandbox="victim"))
 else:
     s.unmount("victim")
 sys.exit("the crash point was not reached")
@@ -325,7 +327,7 @@ def crash(node: Path, images: dict[str, object], point: str, op: str, upper: str
 @pytest.mark.parametrize("point", ["record", "layers", "overlay"])
 def test_a_mount_a_crash_interrupted_is_rolled_back(node: Path, images: dict[str, object], point: str) -> None:
     with open_shim(node, images) as shim:
-        keep = shim.mount(spec((images["base"], "base")))  # type: ignore[arg-type]
+        keep = shim.mount(MountRequest(spec((images["base"], "base"))))  # type: ignore[arg-type]
     crash(node, images, point, "mount")
     with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
         rep = shim.recover_if_needed()
@@ -335,7 +337,7 @@ def test_a_mount_a_crash_interrupted_is_rolled_back(node: Path, images: dict[str
         assert erofs_mounts(node) == [str(shim.paths.layer_mount(images["base"]))]  # type: ignore[arg-type]
         assert not NodePaths(node).sandbox_dir("victim").exists()
         assert shim.recover_if_needed() is None
-        again = shim.mount(env2(images), sandbox="victim")  # the caller's retry with the same id works
+        again = shim.mount(MountRequest(env2(images), sandbox="victim"))  # the caller's retry with the same id works
         assert (Path(again.target) / "opt" / "tool" / "run.sh").exists()
         shim.unmount(again.id)
         shim.unmount(keep.id)
@@ -364,11 +366,11 @@ def test_a_caller_upper_survives_a_crash_mid_teardown(node: Path, images: dict[s
 
 
 def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
-    from runtime_shim.state import Sandbox
+    from runtime_shim.node.state import Sandbox
 
     with open_shim(node, images) as shim:
-        a = shim.mount(env2(images), sandbox="a")
-        b = shim.mount(env2(images), sandbox="b")
+        a = shim.mount(MountRequest(env2(images), sandbox="a"))
+        b = shim.mount(MountRequest(env2(images), sandbox="b"))
         (Path(a.target) / "mine").write_text("a's data\n")
         (Path(b.target) / "theirs").write_text("b's data\n")
         with shim.state.write() as t:
@@ -395,7 +397,7 @@ def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, imag
 
 def test_a_damaged_state_database_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a = shim.mount(env2(images), sandbox="a")
+        a = shim.mount(MountRequest(env2(images), sandbox="a"))
     with open(node / "state" / "data.mdb", "r+b") as f:  # its pages in use, meta pages first (the file is sparse)
         f.write(b"\x5a" * (1 << 20))
     with Shim(NodePaths(node), DirBlobs(images["blobs"]), auto_recover=False) as shim:  # type: ignore[arg-type]
@@ -410,7 +412,7 @@ def test_a_damaged_state_database_is_rebuilt_from_the_records(node: Path, images
 def test_check_and_full_recover_see_a_root_unmounted_behind_the_shims_back(node: Path,
                                                                            images: dict[str, object]) -> None:
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(env2(images)))
         linux.umount(a.target)
         assert not shim.check(a.id).ok and shim.check(b.id).ok
         assert shim.recover_if_needed() is None  # the start-up check looks at layers only (documented)
@@ -425,7 +427,7 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
     hang off NODE/roots, a mount of its own that exists while the node has sandboxes."""
     roots = node / "roots"
     with open_shim(node, images) as shim:
-        a, b = shim.mount(env2(images)), shim.mount(env2(images))
+        a, b = shim.mount(MountRequest(env2(images))), shim.mount(MountRequest(env2(images)))
         assert Path(a.target).parent == roots and linux.is_mount_root(roots)
         assert linux.mount_id(a.upper) != linux.mount_id(roots)
         table = linux.read_mounts()
@@ -440,9 +442,10 @@ def test_default_roots_are_not_mounted_beside_the_uppers(node: Path, images: dic
 INFLIGHT = """
 import os, sys, time
 from pathlib import Path
-from runtime_shim import lifecycle, shim as shim_module
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.paths import NodePaths
+from runtime_shim.node import lifecycle, shim as shim_module
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
 
 node, blobs, marker, go = sys.argv[1:5]
 real = lifecycle.detach
@@ -465,8 +468,8 @@ def test_recovery_leaves_a_teardown_in_flight_alone(node: Path, images: dict[str
     import time
 
     with open_shim(node, images) as shim:
-        other = shim.mount(env2(images))
-        shim.mount(env2(images), sandbox="victim")
+        other = shim.mount(MountRequest(env2(images)))
+        shim.mount(MountRequest(env2(images), sandbox="victim"))
     marker, go = tmp_path / "in-detach", tmp_path / "go"
     child = subprocess.Popen([sys.executable, "-c", INFLIGHT, str(node), str(images["blobs"]), str(marker), str(go)])
     try:

@@ -19,8 +19,9 @@ from testkit.shim_support import (
     spec,
 )
 
-from runtime_shim import runner
-from runtime_shim.shim import Shim
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 
@@ -55,7 +56,7 @@ def test_exit_codes_and_output(shim: Shim, image: tuple[Path, str]) -> None:
 
 
 def test_the_sandbox_sees_only_its_root(shim: Shim, image: tuple[Path, str], tmp_path: Path) -> None:
-    other = shim.mount(spec((image[1], "base")))
+    other = shim.mount(MountRequest(spec((image[1], "base"))))
     (Path(other.target) / "secret").write_text("other sandbox\n")
     node = str(shim.paths.root)
     probes = [node, f"{node}/cache", f"{node}/fuse", f"{node}/state", other.upper, other.target, str(tmp_path),
@@ -122,7 +123,7 @@ def test_recover_and_teardown_delete_leftover_containers(shim: Shim, image: tupl
     import os
     import signal
 
-    live, gone, dead = (shim.mount(spec((image[1], "base"))) for _ in range(3))
+    live, gone, dead = (shim.mount(MountRequest(spec((image[1], "base")))) for _ in range(3))
     for sb in (live, gone, dead):
         start_container(shim, sb.id, sb.target)
         assert container_status(shim, sb.id) == "running"

@@ -10,14 +10,14 @@ import pytest
 
 from layerstore import linux
 from layerstore.errors import BadInput, ConfigError
-from runtime_shim import overlay
 from runtime_shim.backends import bundle
 from runtime_shim.backends.base import Confinement
-from runtime_shim.commit import committed_layers, layer_entries
-from runtime_shim.environment import LayerSpec
 from runtime_shim.errors import ShimError
 from runtime_shim.mount_helper import parse_mount_argv, parse_umount_argv
-from runtime_shim.paths import check_sandbox_id, new_sandbox_id, resolve_node_dir
+from runtime_shim.node import overlay
+from runtime_shim.node.paths import check_sandbox_id, new_sandbox_id, resolve_node_dir
+from runtime_shim.resolve.environment import LayerSpec
+from runtime_shim.sandbox.commit import committed_layers, layer_entries
 
 
 def test_overlay_options_stack_top_first() -> None:
@@ -192,7 +192,7 @@ def test_layer_entries_keep_only_opaque() -> None:
 
 # -- node state, records, utab, resolution (no kernel) -------------------------------------------
 def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
-    from runtime_shim.state import MOUNTED, NodeState, Sandbox, boot_id
+    from runtime_shim.node.state import MOUNTED, NodeState, Sandbox, boot_id
 
     with NodeState(tmp_path / "state") as st:
         sb = Sandbox(id="s1", env="e:1", manifest="", layers=["b3:" + "1" * 64], config={}, target="/t/1",
@@ -226,7 +226,7 @@ def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
 def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
     # Durability comes from the boot id + records (docs/runtime-shim.md); a synced LMDB would cost
     # a flush per mount and per teardown again.
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.state import NodeState
 
     with NodeState(tmp_path / "state") as st:
         flags = st._env.flags()
@@ -234,7 +234,7 @@ def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
 
 
 def test_default_roots_and_shim_made_uppers_are_found_without_index_entries(tmp_path: Path) -> None:
-    from runtime_shim.state import MOUNTED, NodeState, Sandbox
+    from runtime_shim.node.state import MOUNTED, NodeState, Sandbox
 
     def sandbox(sid: str, target: str, upper: str) -> Sandbox:
         return Sandbox(id=sid, env="e:1", manifest="", layers=[], config={}, target=target, upper=upper,
@@ -277,9 +277,9 @@ def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_tha
     import json
     import os
 
-    from runtime_shim import records
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.state import Sandbox, encode
+    from runtime_shim.node import records
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.state import Sandbox, encode
 
     paths = NodePaths(tmp_path / "node")
     paths.create()
@@ -314,9 +314,9 @@ def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_tha
 def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path) -> None:
     import os
 
-    from runtime_shim import records
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.state import Sandbox
+    from runtime_shim.node import records
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.state import Sandbox
 
     obj = {"id": "s1", "env": "", "manifest": "", "layers": [], "config": {}, "target": "/t", "upper": "/u",
            "work": "/w", "owned": True, "from_a_newer_shim": 1}
@@ -339,7 +339,7 @@ def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path)
 
 
 def test_utab_entries(tmp_path: Path) -> None:
-    from runtime_shim import utab
+    from runtime_shim.node import utab
 
     (tmp_path / "utab").write_text("ID=7 SRC=/dev/sdb1 TARGET=/media/usb ROOT=/ OPTS=uhelper=udisks2\n")
     utab.add(41, "/run/sbx/1/rootfs", directory=tmp_path)
@@ -370,7 +370,7 @@ def test_environments_are_cached_by_manifest_digest(tmp_path: Path) -> None:
     from testkit.cli_helpers import layerctl
 
     from layerstore.store import Store
-    from runtime_shim.environment import CachingResolver
+    from runtime_shim.resolve.environment import CachingResolver
 
     url = str(tmp_path / "store")
     assert layerctl("store", "init", "--store", url).code == 0
@@ -406,7 +406,7 @@ def test_a_node_directory_too_long_for_the_daemons_socket_is_refused_up_front(tm
     from testkit.cli_helpers import layerctl
 
     from runtime_shim.errors import DaemonError
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     store = str(tmp_path / "store")
     assert layerctl("store", "init", "--store", store).code == 0
@@ -423,7 +423,7 @@ def test_for_node_resolves_every_environment_through_one_store_client(tmp_path: 
     from testkit.cli_helpers import layerctl
 
     from layerstore.store import Store
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     url = str(tmp_path / "store")
     assert layerctl("store", "init", "--store", url).code == 0
@@ -453,10 +453,10 @@ def test_eager_fetches_a_blob_once_for_every_concurrent_caller(tmp_path: Path, m
     import threading
 
     import fuse_client.control as control
-    from runtime_shim.blobs import DaemonBlobs
     from runtime_shim.errors import DaemonError
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.blobs import DaemonBlobs
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.state import NodeState
 
     paths = NodePaths(tmp_path / "node")
     paths.create()
@@ -506,7 +506,7 @@ def test_a_layer_mount_follows_the_group_or_the_daemon_it_was_made_on() -> None:
     """On the fanotify data path the blob source's generation names the group and the daemon: a
     layer attached to the group stays current across daemon restarts, a layer whose attach failed
     (mounted on the daemon's FUSE file) goes stale with its daemon; off that path, the daemon's."""
-    from runtime_shim.state import LayerMount, fuse_generation, group_generation
+    from runtime_shim.node.state import LayerMount, fuse_generation, group_generation
 
     gen = group_generation("fanotify:g1", "daemon:10:1")
     attached = LayerMount("b", "/m", "/c", 0, "fanotify:g1")

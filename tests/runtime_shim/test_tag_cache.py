@@ -15,7 +15,7 @@ from layerstore import keys
 from layerstore.errors import NotFound
 from layerstore.store import Store
 from manifest.environment import build_manifest, create_environment
-from runtime_shim.environment import CachingResolver
+from runtime_shim.resolve.environment import CachingResolver
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from testkit.fuse_helpers import make_tree
 from testkit.shim_support import cleanup_node, needs_root, node_mounts, store_with_env
 
 from runtime_shim.errors import NodeFull
-from runtime_shim.overlay import check_room, image_growth, kept_uppers_growth, reserve_upper_image
+from runtime_shim.node.overlay import check_room, image_growth, kept_uppers_growth, reserve_upper_image
 
 MiB = 1 << 20
 

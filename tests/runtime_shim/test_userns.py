@@ -1,4 +1,4 @@
-"""Sandboxes in user namespaces (`runtime_shim.idmap`), with real runc on a real node: root in a
+"""Sandboxes in user namespaces (`runtime_shim.node.idmap`), with real runc on a real node: root in a
 sandbox is an unprivileged uid on the host, the layers show their recorded owners through
 idmapped clones, what the sandbox writes is owned by its range on the host, two sandboxes get
 disjoint ranges, and a commit gives the layer the same tree gives without a user namespace."""
@@ -23,11 +23,13 @@ from testkit.shim_support import (
 
 from layerstore.errors import BadInput
 from layerstore.store import Store
-from runtime_shim import idmap, runner
 from runtime_shim.backends.bundle import oci_config
-from runtime_shim.commit import commit
-from runtime_shim.shim import Shim
-from runtime_shim.state import Sandbox
+from runtime_shim.node import idmap
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import Sandbox
+from runtime_shim.sandbox import runner
+from runtime_shim.sandbox.commit import commit
 
 pytestmark = [needs_root, needs_busybox, needs_runc]
 
@@ -75,7 +77,7 @@ def status_ids(pid: int) -> tuple[int, int]:
 
 
 def test_root_in_the_sandbox_is_its_range_on_the_host(shim: Shim) -> None:
-    sb = shim.mount("bb:1", userns=True)
+    sb = shim.mount(MountRequest("bb:1", userns=True))
     backend = shim.backend("runc")
     script = ("id -u > /tmp/id; stat -c '%u:%g' /home/u/f /bin/busybox > /tmp/owners; touch /made; "
               "mv /tmp/id /tmp/owners /; exec sleep 600")
@@ -103,9 +105,9 @@ def test_root_in_the_sandbox_is_its_range_on_the_host(shim: Shim) -> None:
 
 
 def test_two_sandboxes_get_disjoint_ranges_and_give_them_back(shim: Shim) -> None:
-    a = shim.mount("bb:1", userns=True)
-    b = shim.mount("bb:1", userns=True)
-    plain = shim.mount("bb:1")
+    a = shim.mount(MountRequest("bb:1", userns=True))
+    b = shim.mount(MountRequest("bb:1", userns=True))
+    plain = shim.mount(MountRequest("bb:1"))
     try:
         assert a.userns is not None and b.userns is not None and plain.userns is None
         assert abs(a.userns - b.userns) >= idmap.RANGE_SIZE
@@ -143,7 +145,7 @@ def test_commit_gives_the_same_layer_with_or_without_userns(shim: Shim, store: s
 
 
 def test_commit_refuses_ids_outside_the_range(shim: Shim, store: str, tmp_path: Path) -> None:
-    sb = shim.mount("bb:1", userns=True, upper_size=1 << 20)
+    sb = shim.mount(MountRequest("bb:1", userns=True, upper_size=1 << 20))
     try:
         (Path(sb.upper) / "planted").write_text("not the sandbox's\n")  # owned by host root
         with Store.open(store) as st, pytest.raises(BadInput, match="outside the sandbox's id range"):

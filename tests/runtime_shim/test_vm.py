@@ -26,12 +26,12 @@ from testkit.vm_support import kill9_daemon, needs_vm, tcg
 from erofs_builder.build import build_layer
 from erofs_builder.tree import Entry, Kind
 from layerstore import digest as digestmod
-from runtime_shim import runner
 from runtime_shim.backends.vm import VmBackend
-from runtime_shim.blobs import DirBlobs
 from runtime_shim.errors import ShimError
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.sandbox import runner
 from runtime_shim.vm import hostmem
 from runtime_shim.vm.pmem import PMEM_ALIGN, image_path, padded
 from runtime_shim.vm.qemu import qemu_argv
@@ -283,7 +283,7 @@ def test_cold_node_laziness_commit_kill9_of_the_daemon_and_resume(tmp_path: Path
     from testkit.shim_support import store_shim
 
     from layerstore.store import Store
-    from runtime_shim.commit import commit
+    from runtime_shim.sandbox.commit import commit
 
     url = str(tmp_path / "store")
     assert layerctl("store", "init", "--store", url).code == 0

@@ -29,12 +29,13 @@ from testkit.shim_support import (
 )
 
 from layerstore import linux
-from runtime_shim import records
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.lock import NodeLock
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
-from runtime_shim.state import MOUNTED, NodeState
+from runtime_shim.node import records
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.lock import NodeLock
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.state import MOUNTED, NodeState
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -67,10 +68,11 @@ def open_shim(node: Path, blobs: dict[str, object], **kw: object) -> Shim:
 VICTIM = r"""
 import json, os, signal, sys
 from pathlib import Path
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.shim import Shim
+from runtime_shim.node.request import MountRequest
 node, blobs, blob, point = sys.argv[1:5]
 spec = EnvSpec("", (LayerSpec(blob, 0, "base"),), {"cmd": ["/bin/sh"]}, "test")
 s = Shim(NodePaths(Path(node)), DirBlobs(blobs))
@@ -78,7 +80,7 @@ if point == "record-write":
     def die(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     os.setxattr = die
-s.mount(spec, sandbox="victim")
+s.mount(MountRequest(spec, sandbox="victim"))
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -116,7 +118,7 @@ def test_kill9_between_the_sandboxs_directory_and_its_record_leaves_no_sandbox(n
         rep = shim.recover_if_needed()
         assert rep is not None and rep.rolled_back == ["victim"]
         assert not NodePaths(node).sandbox_dir("victim").exists()
-        again = shim.mount(spec((blobs["base"], "base")), sandbox="victim")  # type: ignore[arg-type]
+        again = shim.mount(MountRequest(spec((blobs["base"], "base")), sandbox="victim"))  # type: ignore[arg-type]
         assert (Path(again.target) / "etc" / "motd").read_text() == "warm\n"
         shim.unmount("victim")
 
@@ -125,10 +127,10 @@ def test_the_roots_mount_is_recorded_and_a_removed_one_is_seen_at_start(node: Pa
     env = spec((blobs["base"], "base"))  # type: ignore[arg-type]
     roots = node / "roots"
     with open_shim(node, blobs) as shim:
-        shim.mount(env, sandbox="a")
+        shim.mount(MountRequest(env, sandbox="a"))
         with shim.state.read() as t:
             assert t.roots_mounted() and linux.is_mount_root(roots)
-        b = shim.mount(env, sandbox="b")  # (the record says it is there: the kernel is not asked)
+        b = shim.mount(MountRequest(env, sandbox="b"))  # (the record says it is there: the kernel is not asked)
         assert linux.mount_id(b.target) != linux.mount_id(roots) and Path(b.target).parent == roots
         linux.umount(roots, lazy=True)  # behind the shim's back: the roots on it go with it
     with open_shim(node, blobs, auto_recover=False) as shim:
@@ -147,7 +149,7 @@ def test_the_roots_mount_is_recorded_and_a_removed_one_is_seen_at_start(node: Pa
         # made but not recorded (a crash between the two): the next mount finds and records it
         roots.mkdir(exist_ok=True)
         linux.bind_private(roots)
-        c = shim.mount(env, sandbox="c")
+        c = shim.mount(MountRequest(env, sandbox="c"))
         with shim.state.read() as t:
             assert t.roots_mounted()
         assert linux.mount_id(c.target) != linux.mount_id(roots)
@@ -180,14 +182,14 @@ def test_the_node_locks_descriptor_is_not_shared_with_a_forked_child(tmp_path: P
 def test_a_long_lived_shim_sees_its_daemon_killed_at_the_next_mount(tmp_path: Path) -> None:
     url = store_with_env(tmp_path, busybox_rootfs(tmp_path / "src"))
     with store_shim(tmp_path, url) as shim:
-        a = shim.mount("bb:1", sandbox="a")
-        shim.mount("bb:1", sandbox="b")  # (the daemon is known healthy: the cheap check)
+        a = shim.mount(MountRequest("bb:1", sandbox="a"))
+        shim.mount(MountRequest("bb:1", sandbox="b"))  # (the daemon is known healthy: the cheap check)
         with NodeState(shim.paths.state) as state, state.read() as t:
             rec = t.daemon()
         assert rec is not None
         os.kill(rec.pid, signal.SIGKILL)
         os.waitpid(rec.pid, 0)  # (our child: the shim started it)
-        c = shim.mount("bb:1", sandbox="c")  # sees the dead daemon: recovery, a new daemon
+        c = shim.mount(MountRequest("bb:1", sandbox="c"))  # sees the dead daemon: recovery, a new daemon
         with shim.state.read() as t:
             now = t.daemon()
         assert now is not None and now.pid != rec.pid

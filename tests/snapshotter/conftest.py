@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from layerstore import linux
-from runtime_shim.blobs import DirBlobs
+from runtime_shim.node.blobs import DirBlobs
 from snapshotter import server
 from snapshotter.layers import RemoteLayers
 from snapshotter.snapshots import Snapshotter

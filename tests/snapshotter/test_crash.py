@@ -30,7 +30,7 @@ from .conftest import detach_under
 SERVE = """
 import sys
 from pathlib import Path
-from runtime_shim.blobs import DirBlobs
+from runtime_shim.node.blobs import DirBlobs
 from snapshotter.layers import RemoteLayers
 from snapshotter.server import serve
 from snapshotter.snapshots import Snapshotter
@@ -103,7 +103,7 @@ def check_agreement(c: Child, stub: pbg.SnapshotsStub) -> dict[str, pb.Info]:
     (through the node's shim) only layers its records name; the node's layer references match its
     sandboxes (holds included: nothing leaked) and its layer mounts match its layer records."""
     snaps = walk(stub)
-    from runtime_shim.state import NodeState
+    from runtime_shim.node.state import NodeState
     from snapshotter.metadata import Metadata
 
     dirs = set(os.listdir(c.root / "snapshots"))
@@ -211,17 +211,18 @@ def test_kill_while_a_shim_sandbox_shares_the_layer(child: Child, tmp_path: Path
     """kill -9 of the snapshotter holding a layer a shim sandbox also stacks: after the restart the
     snapshotter's reference is gone (the crash came before its record), the sandbox's stays, the
     layer is mounted once until the sandbox goes too."""
-    from runtime_shim.blobs import DirBlobs
-    from runtime_shim.environment import EnvSpec, LayerSpec
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.blobs import DirBlobs
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.request import MountRequest
+    from runtime_shim.node.shim import Shim
+    from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 
     _blobs, blob = busybox_image(tmp_path / "img")
     os.rename(tmp_path / "img" / "blobs" / blob, child.blobs / blob)
     stub = child.start(crash="remote:mounted")
     shim = Shim(NodePaths(child.node), DirBlobs(child.blobs), backends={})
     try:
-        sb = shim.mount(EnvSpec("", (LayerSpec(blob, 0, "base"),)), tmp_path / "sb-root")
+        sb = shim.mount(MountRequest(EnvSpec("", (LayerSpec(blob, 0, "base"),)), tmp_path / "sb-root"))
         with pytest.raises(grpc.RpcError) as ei:
             _op(stub, "remote:mounted", blob)
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and child.died_by_sigkill()

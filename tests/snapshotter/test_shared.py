@@ -12,10 +12,11 @@ import pytest
 from testkit.shim_support import busybox_image, needs_busybox
 
 from layerstore import linux
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.paths import NodePaths
-from runtime_shim.shim import Shim
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.node.paths import NodePaths
+from runtime_shim.node.request import MountRequest
+from runtime_shim.node.shim import Shim
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 from snapshotter.snapshots import LABEL_BLOB, LABEL_REF, REMOTE_PREFIX
 
 from .conftest import Served, code_of
@@ -49,7 +50,7 @@ def test_one_mount_shared_by_a_sandbox_and_a_container(snaps: Served, tmp_path: 
     layer = str(shim.paths.layer_mount(blob))
     try:
         for sandbox_first_out in (True, False):
-            sb = shim.mount(spec, tmp_path / "sb-root")
+            sb = shim.mount(MountRequest(spec, tmp_path / "sb-root"))
             assert erofs_mounts_of(image) == [layer] and refs(shim, blob) == 1
             assert code_of(snaps.prepare, "ns/1/extract sha256:chain1", "", labels).name == "ALREADY_EXISTS"
             [m] = snaps.prepare("ctr", REMOTE_PREFIX + "sha256:chain1")

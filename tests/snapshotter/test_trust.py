@@ -16,8 +16,8 @@ from layerstore import linux
 from layerstore.errors import BadInput, PermissionDenied
 from layerstore.store import Store
 from manifest.errors import UntrustedManifest
-from runtime_shim.blobs import DirBlobs
-from runtime_shim.environment import CachingResolver, node_policy
+from runtime_shim.node.blobs import DirBlobs
+from runtime_shim.resolve.environment import CachingResolver, node_policy
 from snapshotter.layers import RemoteLayers
 
 from .conftest import detach_under
@@ -63,7 +63,7 @@ def test_prefetch_hints_of_the_environment_go_to_the_daemon(tmp_path: Path) -> N
     hold on the layer (through the shim: once per chunk per node, recorded in the node state)."""
     import threading
 
-    from runtime_shim.environment import EnvSpec, LayerSpec
+    from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 
     blobs, blob = busybox_image(tmp_path / "img")
     sent: list[tuple[str, list[int]]] = []
@@ -105,7 +105,7 @@ def test_the_first_layer_of_a_pull_warms_the_others(tmp_path: Path) -> None:
     the metadata of the environment's other layers meanwhile (by opening their files), once."""
     import threading
 
-    from runtime_shim.environment import EnvSpec, LayerSpec
+    from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 
     base, tool, work = ("b3:" + c * 64 for c in "456")
     opened: list[str] = []

@@ -17,12 +17,12 @@ import pytest
 
 from layerstore import digest as digestmod
 from layerstore import linux
-from runtime_shim.daemon import is_alive
-from runtime_shim.environment import EnvSpec, LayerSpec
-from runtime_shim.state import NodeState
+from runtime_shim.node.state import NodeState
+from runtime_shim.resolve.environment import EnvSpec, LayerSpec
+from runtime_shim.supervise.daemon import is_alive
 
 if TYPE_CHECKING:
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
 BUSYBOX = shutil.which("busybox")
 needs_root = pytest.mark.root  # the `root` mark under its older name (tests/conftest.py skips it without root)
@@ -117,7 +117,7 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 20
     for pid, start in pids:
-        from runtime_shim.state import DaemonRecord
+        from runtime_shim.node.state import DaemonRecord
 
         rec = DaemonRecord(pid, start, "", "", "")
         while is_alive(rec) and time.monotonic() < deadline:
@@ -159,7 +159,7 @@ def store_with_env(root: Path, base: Path, *build_args: str, tag: str = "bb:1") 
 def store_shim(tmp_path: Path, store_url: str) -> Iterator[Shim]:
     """The production shim (`Shim.for_node`) on a fresh node under `tmp_path`; the node's mounts
     and processes are torn down afterwards, also on failure."""
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.shim import Shim
 
     node = tmp_path / "node"
     try:
@@ -173,9 +173,9 @@ def store_shim(tmp_path: Path, store_url: str) -> Iterator[Shim]:
 def dir_shim(tmp_path: Path, blobs: Path) -> Iterator[Shim]:
     """A shim on a fresh node under `tmp_path` whose layers are the EROFS images in `blobs`
     (`DirBlobs`); the node's mounts and processes are torn down afterwards, also on failure."""
-    from runtime_shim.blobs import DirBlobs
-    from runtime_shim.paths import NodePaths
-    from runtime_shim.shim import Shim
+    from runtime_shim.node.blobs import DirBlobs
+    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.node.shim import Shim
 
     node = tmp_path / "node"
     try:

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 from layerstore.errors import LayerstoreError, NotFound
 from layerstore.store import Store
 
-from .backends.base import SandboxBackend
-from .errors import ShimError
-from .idmap import to_layer_ids
-from .state import Sandbox
+from ..backends.base import SandboxBackend
+from ..errors import ShimError
+from ..node.idmap import to_layer_ids
+from ..node.state import Sandbox
 
 if TYPE_CHECKING:
     from erofs_builder.workflow import LayerSource

@@ -39,8 +39,8 @@ from layerstore.errors import LayerstoreError
 from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 
+from ..errors import ShimError
 from .blobs import BlobSource
-from .errors import ShimError
 from .overlay import SAFE, explain
 from .paths import NodePaths
 from .state import ATTACHED_PREFIX, MOUNTED, MOUNTING, LayerMount, Txn, fuse_generation, this_process

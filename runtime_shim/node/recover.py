@@ -49,10 +49,10 @@ from layerstore.errors import CorruptObject, LayerstoreError
 from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 
+from ..backends.base import SandboxBackend
+from ..errors import RuntimeNotAvailable, ShimError
 from . import records
-from .backends.base import SandboxBackend
 from .blobs import BlobSource
-from .errors import RuntimeNotAvailable, ShimError
 from .layers import LayerMounts
 from .lifecycle import SandboxLifecycle
 from .overlay import mount_overlay, mount_upper_image
@@ -87,6 +87,9 @@ class RecoverReport:
 
 
 def _forget_earlier_boot(state: NodeState, rep: RecoverReport) -> None:
+    """Repairs a database of an earlier boot (power loss, kernel crash, reboot: every mount is
+    gone and the unsynced database may have lost its last transactions): forgets it, so that the
+    next phases rebuild it from the records."""
     boot = boot_id()
     try:
         with state.read() as t:
@@ -101,8 +104,10 @@ def _forget_earlier_boot(state: NodeState, rep: RecoverReport) -> None:
 
 def _settle_pending(lifecycle: SandboxLifecycle, rep: RecoverReport,
                     mounts: dict[str, linux.MountEntry]) -> dict[str, Sandbox]:
-    """Settle the operations of dead processes; returns the sandboxes live processes are working
-    on (a teardown unmounting its root outside the lock), which recovery leaves alone."""
+    """Repairs the operations a crash interrupted (pending entries of dead processes): an
+    unfinished mount is rolled back, an unfinished teardown finished. Returns the sandboxes live
+    processes are working on (a teardown unmounting its root outside the lock), which recovery
+    leaves alone."""
     state = lifecycle.state
     with state.read() as t:
         every = t.pending()
@@ -126,16 +131,61 @@ def _settle_pending(lifecycle: SandboxLifecycle, rep: RecoverReport,
     return inflight
 
 
+@dataclass
+class _Picture:
+    """What the phases of one recovery learn and hand on to the next."""
+
+    inflight: dict[str, Sandbox]  # sandboxes live processes are working on: counted, never touched
+    live: list[Sandbox] = field(default_factory=list)  # the node's sandboxes after the settling phases
+    needed: set[str] = field(default_factory=set)  # blobs some sandbox stacks
+    layer_recs: dict[str, LayerMount] = field(default_factory=dict)  # the layer records before repair
+    claimed: set[str] = field(default_factory=set)  # layer mounts live processes are making
+    gen: str | None = None  # the blob source's generation (None: no sandbox needs a layer)
+    stale: set[str] = field(default_factory=set)  # layers to mount again
+    redo: list[Sandbox] = field(default_factory=list)  # sandboxes whose overlay is made again
+    failed: dict[str, str] = field(default_factory=dict)  # layers that could not be mounted again
+    layer_now: dict[str, LayerMount] = field(default_factory=dict)  # the layer records after repair
+
+    @property
+    def busy(self) -> list[Sandbox]:
+        return list(self.inflight.values())
+
+    @property
+    def ids(self) -> set[str]:
+        return {sb.id for sb in self.live + self.busy}
+
+
 def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
             backends: Mapping[str, SandboxBackend]) -> RecoverReport:
     """Caller holds the node lock. `lifecycle` brings the node's paths, state and layer mounts;
     `blobs` is the blob source the layers are mounted from (the node daemon, restarted here if it
-    died); `backends` are looked through for leftover containers."""
-    paths, state, layers, rep = lifecycle.paths, lifecycle.state, lifecycle.layers, RecoverReport()
-    _forget_earlier_boot(state, rep)
-    inflight = _settle_pending(lifecycle, rep, linux.read_mounts())
-    in_trash = records.trashed_ids(paths)
+    died); `backends` are looked through for leftover containers. Runs the phases in the order
+    of the module's docstring; each says what it repairs."""
+    rep = RecoverReport()
+    _forget_earlier_boot(lifecycle.state, rep)
+    pic = _Picture(_settle_pending(lifecycle, rep, linux.read_mounts()))
+    pic.live = _adopt_records(lifecycle, rep, pic.inflight)
+    _find_stale(lifecycle, blobs, pic, rep)
+    _remount_layers(lifecycle, pic, rep)
+    _remount_sandboxes(lifecycle, pic, rep)
+    _detach_orphans(lifecycle, pic, rep)
+    _reconcile_pins(lifecycle.layers, blobs, pic.layer_now)
+    if not pic.live and not pic.busy:
+        lifecycle.release_roots()
+    rep.deleted_containers = _leftover_workloads(backends, pic.ids)
+    rep.unrecorded = records.unrecorded(lifecycle.paths, pic.ids)
+    with lifecycle.state.write() as t:
+        t.put_boot(boot_id())
+    return rep
 
+
+def _adopt_records(lifecycle: SandboxLifecycle, rep: RecoverReport, inflight: dict[str, Sandbox]) -> list[Sandbox]:
+    """Repairs a lost or rebuilt database: adopts the sandboxes whose record (on their directory)
+    it does not know; finishes every teardown that had begun (status `unmounting`, or the
+    directory already in the trash); empties the trash of dead processes. Returns the node's
+    sandboxes (those of live processes' operations left out)."""
+    paths, state = lifecycle.paths, lifecycle.state
+    in_trash = records.trashed_ids(paths)
     with state.read() as t:
         known = {sb.id: sb for sb in t.sandboxes() if sb.id not in inflight}
     lost = [sb for sb in records.scan(paths) if sb.id not in known and sb.id not in inflight]
@@ -154,96 +204,111 @@ def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
             rep.finished_teardowns.append(sb.id)
             del known[sb.id]
     rep.trash_emptied = records.empty_trash(paths, only_dead=True)
+    return list(known.values())
 
-    live = list(known.values())
-    busy = list(inflight.values())  # counted (their layers stay), never touched
-    needed: set[str] = {blob for sb in live + busy for blob in sb.layers}
+
+def _find_stale(lifecycle: SandboxLifecycle, blobs: BlobSource, pic: _Picture, rep: RecoverReport) -> None:
+    """Repairs a dead blob source (a killed daemon's dead FUSE mount is detached, a new daemon
+    started) and finds what it broke: the layer mounts that are missing or made from a previous
+    daemon's files, and the sandboxes stacked on them or missing their overlay. A layer mount a
+    live process is making (claimed, outside the lock) is theirs to finish."""
+    pic.needed = {blob for sb in pic.live + pic.busy for blob in sb.layers}
     mounts = linux.read_mounts()
-    with state.read() as t:
-        layer_recs = {lm.blob: lm for lm in t.layers()}
-
-    gen: str | None = None
-    if needed:
-        gen = blobs.ensure()  # restarts a dead daemon (detaching its dead mount first)
-    rep.daemon_generation = gen
-
-    # Layer mounts live processes are making (claimed, outside the lock): theirs to finish.
-    claimed = {blob for blob, lm in layer_recs.items() if lm.in_flight}
+    with lifecycle.state.read() as t:
+        pic.layer_recs = {lm.blob: lm for lm in t.layers()}
+    if pic.needed:
+        pic.gen = blobs.ensure()  # restarts a dead daemon (detaching its dead mount first)
+    rep.daemon_generation = gen = pic.gen
+    pic.claimed = {blob for blob, lm in pic.layer_recs.items() if lm.in_flight}
 
     def layer_ok(blob: str) -> bool:
-        lm = layer_recs.get(blob)
+        lm = pic.layer_recs.get(blob)
         if lm is None or lm.status != MOUNTED or not lm.current(gen):  # a direct mount needs no daemon
             return False
         m = mounts.get(lm.mountpoint)
         return m is not None and m.fstype == "erofs"
 
-    stale = {blob for blob in needed if blob not in claimed and not layer_ok(blob)}
-    redo = []
-    for sb in live:
+    pic.stale = {blob for blob in pic.needed if blob not in pic.claimed and not layer_ok(blob)}
+    for sb in pic.live:
         m = mounts.get(sb.target)
         intact = (m is not None and m.fstype == "overlay" and f"upperdir={sb.upper}," in m.options + ","
                   and sb.status == MOUNTED)
         if sb.backend:  # composed in a guest: its layer mounts (above) are all the host has of it
             continue
-        if not intact or stale.intersection(sb.layers):
-            redo.append(sb)
+        if not intact or pic.stale.intersection(sb.layers):
+            pic.redo.append(sb)
 
-    for sb in redo:
+
+def _remount_layers(lifecycle: SandboxLifecycle, pic: _Picture, rep: RecoverReport) -> None:
+    """Repairs the layer mounts: detaches the overlays to redo and the stale layers (lazily: a
+    process still inside keeps its detached view), mounts the layers again, recounts every
+    layer's references from the sandboxes, and unmounts the layers nobody uses."""
+    paths, state, layers = lifecycle.paths, lifecycle.state, lifecycle.layers
+    for sb in pic.redo:
         detach(sb.target)
-    for blob in stale:
+    for blob in pic.stale:
         detach(paths.layer_mount(blob))
 
-    refs = Counter(blob for sb in live + busy for blob in sb.layers)
+    refs = Counter(blob for sb in pic.live + pic.busy for blob in sb.layers)
     fresh: dict[str, LayerMount] = {}
-    failed: dict[str, str] = {}
-    for blob in sorted(stale):
+    for blob in sorted(pic.stale):
         try:
-            fresh[blob] = layers.mount(blob, gen or "")
+            fresh[blob] = layers.mount(blob, pic.gen or "")
             rep.remounted_layers.append(blob)
         except LayerstoreError as e:
-            failed[blob] = str(e)
+            pic.failed[blob] = str(e)
     with state.write() as t:
-        for blob in needed:
-            lm = fresh.get(blob) or layer_recs.get(blob)
-            if blob in failed or lm is None:
+        for blob in pic.needed:
+            lm = fresh.get(blob) or pic.layer_recs.get(blob)
+            if blob in pic.failed or lm is None:
                 t.delete_layer(blob)
                 continue
             lm.refs = refs[blob]
             t.put_layer(lm)
-        for blob, lm in layer_recs.items():
-            if blob not in needed and blob not in claimed:
+        for blob, lm in pic.layer_recs.items():
+            if blob not in pic.needed and blob not in pic.claimed:
                 layers.unmount(lm)  # (and its pin, for a direct mount)
                 t.delete_layer(blob)
                 rep.unmounted_layers.append(blob)
-
     with state.read() as t:
-        layer_now = {lm.blob: lm for lm in t.layers()}
-    if any(lifecycle.under_roots(sb.target) for sb in redo):
+        pic.layer_now = {lm.blob: lm for lm in t.layers()}
+
+
+def _remount_sandboxes(lifecycle: SandboxLifecycle, pic: _Picture, rep: RecoverReport) -> None:
+    """Repairs the sandboxes' roots: mounts each one to redo again (its kept upper's image first,
+    then the overlay) with the SAME upper and work directories; one whose layer could not be
+    mounted, or whose overlay fails, is marked broken with the reason."""
+    paths = lifecycle.paths
+    if any(lifecycle.under_roots(sb.target) for sb in pic.redo):
         lifecycle.ensure_roots()
-    for sb in redo:
-        bad = [b for b in sb.layers if b in failed]
+    for sb in pic.redo:
+        bad = [b for b in sb.layers if b in pic.failed]
         try:
             if bad:
-                raise LayerstoreError(failed[bad[0]])
+                raise LayerstoreError(pic.failed[bad[0]])
             # the target may be a caller's directory that was removed meanwhile
             os.makedirs(sb.target, 0o755, exist_ok=True)
             image = paths.upper_image(sb.id)
             if sb.owned and image.exists():  # the upper's own filesystem first (unless still mounted)
                 mount_upper_image(image, paths.scratch(sb.id))
-            mount_overlay(sb.target, [layer_now[b].mountpoint for b in reversed(sb.layers)], sb.upper, sb.work)
+            mount_overlay(sb.target, [pic.layer_now[b].mountpoint for b in reversed(sb.layers)], sb.upper, sb.work)
         except (LayerstoreError, OSError) as e:
             sb.status, sb.error = BROKEN, str(e)
             rep.broken[sb.id] = str(e)
         else:
             sb.status, sb.error = MOUNTED, ""
             rep.remounted_sandboxes.append(sb.id)
-        with state.write() as t:
+        with lifecycle.state.write() as t:
             t.put_sandbox(sb)
 
-    # Orphans: mounts under the node directory (or overlays on its uppers) that nobody owns.
+
+def _detach_orphans(lifecycle: SandboxLifecycle, pic: _Picture, rep: RecoverReport) -> None:
+    """Repairs leftovers nobody owns: layer mounts under NODE/layers that no layer record names,
+    and overlays under the node directory (or on its uppers) that are no sandbox's root."""
+    paths = lifecycle.paths
     mounts = linux.read_mounts()
-    live_targets = {sb.target for sb in live + busy}
-    layer_points = {lm.mountpoint for lm in layer_now.values()}
+    live_targets = {sb.target for sb in pic.live + pic.busy}
+    layer_points = {lm.mountpoint for lm in pic.layer_now.values()}
     node_sb = str(paths.sandboxes) + "/"
     node_roots = str(paths.roots) + "/"
     for m in linux.mounts_under(mounts, str(paths.layers)):
@@ -258,15 +323,6 @@ def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
         if on_node:
             detach(m.mountpoint)
             rep.orphan_mounts.append(m.mountpoint)
-
-    _reconcile_pins(layers, blobs, layer_now)
-    if not live and not busy:
-        lifecycle.release_roots()
-    rep.deleted_containers = _leftover_workloads(backends, {sb.id for sb in live + busy})
-    rep.unrecorded = records.unrecorded(paths, {sb.id for sb in live + busy})
-    with state.write() as t:
-        t.put_boot(boot_id())
-    return rep
 
 
 def _reconcile_pins(layers: LayerMounts, blobs: BlobSource, records_now: dict[str, LayerMount]) -> None:

@@ -24,8 +24,8 @@ from layerstore import linux
 from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 
+from ..errors import SandboxExists, SandboxNotFound
 from . import records, utab
-from .errors import SandboxExists, SandboxNotFound
 from .layers import LayerMounts
 from .lock import NodeLock
 from .paths import NodePaths

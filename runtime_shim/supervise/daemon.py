@@ -12,7 +12,7 @@ fanotify group across the daemon's restarts, so with the default data path (`aut
 shim starts serves FUSE. A daemon run as its own unit (fuse_client/contrib) has them.
 
 On the fanotify data path (LAYERSTORE_DATA_PATH=fanotify|auto in the shim's environment) a small
-**watch** process (`python -m runtime_shim.daemon watch NODE_DIR`, NODE/watch.pid) waits on
+**watch** process (`python -m runtime_shim.supervise.daemon watch NODE_DIR`, NODE/watch.pid) waits on
 pidfds of the daemon and of the fanotify holder between shim calls (docs/fanotify.md, "Every
 process of ours killed"): when the daemon dies it adopts a daemon that answers in its place (an
 upgrade) or starts a new one at once (reads on attached layers wait meanwhile); when the holder
@@ -40,10 +40,10 @@ from pathlib import Path
 from layerstore import linux
 from layerstore.errors import LayerstoreError
 
-from .errors import DaemonError
-from .lock import NodeLock
-from .paths import NodePaths
-from .state import DaemonRecord, NodeState
+from ..errors import DaemonError
+from ..node.lock import NodeLock
+from ..node.paths import NodePaths
+from ..node.state import DaemonRecord, NodeState
 
 log = logging.getLogger("layerstore.shim.watch")
 
@@ -55,16 +55,10 @@ WATCH_ENV = "LAYERSTORE_DAEMON_WATCH"  # "0": no watch process
 DaemonCommand = Callable[[str, Path, Path], list[str]]
 
 
-def layerctl_argv() -> list[str]:
-    """How to run this installation's `layerctl`: the script beside the interpreter when there is one."""
-    script = Path(sys.executable).with_name("layerctl")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from layerctl.main import main; main()"]
-
-
 def default_command(store: str, cache: Path, mountpoint: Path) -> list[str]:
-    return [*layerctl_argv(), "daemon", "--store", store, "--cache", str(cache), "--mountpoint", str(mountpoint)]
+    """The node daemon as a module of this interpreter (`fuse_client.daemon`), not through the CLI."""
+    return [sys.executable, "-m", "fuse_client.daemon", "--store", store, "--cache", str(cache),
+            "--mountpoint", str(mountpoint)]
 
 
 def proc_start_time(pid: int) -> int | None:
@@ -124,7 +118,7 @@ class DaemonSupervisor:
             return
         if os.environ.get("LAYERSTORE_DATA_PATH", "fuse").strip().lower() not in ("fanotify", "auto"):
             return
-        argv = [sys.executable, "-m", "runtime_shim.daemon", "watch", str(self.paths.root)]
+        argv = [sys.executable, "-m", "runtime_shim.supervise.daemon", "watch", str(self.paths.root)]
         log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             pid = os.posix_spawn(argv[0], argv, os.environ, setsid=True, file_actions=[
@@ -380,4 +374,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "watch":
         logging.basicConfig(level=logging.INFO, format="%(asctime)s watch %(levelname)s %(message)s")
         sys.exit(watch(Path(sys.argv[2])))
-    sys.exit("usage: python -m runtime_shim.daemon watch NODE_DIR")
+    sys.exit("usage: python -m runtime_shim.supervise.daemon watch NODE_DIR")

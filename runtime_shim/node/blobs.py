@@ -21,8 +21,8 @@ from typing import Protocol
 from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError
 
-from .daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive, proc_start_time
-from .errors import DaemonError
+from ..errors import DaemonError
+from ..supervise.daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive, proc_start_time
 from .lock import BlobLock
 from .paths import NodePaths
 from .state import NodeState, group_generation

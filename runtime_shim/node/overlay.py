@@ -22,7 +22,7 @@ from pathlib import Path
 
 from layerstore import linux
 
-from .errors import NodeFull, ShimError
+from ..errors import NodeFull, ShimError
 from .paths import check_overlay_safe
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK)

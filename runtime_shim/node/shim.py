@@ -25,12 +25,12 @@ from pathlib import Path
 from layerstore import linux
 from layerstore.fileio import rmdir_quiet
 
+from ..backends import SandboxBackend, node_backends
+from ..errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
+from ..resolve.environment import EnvSpec
+from ..supervise.daemon import DaemonCommand, default_command
 from . import records, utab
-from .backends import SandboxBackend, node_backends
 from .blobs import BlobSource, DaemonBlobs
-from .daemon import DaemonCommand, default_command
-from .environment import EnvSpec
-from .errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
 from .idmap import chown_to_range, idmapped_lowers
 from .layers import CLAIMED, LayerMounts
 from .lifecycle import SandboxLifecycle
@@ -45,6 +45,7 @@ from .overlay import (
 )
 from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from .recover import RecoverReport, recover
+from .request import MountRequest
 from .state import (
     BROKEN,
     MOUNTED,
@@ -116,7 +117,7 @@ class Shim:
         from layerstore.config import resolve_store_url
         from layerstore.store import Store
 
-        from .environment import CachingResolver, node_policy
+        from ..resolve.environment import CachingResolver, node_policy
 
         paths = NodePaths.resolve(node_dir)
         paths.create()
@@ -220,57 +221,18 @@ class Shim:
             raise SandboxNotFound("this shim has no store to resolve environments from")
         return self.resolver(env)
 
-    def mount(self, env: str | EnvSpec, target: str | os.PathLike[str] | None = None, *,
-              sandbox: str | None = None, upper: str | os.PathLike[str] | None = None,
-              eager: bool = False, utab_entry: bool = False, upper_size: int | None = None,
-              upper_image: int | None = None, nosuid: bool = True, nodev: bool = True,
-              userns: bool = False, guest: str | None = None) -> Sandbox:
-        """Compose a sandbox's root at `target` (default NODE/roots/<id>).
-
-        A new sandbox gets a fresh upper under the node directory; an id whose directory already
-        exists is refused unless `upper` is passed explicitly (resume). An explicit upper is the
-        caller's: it is never deleted, and it is refused while another sandbox uses it.
-        `eager`: every chunk of every layer is on the node before the root is mounted.
-        `utab_entry`: record the root in /run/mount/utab so that `umount TARGET` tears the
-        sandbox down (see `utab`); for mount(8)-style callers.
-        `upper_size`: the upper and work directories of a new (shim-owned) upper go on a tmpfs of
-        that many bytes of its own (NODE/sandboxes/<id>/scratch): a sandbox that fills it gets
-        ENOSPC, the node disk keeps its space; the upper lives in memory and does not survive a
-        reboot (for sandboxes that are not kept). None: on the node disk, unlimited.
-        `upper_image`: the same quota for a sandbox that is kept, on the node disk: a sparse ext4
-        image of that many bytes (NODE/sandboxes/<id>/upper.img) loop-mounted at the same place;
-        it survives a reboot (recovery mounts it again before the overlay). Not with `upper_size`.
-        Refused (`NodeFull`) when the node disk's free space cannot hold it together with what the
-        other kept uppers may still take (`overlay.reserve_upper_image`, under the node lock).
-        `nosuid`, `nodev`: the root's mount flags (both on unless relaxed).
-        `userns`: the sandbox gets an id range of its own (`idmap`; recorded as `Sandbox.userns`):
-        its layers are stacked as idmapped clones and its upper is owned by the range's root, for
-        a backend to run it in a user namespace of that mapping. Only for a shim-owned upper (a
-        caller's upper, written under another mapping or none, keeps host ids: no userns).
-        `guest`: the name of a VM backend whose guest composes the root itself (`Sandbox.backend`):
-        the layers are mounted (shared and counted as for any sandbox: each layer mount's file, the
-        daemon's lazily fetched one or a pinned complete cache file, is what the VM reads as a
-        drive) but no overlay is made and `target` stays unmounted; `upper_image` then makes the
-        sandbox's upper drive (a sparse ext4 image at NODE/sandboxes/<id>/upper.img, never mounted
-        on the host), and without it the guest keeps its upper in its own memory. Not with
-        `upper`, `upper_size`, `utab_entry` or `userns`.
+    def mount(self, req: MountRequest) -> Sandbox:
+        """Compose the sandbox `req` asks for (`MountRequest` says what each of its fields does).
 
         The node lock is held once, for state changes only: to record the sandbox and take its
         layer references (claiming the mounts of layers nobody has mounted); marking it mounted
         needs no lock (see below). Layer mounts (a cold one waits for the daemon to fetch the
         blob's metadata), the overlay and the sandbox's directories are made without it: see
         `layers`."""
-        if upper_size is not None and upper_size <= 0:
-            raise ShimError(f"upper size {upper_size}: want a positive number of bytes (None: no quota)")
-        if upper_image is not None and (upper_image <= 0 or upper_size is not None):
-            raise ShimError(f"upper image size {upper_image}: want a positive number of bytes, without upper_size")
-        if upper is not None:
-            upper_image = None  # (an explicit upper is the caller's: it stays where it is)
-        if guest is not None and (upper is not None or upper_size is not None or utab_entry or userns):
-            raise ShimError("a sandbox composed in a guest takes no host upper, upper size, utab entry or userns")
-        spec = self.resolve(env)  # trust policy and store reads happen before anything is mounted
-        sid = check_sandbox_id(sandbox) if sandbox else new_sandbox_id()
-        if eager:
+        spec = self.resolve(req.env)  # trust policy and store reads happen before anything is mounted
+        sid = check_sandbox_id(req.sandbox) if req.sandbox else new_sandbox_id()
+        upper_size, upper_image = req.upper_size, req.image_size
+        if req.eager:
             with self.lock:
                 self._ready_locked()
             # outside the lock, every layer at once, one fetch per blob on the node
@@ -278,17 +240,15 @@ class Shim:
             if error is not None:
                 raise error
         with self.lock:
-            sb, claimed, waits, created_dir, gen = self._begin_mount(spec, target, sid, upper, utab_entry,
-                                                                     upper_size is not None or upper_image is not None,
-                                                                     userns, guest, upper_image)
+            sb, claimed, waits, created_dir, gen = self._begin_mount(spec, req, sid)
         mounted = False
         record = encode({**sb.to_json(), "status": MOUNTED})  # the record's = transaction 2's
         try:
             self._layers_ready(sb, claimed, waits, gen, upper_size, upper_image, record)
-            if not eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
+            if not req.eager:  # after the layers' metadata is in: hinted fetches do not delay the mounts
                 self._send_hints(spec)
             lowers = [self._layer_point(b) for b in reversed(sb.layers)]
-            flags = mount_flags(nosuid=nosuid, nodev=nodev)
+            flags = mount_flags(nosuid=req.nosuid, nodev=req.nodev)
             if sb.backend:
                 pass  # (the guest composes the root from the layer files)
             elif sb.userns is None:
@@ -297,7 +257,7 @@ class Shim:
                 with idmapped_lowers(lowers, sb.userns) as mapped:
                     mount_overlay(sb.target, mapped, sb.upper, sb.work, flags)
             mounted = True
-            if utab_entry:
+            if req.utab_entry:
                 mid = linux.mount_id(sb.target)
                 if mid is not None:
                     utab.add(mid, sb.target)
@@ -387,10 +347,8 @@ class Shim:
         self._layers_current = gen
         return False
 
-    def _begin_mount(self, spec: EnvSpec, target: str | os.PathLike[str] | None, sid: str,
-                     upper: str | os.PathLike[str] | None, utab_entry: bool,
-                     scratch: bool = False, userns: bool = False, guest: str | None = None,
-                     image: int | None = None) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool, str]:
+    def _begin_mount(self, spec: EnvSpec, req: MountRequest,
+                     sid: str) -> tuple[Sandbox, dict[str, BlobLock], set[str], bool, str]:
         """Caller holds the lock. Make sure the blob source runs and the picture is usable (see
         `_ready_locked`); refuse taken ids, targets and uppers; create the sandbox's
         directory; transaction 1: the sandbox (`mounting`), its pending entry and a reference on
@@ -398,6 +356,8 @@ class Shim:
         locks are taken here, before the node lock is released, so that waiters find them held).
         Returns the sandbox, the claimed layers' locks, the layers others are mounting, whether
         the directory was created, and the blob source's generation."""
+        target, upper, guest, scratch = req.target, req.upper, req.guest, req.scratch
+        userns, image = req.userns, req.image_size
         gen = self.blobs.ensure()
         sdir = self.paths.sandbox_dir(sid)
         tgt = os.path.abspath(target) if target is not None else str(self.paths.rootfs(sid))
@@ -410,7 +370,7 @@ class Shim:
             check_overlay_safe(up, "upper directory")
         sb = Sandbox(id=sid, env=spec.ref, manifest=spec.manifest, layers=spec.blobs, config=dict(spec.config),
                      target=tgt, upper=up, work="", owned=owned, store=self.store_url, status=MOUNTING,
-                     created=time.time(), utab=utab_entry, backend=guest or "")
+                     created=time.time(), utab=req.utab_entry, backend=guest or "")
         got = self._record_mount(sb, sdir, home, userns, gen, check_stale=True, image=image)
         if got is None:  # (the picture needs recovery first)
             self._recover_locked()

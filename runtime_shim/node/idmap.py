@@ -35,7 +35,7 @@ from pathlib import Path
 from layerstore import linux
 from layerstore.errors import BadInput, LayerstoreError
 
-from .errors import ShimError
+from ..errors import ShimError
 
 RANGE_SIZE = 65536
 FIRST_BASE = 1 << 30

@@ -21,13 +21,15 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
-from . import idmap, signals
-from .backends.base import Confinement, Stdio
-from .environment import EnvSpec
-from .errors import ShimError
-from .paths import NodePaths
-from .shim import Shim
-from .state import Sandbox
+from ..backends.base import Confinement, Stdio
+from ..errors import ShimError
+from ..node import idmap
+from ..node.paths import NodePaths
+from ..node.request import MountRequest
+from ..node.shim import Shim
+from ..node.state import Sandbox
+from ..resolve.environment import EnvSpec
+from . import signals
 
 LIMITS_FILE = "limits.json"
 
@@ -100,7 +102,7 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
         if getattr(backend, "guest_root", False):
             # A VM backend whose guest composes the root: the layers are mounted on the node (their
             # files are its drives), the upper is an image drive when kept, else the guest's memory.
-            sb = shim.mount(env, sandbox=sandbox, eager=eager, upper_image=image, guest=backend.name)
+            sb = shim.mount(MountRequest(env, sandbox=sandbox, eager=eager, upper_image=image, guest=backend.name))
         else:
             sb = _mount_on_host(shim, env, sandbox=sandbox, eager=eager, keep=keep, size=size, image=image,
                                 confinement=confinement, nodev=nodev, userns=userns)
@@ -134,5 +136,5 @@ def _mount_on_host(shim: Shim, env: str | EnvSpec, *, sandbox: str | None, eager
             raise ShimError("this node cannot give sandboxes a user namespace with idmapped layers "
                             "(kernel 5.12+ with idmapped EROFS and overlayfs lowers); run with --userns off")
         userns = ok
-    return shim.mount(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
-                      upper_image=image, nosuid=not confinement.new_privileges, nodev=nodev, userns=userns)
+    return shim.mount(MountRequest(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
+                      upper_image=image, nosuid=not confinement.new_privileges, nodev=nodev, userns=userns))
