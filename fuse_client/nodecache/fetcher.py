@@ -11,8 +11,8 @@
   flight, and a reader joining a prefetch flight, queued or running, raises its priority.
 - Batched reads: where several chunks of a blob are wanted at once (a read spanning chunks,
   metadata before a mount, readahead windows, prefetch) and the store's backend reads several
-  objects a request (`Backend.reads_in_batches`: the HTTP service), and more chunks are wanted
-  than their class has slots free, they go in batches (`Backend.load_many`) of at most `batch`,
+  objects a request (`ChunkSource.reads_in_batches`: a `Store` over the HTTP service), and more chunks are wanted
+  than their class has slots free, they go in batches (`ChunkSource.load_many`) of at most `batch`,
   just large enough that the wanted chunks fit in the free slots: requests in parallel where
   there is room (a batch is answered in order, one stream: measured slower for a sequential
   reader than the same chunks as parallel GETs), fewer requests where there is not. Still one
@@ -40,12 +40,11 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
 from layerstore import chunkobj
-from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
 from layerstore.retry import RetryPolicy, Schedule
 from layerstore.store import MAX_OBJECT_SIZE
@@ -56,6 +55,7 @@ from .decodebudget import DecodeBudget, budget_from_env, cost
 from .entry import BlobEntry, Flight
 from .errors import CacheIOError
 from .limiter import DEMAND, PREFETCH, PriorityLimiter, default_background
+from .source import ChunkSource
 from .stats import Stats
 
 log = logging.getLogger("layerstore.fuse.fetch")
@@ -66,14 +66,6 @@ DEFAULT_DEADLINE = 10.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 _PRIORITY_NAMES = {DEMAND: "demand", PREFETCH: "prefetch"}
-
-
-class ChunkSource(Protocol):
-    """What the fetcher needs of a store (`layerstore.store.Store` is one)."""
-
-    def get_chunk(self, chunk: str, max_length: int = ...) -> bytes: ...  # refused if longer
-
-    def get_chunk_map(self, blob: str) -> ChunkMap: ...
 
 
 class Request:
@@ -307,9 +299,7 @@ class Fetcher:
     def _batching(self) -> bool:
         if self.batch < 2:
             return False
-        backend = getattr(self.store, "backend", None)
-        return backend is not None and bool(getattr(backend, "reads_in_batches", False)) \
-            and hasattr(self.store, "chunk_key")
+        return self.store.reads_in_batches
 
     async def _fly(self, entry: BlobEntry, positions: list[int], digest: str, fl: Flight, req: Request) -> None:
         blob = entry.blob
@@ -427,12 +417,12 @@ class Fetcher:
         """Worker thread: one `load_many` of the group's chunk objects; each is verified and
         decompressed (`chunkobj.decode`), checked against the chunk map's length and written at
         its positions as it arrives, then handed to `land` on the trio thread."""
-        store: Any = self.store
+        store = self.store
         by_key = {store.chunk_key(digest): (fl, positions, digest) for fl, positions, digest in group}
         try:
             longest = max(entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group)
             limit = min(MAX_OBJECT_SIZE["chunks"], chunkobj.max_object_size(longest))
-            answers = store.backend.load_many(list(by_key), max_size=limit)
+            answers = store.load_many(list(by_key), max_size=limit)
             for key, value in answers:
                 fl, positions, digest = by_key[key]
                 outcome: Exception | None = None
@@ -459,9 +449,8 @@ class Fetcher:
         no shared state: `entry.fd` and the chunk map are immutable while the entry lives."""
         try:
             # A zstd node cache keeps the store's verified frame (`frames`); a plain one the payload.
-            get_frame = getattr(self.store, "get_chunk_frame", None) if entry.stored is not None else None
             # no longer than the map says: a larger object is refused before it is decompressed
-            payload, frame = (get_frame(digest, length) if get_frame is not None
+            payload, frame = (self.store.get_chunk_frame(digest, length) if entry.stored is not None
                               else (self.store.get_chunk(digest, length), None))
         except LayerstoreError:
             raise
