@@ -50,6 +50,7 @@ from .eviction import Budget
 from .evictor import Evictor
 from .files import BlobFiles
 from .forgetting import Forgetting
+from .inflight import FetchWriter
 from .pins import (  # noqa: F401 - re-exported
     MAX_HOLDER,
     PROTECTED_NAME,
@@ -277,6 +278,21 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             self._evict_kick.set()
 
     # -- writers ---------------------------------------------------------------------------
+    def in_flight(self, blob: str, i: int) -> Flight | None:
+        """The operation in progress on chunk i of the blob (a fetch, a check, an eviction), if any."""
+        return self.busy.get((blob, i))
+
+    def begin_fetch(self, entry: BlobEntry, positions: list[int], priority: int) -> FetchWriter:
+        """Trio thread: a fetch of the chunk at `positions` (one digest; none of them busy)
+        starts: readers of them wait for it from now on (`inflight`). End it with the writer's
+        `commit` or `abort`."""
+        fl = Flight(priority, "fetch")
+        busy, blob = self.busy, entry.blob
+        for i in positions:
+            assert (blob, i) not in busy, (blob, i)
+            busy[(blob, i)] = fl
+        return FetchWriter(busy, self.commit, entry, positions, fl)
+
     def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
         """Trio thread, after `write_sync` returned: the positions become servable now and
         durable at the journal's next batch."""
