@@ -45,6 +45,7 @@ from layerstore.chunkmap import ChunkMap
 
 from . import frames, seal
 from . import index as ci
+from .cacheformat import format_named
 from .entry import BlobEntry, Flight
 from .eviction import Budget
 from .evictor import Evictor
@@ -90,10 +91,11 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                  clock: Callable[[], float] = time.time, cache_format: str = frames.PLAIN,
                  lru_bytes: int = frames.DEFAULT_LRU_BYTES, map_budget: int = 0) -> None:
         self.root = Path(root)
-        # How chunks are stored (`frames`): fixed for the directory's life (`cachedir`).
-        self.format = cache_format
+        # How chunks are stored (`cacheformat`): fixed for the directory's life (`cachedir`).
+        self.chunk_format = format_named(cache_format)
+        self.format = self.chunk_format.name
         # Decompressed chunks of a zstd cache (trio thread only); None in a plain cache.
-        self.lru: frames.ChunkLRU | None = frames.ChunkLRU(lru_bytes) if self.compressed else None
+        self.lru: frames.ChunkLRU | None = self.chunk_format.new_lru(lru_bytes)
         self.files = files
         self.index = index
         self.budget = budget
@@ -187,12 +189,10 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             self.forget_idle_maps(keep=cmap.blob)
         return entry
 
-
-
     @property
     def compressed(self) -> bool:
         """A zstd cache (chunks kept as their store frames)."""
-        return self.format == frames.ZSTD
+        return self.chunk_format.compressed
 
     @staticmethod
     def disk_bytes(entry: BlobEntry, i: int) -> int:
@@ -210,8 +210,8 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                    if p or u)
 
     def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
-        entry = BlobEntry(cmap, fd, compressed=self.compressed)
-        entry.mappable = self.map_files and not self.compressed
+        entry = self.chunk_format.new_entry(cmap, fd)
+        entry.mappable = self.map_files and self.chunk_format.direct_image
         return entry
 
     # -- a zstd cache's chunks (`frames`) -------------------------------------------------------

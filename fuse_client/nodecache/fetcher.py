@@ -49,7 +49,6 @@ from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUna
 from layerstore.retry import RetryPolicy, Schedule
 from layerstore.store import MAX_OBJECT_SIZE
 
-from . import frames
 from .cache import NodeCache
 from .decodebudget import DecodeBudget, budget_from_env, cost
 from .entry import BlobEntry, Flight
@@ -416,7 +415,7 @@ class Fetcher:
         """Worker thread: one `load_many` of the group's chunk objects; each is verified and
         decompressed (`chunkobj.decode`), checked against the chunk map's length and written at
         its positions as it arrives, then handed to `land` on the trio thread."""
-        store = self.store
+        store, fmt = self.store, self.cache.chunk_format
         by_key = {store.chunk_key(digest): (fl, positions, digest) for fl, positions, digest in group}
         try:
             longest = max(entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group)
@@ -432,7 +431,7 @@ class Fetcher:
                     payload = chunkobj.decode(value, digest, length)  # no longer than the map says
                     if len(payload) != length:
                         raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
-                    fl.write(payload, frames.frame_of(value) if entry.stored is not None else None)
+                    fl.write(payload, fmt.frame_of(value))
                 except LayerstoreError as e:
                     outcome = e
                 trio.from_thread.run_sync(land, fl, outcome, trio_token=token)  # type: ignore[arg-type]
@@ -446,12 +445,10 @@ class Fetcher:
     def _get_and_write(self, w: FetchWriter, digest: str, length: int) -> None:
         """Worker thread: the chunk from the store (verified), written at every position of the
         flight (`FetchWriter.write`)."""
-        entry = w.entry
         try:
-            # A zstd node cache keeps the store's verified frame (`frames`); a plain one the payload.
+            # As the cache's format keeps it: a zstd cache the store's verified frame, a plain one the payload.
             # no longer than the map says: a larger object is refused before it is decompressed
-            payload, frame = (self.store.get_chunk_frame(digest, length) if entry.stored is not None
-                              else (self.store.get_chunk(digest, length), None))
+            payload, frame = self.cache.chunk_format.fetch(self.store, digest, length)
         except LayerstoreError:
             raise
         except Exception as e:  # a backend's unexpected failure: the store is not answering properly

@@ -90,7 +90,7 @@ class Pins:
         of the blob are committed (the data synced before them), so the file is the image,
         durably; from then on eviction, `verify` and recovery leave the file's bytes alone."""
         check_holder(holder)
-        if self.compressed:
+        if not self.chunk_format.direct_image:
             raise NoPlainImage(f"blob {blob}: the node cache {self.root} keeps chunks compressed (format zstd): "
                                f"it has no plain image file to mount directly; mount the daemon's file of the blob")
         e = self.entries.get(blob)
