@@ -5,7 +5,8 @@ State and ownership (see docs/fuse-client.md for the full protocol and the crash
 - `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served (see
   `entry`); readers reach it only through `reader.Reader` and the methods of `BlobEntry`.
 - `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
-  time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
+  time: a fetch writing it (`begin_fetch`: a `FetchWriter` ends it with `commit` or `abort`), a
+  check re-hashing it or an eviction punching it. Readers that need the position wait on it.
 - The LMDB index (`index`) is the durable commit record, written only by the journal task
   (`run`), one batch at a time, in the order operations were made.
 
