@@ -167,6 +167,17 @@ class Store:
     def chunk_key(self, chunk: str) -> str:
         return keys.object_key("chunks", chunk)
 
+    @property
+    def reads_in_batches(self) -> bool:
+        """Does `load_many` read several chunk objects a request (the backend's batched read)?"""
+        return self.backend.reads_in_batches
+
+    def load_many(self, keys: Sequence[str], *, max_size: int | None = None
+                  ) -> Iterator[tuple[str, bytes | LayerstoreError]]:
+        """The objects of `keys` (`chunk_key`s), raw, in order, or the error loading each: the
+        backend's `load_many` (one request for several where it reads in batches)."""
+        return self.backend.load_many(keys, max_size=max_size)
+
     def has_chunk(self, chunk: str) -> bool:
         return self.backend.exists(self.chunk_key(chunk))
 

@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     from .entry import BlobEntry
     from .errors import BlobIncomplete, BlobPinned, CacheBusy, CacheIOError, NoPlainImage
     from .eviction import DEFAULT_HIGH, DEFAULT_LOW, Budget
-    from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, ChunkSource, Fetcher
+    from .fetcher import DEFAULT_CONCURRENCY, DEFAULT_DEADLINE, Fetcher
     from .lazy import LazyCache, prefetch_order
     from .reader import DEFAULT_READAHEAD, Reader
+    from .source import ChunkSource, SingleChunkSource
     from .stats import Stats
     from .trace import TraceRecorder, parse_trace, write_trace
 
@@ -49,7 +50,8 @@ _WHERE = {
     "BlobIncomplete": "errors", "BlobPinned": "errors", "CacheBusy": "errors", "CacheIOError": "errors",
     "NoPlainImage": "errors",
     "DEFAULT_HIGH": "eviction", "DEFAULT_LOW": "eviction", "Budget": "eviction",
-    "DEFAULT_CONCURRENCY": "fetcher", "DEFAULT_DEADLINE": "fetcher", "ChunkSource": "fetcher", "Fetcher": "fetcher",
+    "DEFAULT_CONCURRENCY": "fetcher", "DEFAULT_DEADLINE": "fetcher", "Fetcher": "fetcher",
+    "ChunkSource": "source", "SingleChunkSource": "source",
     "LazyCache": "lazy", "prefetch_order": "lazy",
     "DEFAULT_READAHEAD": "reader", "Reader": "reader",
     "Stats": "stats",
@@ -58,8 +60,8 @@ _WHERE = {
 
 __all__ = ["BlobEntry", "BlobIncomplete", "BlobPinned", "Budget", "CacheBusy", "CacheIOError", "ChunkSource",
            "DEFAULT_CONCURRENCY", "DEFAULT_DEADLINE", "DEFAULT_HIGH", "DEFAULT_LOW", "DEFAULT_READAHEAD", "Fetcher",
-           "INDEX_DIR", "LOCK_NAME", "LazyCache", "NoPlainImage", "NodeCache", "Reader", "Stats", "TraceRecorder",
-           "check_holder",
+           "INDEX_DIR", "LOCK_NAME", "LazyCache", "NoPlainImage", "NodeCache", "Reader", "SingleChunkSource", "Stats",
+           "TraceRecorder", "check_holder",
            "is_cache_dir", "lock_cache_dir", "open_cache", "parse_trace", "prefetch_order", "write_trace"]
 
 

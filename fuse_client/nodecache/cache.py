@@ -5,7 +5,8 @@ State and ownership (see docs/fuse-client.md for the full protocol and the crash
 - `BlobEntry.present[i]` (memory, trio thread only) says chunk i of a blob may be served (see
   `entry`); readers reach it only through `reader.Reader` and the methods of `BlobEntry`.
 - `busy[(blob, i)]` (memory) holds the `Flight` of the one operation allowed on a position at a
-  time: a fetch writing it or an eviction punching it. Readers that need the position wait on it.
+  time: a fetch writing it (`begin_fetch`: a `FetchWriter` ends it with `commit` or `abort`), a
+  check re-hashing it or an eviction punching it. Readers that need the position wait on it.
 - The LMDB index (`index`) is the durable commit record, written only by the journal task
   (`run`), one batch at a time, in the order operations were made.
 
@@ -22,13 +23,10 @@ fetcher on first demand, by `pin_blob` before a direct mount, by `verify`). A cl
 the verified seal (`seal`): the next open serves at once the recorded chunks of every data file
 that was not changed since (the seal is removed on open: a crash leaves none).
 
-Protected blobs (`protect`): a front end that mounts a blob's data file directly and sees only the
-start of each read (fanotify: after its answer the kernel's read goes on without it) cannot know
-when a read of a chunk has finished; a punch under such a read would hand it a hole (zeros). So
-nothing punches a protected blob's file: eviction skips its chunks and picks other blobs, and a
-chunk found bad loses its record without a punch (`on_unrecord` tells the front end). The set is
-durable (PROTECTED_NAME, written by the journal), so recovery and the first eviction of a
-restarted daemon leave the files alone before the front end takes them back.
+The parts, each a module mixed into `NodeCache`: durable pins and protected blobs (`pins`),
+re-hashing recovered and cached chunks (`verify`), eviction (`evictor`, its policy in
+`eviction`), forgetting unused blobs and idle maps (`forgetting`, its policy in `unused`). This
+module keeps the core: entries, the journal (commit, flush), the background tasks, the stats.
 
 Usage counts the bytes each chunk occupies on disk: its length in a plain cache, its stored
 length (the zstd frame, or the plain bytes when kept raw) in a zstd cache.
@@ -36,31 +34,35 @@ length (the zstd frame, or the plain bytes when kept raw) in a zstd cache.
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-import blake3
 import trio
 
-from layerstore import digest as digestmod
 from layerstore.chunkmap import ChunkMap
-from layerstore.errors import BadInput, ConfigError, LayerstoreError
-from layerstore.fileio import fsync_dir
 
 from . import frames, seal
 from . import index as ci
+from .cacheformat import format_named
 from .entry import BlobEntry, Flight
-from .errors import BlobIncomplete, BlobPinned, CacheIOError, NoPlainImage
-from .eviction import Budget, Candidate, choose_victims
+from .eviction import Budget
+from .evictor import Evictor
 from .files import BlobFiles
-from .limiter import DEMAND
-from .unused import BlobUse, choose_over_budget, choose_unused
+from .forgetting import Forgetting
+from .inflight import FetchWriter
+from .pins import (  # noqa: F401 - re-exported
+    MAX_HOLDER,
+    PROTECTED_NAME,
+    Pins,
+    check_holder,
+    protect_before_open,
+    read_protected,
+    write_protected,
+)
+from .verify import Verifier
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -74,67 +76,27 @@ TOUCH_INTERVAL = 30.0
 # eviction, shutdown) flushes itself; a crash loses at most this much of fetched chunks' records
 # (the chunks are fetched again).
 JOURNAL_GATHER = 1.0
-SETTLE = 0.5  # seconds without commits that end an eviction episode
 RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
-PIN_LOG_INTERVAL = 60.0  # at most one "budget not met because of pins" warning per this many seconds
-VERIFY_BATCH_BYTES = 32 << 20  # recovered chunks re-hashed per worker-thread call (held busy meanwhile)
-DISK_FULL_INTERVAL = 1.0  # at most one disk-full eviction per this many seconds
-MAX_HOLDER = 256  # bytes of a pin holder's name (utf-8)
-PROTECTED_NAME = "protected.json"  # the protected blobs, {"blobs": [...]} (see `protect`)
 
 
-def read_protected(root: Path) -> set[str]:
-    """The protected blobs recorded in the cache directory (a missing or unreadable file: none)."""
-    try:
-        data = json.loads((Path(root) / PROTECTED_NAME).read_text())
-        return {digestmod.parse(b) for b in data["blobs"]}
-    except FileNotFoundError:
-        return set()
-    except (OSError, ValueError, KeyError, TypeError, LayerstoreError) as e:
-        log.error("cache: %s is unreadable (%s): no blob is protected from punches until a front end "
-                  "protects its mounted blobs again", Path(root) / PROTECTED_NAME, e)
-        return set()
 
 
-def write_protected(root: Path, blobs: Iterable[str]) -> None:
-    """Blocking: PROTECTED_NAME replaced atomically (synced, then renamed, the directory synced)."""
-    path = Path(root) / PROTECTED_NAME
-    tmp = path.with_name(f".{PROTECTED_NAME}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"blobs": sorted(blobs)}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
-def protect_before_open(root: Path, blobs: Iterable[str]) -> None:
-    """Blocking, before the cache is opened: make sure `blobs` are recorded as protected, so that
-    recovery and the first evictions leave their files alone (a front end with mounts that outlived
-    its daemon: they may have been attached by a version that did not record protections)."""
-    want = {digestmod.parse(b) for b in blobs}
-    have = read_protected(root)
-    if not want <= have:
-        write_protected(root, have | want)
 
 
-def check_holder(holder: object) -> str:
-    if not isinstance(holder, str) or not holder or len(holder.encode()) > MAX_HOLDER:
-        raise BadInput(f"a pin holder is a non-empty string of at most {MAX_HOLDER} bytes, got {holder!r}")
-    return holder
 
 
-class NodeCache:
+class NodeCache(Pins, Verifier, Evictor, Forgetting):
     def __init__(self, root: Path, files: BlobFiles, index: ci.CacheIndex, *, budget: Budget | None = None,
                  clock: Callable[[], float] = time.time, cache_format: str = frames.PLAIN,
                  lru_bytes: int = frames.DEFAULT_LRU_BYTES, map_budget: int = 0) -> None:
         self.root = Path(root)
-        # How chunks are stored (`frames`): fixed for the directory's life (`cachedir`).
-        self.format = cache_format
+        # How chunks are stored (`cacheformat`): fixed for the directory's life (`cachedir`).
+        self.chunk_format = format_named(cache_format)
+        self.format = self.chunk_format.name
         # Decompressed chunks of a zstd cache (trio thread only); None in a plain cache.
-        self.lru: frames.ChunkLRU | None = frames.ChunkLRU(lru_bytes) if self.compressed else None
+        self.lru: frames.ChunkLRU | None = self.chunk_format.new_lru(lru_bytes)
         self.files = files
         self.index = index
         self.budget = budget
@@ -228,29 +190,10 @@ class NodeCache:
             self.forget_idle_maps(keep=cmap.blob)
         return entry
 
-    def map_entries(self) -> int:
-        """Entries of the chunk maps held in memory (each ~`chunkmap.DECODED_ENTRY` bytes)."""
-        return sum(len(e.cmap.chunks) for e in self.entries.values())
-
-    def forget_idle_maps(self, keep: str | None = None) -> list[str]:
-        """Trio thread, no await: while the maps held exceed `map_budget` entries, forget the
-        least recently used blobs that nothing uses (`forget_blob`: the map, the cached chunks,
-        the data file; a later lookup fetches the map again), never `keep`. Returns them."""
-        sizes = {blob: len(e.cmap.chunks) for blob, e in self.entries.items()}
-        if sum(sizes.values()) <= self.map_budget:
-            return []
-        forgotten = [u.blob for u in choose_over_budget(self.blob_uses(), sizes, self.map_budget, keep)
-                     if self.forget_blob(u.blob) is not None]
-        if forgotten:
-            self.maps_forgotten += len(forgotten)
-            log.info("cache: forgot %d unused blob(s) to keep chunk maps within %d entries (%d held)",
-                     len(forgotten), self.map_budget, self.map_entries())
-        return forgotten
-
     @property
     def compressed(self) -> bool:
         """A zstd cache (chunks kept as their store frames)."""
-        return self.format == frames.ZSTD
+        return self.chunk_format.compressed
 
     @staticmethod
     def disk_bytes(entry: BlobEntry, i: int) -> int:
@@ -268,8 +211,8 @@ class NodeCache:
                    if p or u)
 
     def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
-        entry = BlobEntry(cmap, fd, compressed=self.compressed)
-        entry.mappable = self.map_files and not self.compressed
+        entry = self.chunk_format.new_entry(cmap, fd)
+        entry.mappable = self.map_files and self.chunk_format.direct_image
         return entry
 
     # -- a zstd cache's chunks (`frames`) -------------------------------------------------------
@@ -335,203 +278,22 @@ class NodeCache:
         if self._episode:
             self._evict_kick.set()
 
-    # -- durable pins (direct mounts of complete blobs) ----------------------------------------
-    async def pin_blob(self, blob: str, holder: str) -> Path:
-        """Record that `holder` uses the blob's data file as an image, and return the file's
-        path. Only a complete blob (every chunk committed) can be pinned: `BlobIncomplete`
-        otherwise, and nothing is recorded. When this returns, the pin and every chunk record
-        of the blob are committed (the data synced before them), so the file is the image,
-        durably; from then on eviction, `verify` and recovery leave the file's bytes alone."""
-        check_holder(holder)
-        if self.compressed:
-            raise NoPlainImage(f"blob {blob}: the node cache {self.root} keeps chunks compressed (format zstd): "
-                               f"it has no plain image file to mount directly; mount the daemon's file of the blob")
-        e = self.entries.get(blob)
-        if e is None:
-            raise BlobIncomplete(f"blob {blob} is not in the node cache", None)
-        # The kernel will read the file with no FUSE hop: every recovered chunk is re-hashed
-        # first; a bad one is dropped, and the blob is then incomplete.
-        await self.verify_all_unverified(e)
-        missing = e.missing_bytes()
-        if missing:
-            raise BlobIncomplete(f"blob {blob} is not complete in the node cache: {missing} byte(s) missing",
-                                 missing)
-        # No await between the check and this: no eviction can start on the blob in between.
-        holders = self.pins.setdefault(blob, {})
-        before = holders.get(holder)
-        holders[holder] = self.clock()
-        await self._commit_pin_change(ci.PutPin(blob, holder, holders[holder]),
-                                      lambda: self._restore_pin(blob, holder, before))
-        return self.files.path(blob).absolute()
-
-    async def unpin_blob(self, blob: str, holder: str) -> bool:
-        """Drop `holder`'s pin (durably); False if it had none (idempotent). The blob's chunks
-        become evictable again once no holder is left."""
-        check_holder(holder)
-        holders = self.pins.get(blob)
-        if not holders or holder not in holders:
-            return False
-        before = holders.pop(holder)
-        if not holders:
-            del self.pins[blob]
-            e = self.entries.get(blob)
-            if e is not None:  # its last use is now: a direct mount read it without a FUSE hop
-                e.touch(0, len(e.present), self.clock())
-        await self._commit_pin_change(ci.DelPin(blob, holder), lambda: self._restore_pin(blob, holder, before))
-        if self.budget is not None and self.usage > self.budget.high:
-            self._evict_kick.set()
-        return True
-
-    def _restore_pin(self, blob: str, holder: str, since: float | None) -> None:
-        if since is None:
-            holders = self.pins.get(blob, {})
-            holders.pop(holder, None)
-            if not holders:
-                self.pins.pop(blob, None)
-        else:
-            self.pins.setdefault(blob, {})[holder] = since
-
-    async def _commit_pin_change(self, op: ci.Op, undo: Callable[[], None]) -> None:
-        """Queue a pin op and wait for its batch (with every chunk record queued before it);
-        if a journal batch failed meanwhile, undo the change in memory and fail."""
-        failures = self._journal_failures
-        self._enqueue([op])
-        with trio.CancelScope(shield=True):
-            await self.flush()
-        if self._journal_failures != failures:
-            self._pending[:] = [o for o in self._pending if o is not op]  # not retried: the caller is told
-            undo()
-            raise CacheIOError(f"cannot record the pin change of blob {op.blob} in the cache index (see the log)")
-
-    def holders(self, blob: str) -> list[str]:
-        """Who pins the blob (sorted; [] if nobody)."""
-        return sorted(self.pins.get(blob, ()))
-
-    def pinned_bytes(self) -> int:
-        return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in self.pins)
-
-    # -- protected blobs (mounted directly by a front end that cannot see a read end) -------------
-    async def protect(self, blob: str) -> None:
-        """From when this returns until `unprotect`, nothing punches the blob's data file (nor
-        removes it): no eviction (budget, explicit, disk full), no `verify`, no recovery. An
-        eviction of the blob already under way finishes first: its chunks were made absent and
-        its punches queued in one step (no await in between), so the flush here, which waits
-        for any batch being applied and applies what is queued, returns after its last punch.
-        Durable when this returns (a restart's recovery and first eviction leave the file alone)."""
-        digestmod.parse(blob)
-        if blob not in self.protected:
-            self.protected.add(blob)
-            self._protected_dirty = True
-        with trio.CancelScope(shield=True):
-            await self.flush()
-
-    def unprotect(self, blob: str) -> None:
-        """Trio thread, no await: the blob is evictable again (its mounts are gone); recorded
-        with the next journal batch (a crash before: it stays protected until a front end
-        settles the set, `settle_protected`)."""
-        if blob in self.protected:
-            self.protected.discard(blob)
-            self._protected_dirty = True
-            self._journal_kick.set()
-            if self.budget is not None and self.usage > self.budget.high:
-                self._evict_kick.set()
-
-    def settle_protected(self, keep: set[str]) -> list[str]:
-        """Trio thread: unprotect every protected blob not in `keep` (a front end at start-up, with
-        the blobs it mounted: protections a crash left behind go). Returns those unprotected."""
-        gone = sorted(self.protected - keep)
-        for blob in gone:
-            self.unprotect(blob)
-        return gone
-
-    def protected_bytes(self) -> int:
-        """Disk bytes held by protected blobs (eviction cannot free them while they are protected)."""
-        return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in self.protected)
-
-
-    # -- recovered chunks: re-hashed before they are served ----------------------------------------
-    async def check_unverified(self, entry: BlobEntry, positions: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Re-hash recovered chunks against the chunk map (worker thread); the caller holds a
-        flight on every position in `busy` (so no eviction or other check touches them). A
-        match becomes present (servable, no store fetch); a mismatch is dropped (record
-        deleted, bytes punched unless the blob is pinned), counted and logged, before this
-        returns, so the caller may write verified bytes there. Returns (good, bad)."""
-        positions = [i for i in positions if entry.unverified[i]]
-        if not positions:
-            return [], []
-        wrong = await trio.to_thread.run_sync(_rehash, entry, positions)
-        bad = set(wrong)
-        good = [i for i in positions if i not in bad]
-        for i in good:
-            entry.unverified[i] = 0
-            entry.present[i] = 1
-        self.verified_chunks += len(good)
-        if wrong:
-            await self._discard_unverified(entry, wrong)
-        return good, wrong
-
-    async def _discard_unverified(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
-        chunks = entry.cmap.chunks
-        pinned = entry.blob in self.pins
-        for i in idxs:
-            entry.unverified[i] = 0
-            self.usage -= self.disk_bytes(entry, i)
-            log.error("cache: blob %s chunk %d (%s): the cached bytes do not match the digest (changed since they "
-                      "were verified); %s", entry.blob, i, chunks[i].digest,
-                      "record dropped, not punched (the blob is pinned: its direct mounts read these bytes "
-                      "until the chunk is fetched again)" if pinned else "dropped")
-        self.corrupt_cached_chunks += len(idxs)
-        ops: list[ci.Op] = [ci.DelChunk(entry.blob, i) for i in idxs]
-        # (a protected blob's bytes stay too: a fetch writes the verified bytes over them)
-        keep = pinned or entry.blob in self.protected
-        self._enqueue(ops, None if keep else (entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs]))
-        with trio.CancelScope(shield=True):
-            await self.flush()  # punched before the caller writes anything there
-
-    async def verify_unverified(self, entry: BlobEntry) -> tuple[list[int], list[int]]:
-        """Re-hash the blob's recovered chunks that no flight holds, in batches of about
-        `VERIFY_BATCH_BYTES` (each batch held busy, so readers of it wait for it only).
-        Returns (good, bad) over all batches."""
-        good: list[int] = []
-        bad: list[int] = []
-        busy, blob, chunks = self.busy, entry.blob, entry.cmap.chunks
-        todo = [i for i in entry.unverified_idxs() if (blob, i) not in busy]
-        while todo:
-            batch: list[int] = []
-            size = 0
-            while todo and size < VERIFY_BATCH_BYTES:
-                i = todo.pop(0)
-                if entry.unverified[i] and (blob, i) not in busy:
-                    batch.append(i)
-                    size += chunks[i].length
-            if not batch:
-                continue
-            fl = Flight(DEMAND, "verify")
-            for i in batch:
-                busy[(blob, i)] = fl
-            try:
-                g, b = await self.check_unverified(entry, batch)
-            finally:
-                for i in batch:
-                    if busy.get((blob, i)) is fl:
-                        del busy[(blob, i)]
-                fl.done.set()
-            good += g
-            bad += b
-        return good, bad
-
-    async def verify_all_unverified(self, entry: BlobEntry) -> list[int]:
-        """`verify_unverified`, then wait for flights that held some of them (a fetch verifies
-        what it holds) until no recovered chunk of the blob is left. Returns the bad ones."""
-        bad: list[int] = []
-        while True:
-            bad += (await self.verify_unverified(entry))[1]
-            held = [self.busy[(entry.blob, i)] for i in entry.unverified_idxs() if (entry.blob, i) in self.busy]
-            if not held:
-                return bad
-            await held[0].done.wait()
-
     # -- writers ---------------------------------------------------------------------------
+    def in_flight(self, blob: str, i: int) -> Flight | None:
+        """The operation in progress on chunk i of the blob (a fetch, a check, an eviction), if any."""
+        return self.busy.get((blob, i))
+
+    def begin_fetch(self, entry: BlobEntry, positions: list[int], priority: int) -> FetchWriter:
+        """Trio thread: a fetch of the chunk at `positions` (one digest; none of them busy)
+        starts: readers of them wait for it from now on (`inflight`). End it with the writer's
+        `commit` or `abort`."""
+        fl = Flight(priority, "fetch")
+        busy, blob = self.busy, entry.blob
+        for i in positions:
+            assert (blob, i) not in busy, (blob, i)
+            busy[(blob, i)] = fl
+        return FetchWriter(busy, self.commit, entry, positions, fl)
+
     def commit(self, entry: BlobEntry, positions: Sequence[int]) -> None:
         """Trio thread, after `write_sync` returned: the positions become servable now and
         durable at the journal's next batch."""
@@ -657,298 +419,7 @@ class NodeCache:
         self.queue_touches()
         await self.flush()
 
-    # -- eviction ----------------------------------------------------------------------------
-    async def _next_kick(self) -> None:
-        await self._evict_kick.wait()
-        self._evict_kick = trio.Event()
-
-    async def _evict_loop(self) -> None:
-        """Watermark eviction. Crossing the high watermark starts an episode: evict to the low
-        watermark now, again whenever commits push usage half-way back up to the high watermark,
-        and once more when the cache has been quiet for `SETTLE` seconds, so that usage ends
-        under the low watermark."""
-        assert self.budget is not None
-        while True:
-            await self._next_kick()
-            if self._disk_full:
-                self._disk_full = False
-                # The disk filled before the budget did (other files share it, or the budget is
-                # larger than the disk): give back a quarter of what the cache holds, at once.
-                await self.evict_to(min(self.budget.low, int(self.usage * self.budget.low_fraction
-                                                              / self.budget.high_fraction)))
-            if self.usage <= self.budget.high:
-                continue
-            self._episode = True
-            # While fetches keep coming, evict in batches (each pass sorts every cached chunk).
-            midpoint = (self.budget.low + self.budget.high) // 2
-            try:
-                await self.evict_to(self.budget.low)
-                while True:
-                    if self.usage > midpoint:
-                        await self.evict_to(self.budget.low)
-                    quiet = True
-                    with trio.move_on_after(SETTLE):
-                        await self._next_kick()
-                        quiet = False
-                    if quiet:
-                        n, _ = await self.evict_to(self.budget.low)
-                        if self.usage <= self.budget.low or n == 0:
-                            break
-            finally:
-                self._episode = False
-            if self.usage > self.budget.high:
-                # Stuck above the budget (pinned or protected blobs hold it): every commit would
-                # start another pass over every cached chunk; one per SETTLE is enough.
-                await trio.sleep(SETTLE)
-
-    def write_failed(self, err: int | None) -> None:
-        """A chunk could not be written to the data files (the fetcher calls this). With
-        ENOSPC the disk is full: evict (at most once per `DISK_FULL_INTERVAL`); a punch frees
-        blocks on a full disk, so eviction works there."""
-        self.write_failures += 1
-        if err != errno.ENOSPC:
-            return
-        self.disk_full += 1
-        now = time.monotonic()
-        if self.budget is not None and now - self._disk_full_at >= DISK_FULL_INTERVAL:
-            self._disk_full_at = now
-            self._disk_full = True
-            self._evict_kick.set()
-
-    def _candidates(self, only: str | None = None) -> list[Candidate]:
-        out = []
-        busy = self.busy
-        for blob, e in self.entries.items() if only is None else [(only, self.entries[only])]:
-            if blob in self.pins or blob in self.protected:
-                continue  # a holder or a front end mounted its data file: never punched
-            meta = set(e.metadata) if e.open_count else ()
-            pins = e.pins
-            unverified = e.unverified
-            for i, p in enumerate(e.present):
-                if (p or unverified[i]) and i not in pins and (blob, i) not in busy:
-                    out.append(Candidate(blob, i, self.disk_bytes(e, i), e.last_use[i], i in meta))
-        return out
-
-    async def evict_to(self, target: int) -> tuple[int, int]:
-        """Drop least recently used chunks until usage <= target (as far as unpinned chunks
-        allow). Returns (chunks, bytes) dropped."""
-        victims = choose_victims(self._candidates(), self.usage, target)
-        res = await self.drop([(v.blob, v.index) for v in victims])
-        self._note_protected(target)
-        if self.usage > target and self.pins:
-            pinned = self.pinned_bytes()
-            now = time.monotonic()
-            if pinned and now - self._pin_log_at >= PIN_LOG_INTERVAL:
-                self._pin_log_at = now
-                log.warning("cache: usage %d stays above the target %d: %d byte(s) of %d pinned blob(s) cannot "
-                            "be evicted (their files are mounted directly)", self.usage, target, pinned,
-                            len(self.pins))
-        return res
-
-    def _note_protected(self, target: int) -> None:
-        """Say once (not per eviction pass) that usage stays above a target because protected
-        blobs hold the rest; said again only after a pass met its target."""
-        if self.usage <= target:
-            self._protected_logged = False
-            return
-        if self._protected_logged or not self.protected:
-            return
-        held = self.protected_bytes()
-        if held:
-            self._protected_logged = True
-            log.warning("cache: usage %d stays above the target %d: %d byte(s) of %d blob(s) mounted directly "
-                        "(fanotify) are not evicted while mounted (evictable once detached; "
-                        "`layerctl cache ls`: protected_bytes)", self.usage, target, held, len(self.protected))
-
-    async def evict(self, *, blob: str | None = None, all_chunks: bool = False,
-                    to_bytes: int | None = None) -> dict[str, int]:
-        """An explicit eviction (`cache evict`, through the daemon or offline): every chunk of
-        one blob, every chunk, down to `to_bytes`, or else down to the low watermark."""
-        if blob:
-            n, b = await self.drop_blob(digestmod.parse(blob))
-        elif all_chunks:
-            n, b = await self.evict_to(0)
-        elif to_bytes is not None:
-            n, b = await self.evict_to(int(to_bytes))
-        elif self.budget is not None:
-            n, b = await self.evict_to(self.budget.low)
-        else:
-            raise ConfigError("no cache budget set: say which blob, --all or --to BYTES")
-        out: dict[str, object] = {"evicted_chunks": n, "evicted_bytes": b, "used_bytes": self.usage,
-                                  "pinned_bytes": self.pinned_bytes(), "protected_bytes": self.protected_bytes()}
-        if blob and digestmod.parse(blob) in self.protected:
-            out["skipped"] = ("protected: its data file is mounted directly (fanotify data path); "
-                              "evictable once it is detached")
-        return out
-
-    async def drop_blob(self, blob: str) -> tuple[int, int]:
-        holders = self.pins.get(blob)
-        if holders:
-            raise BlobPinned(f"blob {blob} is pinned by {', '.join(sorted(holders))} (its cache file is "
-                             f"mounted directly): unpin it first")
-        if blob not in self.entries or blob in self.protected:
-            return 0, 0
-        return await self.drop([(c.blob, c.index) for c in self._candidates(blob)])
-
-    async def drop(self, victims: Sequence[tuple[str, int]]) -> tuple[int, int]:
-        """Evict specific chunks (skipping any that are pinned, protected, busy or absent). The
-        chunks are made absent and their records' deletion and punches queued in one step, with
-        no await in between (`protect` relies on it), then flushed."""
-        flight = Flight(DEMAND, "evict")
-        per_blob: dict[str, list[tuple[int, int]]] = {}
-        ops: list[ci.Op] = []
-        taken: list[tuple[str, int]] = []
-        nbytes = 0
-        for blob, i in victims:
-            e = self.entries.get(blob)
-            if (e is None or not (e.present[i] or e.unverified[i]) or i in e.pins or (blob, i) in self.busy
-                    or blob in self.pins or blob in self.protected):
-                continue
-            ref = e.cmap.chunks[i]
-            e.present[i] = e.unverified[i] = 0  # from here on no reader starts on it
-            self.busy[(blob, i)] = flight
-            taken.append((blob, i))
-            n = self.disk_bytes(e, i)
-            self.usage -= n
-            nbytes += n
-            ops.append(ci.DelChunk(blob, i))
-            per_blob.setdefault(blob, []).append((ref.offset, ref.length))
-        if not taken:
-            return 0, 0
-        self._pending.extend(ops)
-        self._punches.extend(per_blob.items())
-        try:
-            with trio.CancelScope(shield=True):
-                await self.flush()
-        finally:
-            for key in taken:
-                del self.busy[key]
-            flight.done.set()
-        self.evicted_chunks += len(taken)
-        self.evicted_bytes += nbytes
-        log.info("cache: evicted %d chunk(s), %d bytes; usage now %d", len(taken), nbytes, self.usage)
-        return len(taken), nbytes
-
-    # -- forgetting unused blobs (`cache gc`) ------------------------------------------------
-    def blob_uses(self, file_times: Mapping[str, float] | None = None) -> list[BlobUse]:
-        """Every blob's use (see `unused`): why it must stay, if anything uses it, and its last
-        use: the latest of its chunks' last use, `file_times` (its data file's last write) and
-        the daemon's in-use view (`in_use`)."""
-        seen = self.in_use() if self.in_use is not None else {}
-        files = file_times or {}
-        busy = {blob for blob, _ in self.busy}
-        out = []
-        for blob, e in self.entries.items():
-            daemon = seen.get(blob, 0.0)
-            why = ("pinned" if blob in self.pins else "protected" if blob in self.protected
-                   else "open" if e.open_count else "busy" if blob in busy
-                   else "reading" if e.pins else "in use" if daemon == math.inf else "")
-            last = max(max(e.last_use, default=0.0), files.get(blob, 0.0), daemon if daemon != math.inf else 0.0)
-            out.append(BlobUse(blob, self.held_disk_bytes(e), last, why))
-        return out
-
-    def _file_times(self, blobs: Sequence[str]) -> dict[str, float]:
-        out = {}
-        for blob in blobs:
-            try:
-                out[blob] = os.stat(self.files.path(blob)).st_mtime
-            except OSError:
-                continue
-        return out
-
-    async def gc_unused(self, older_than: float, *, dry_run: bool = False) -> dict[str, object]:
-        """Forget every blob nothing uses and nobody used for `older_than` seconds (see
-        `unused.choose_unused`); never one that is pinned, open, in flight or in use."""
-        if older_than < 0:
-            raise BadInput(f"older than {older_than} s: want a duration >= 0")
-        times = await trio.to_thread.run_sync(self._file_times, list(self.entries))
-        now = self.clock()
-        choice = choose_unused(self.blob_uses(times), now - older_than)
-        dropped: list[dict[str, object]] = []
-        freed = 0
-        for u in choice.victims:
-            if dry_run:
-                dropped.append({"blob": u.blob, "bytes": u.held_bytes, "last_used": u.last_used})
-                freed += u.held_bytes
-                continue
-            n = self.forget_blob(u.blob)  # (no await in between: the choice still holds)
-            if n is not None:
-                dropped.append({"blob": u.blob, "bytes": n, "last_used": u.last_used})
-                freed += n
-        if dropped and not dry_run:
-            with trio.CancelScope(shield=True):
-                await self.flush()
-            log.info("cache gc: forgot %d blob(s) unused for %g s, %d bytes", len(dropped), older_than, freed)
-        return {"dry_run": dry_run, "older_than": older_than, "dropped": dropped, "dropped_blobs": len(dropped),
-                "dropped_bytes": freed, "kept_in_use": len(choice.kept_in_use),
-                "kept_recent": len(choice.kept_recent), "used_bytes": self.usage}
-
-    def forget_blob(self, blob: str) -> int | None:
-        """Trio thread, no await: take the blob out of the cache (its entry, data file and, at the
-        next batch, its index records and map). Returns the bytes it held, or None if something
-        uses it (pinned, open, in flight, held by a reader) or it is unknown."""
-        e = self.entries.get(blob)
-        if (e is None or blob in self.pins or blob in self.protected or e.open_count or e.pins
-                or any(b == blob for b, _ in self.busy)):
-            return None
-        held = self.held_disk_bytes(e)
-        del self.entries[blob]  # a request from now on makes a fresh entry (and a fresh data file)
-        e.close()
-        self.files.remove(blob)
-        self.usage -= held
-        self._enqueue([ci.DelBlob(blob)])  # after every record queued for it, before any new one
-        return held
-
     # -- maintenance ---------------------------------------------------------------------------
-    async def verify(self) -> dict[str, object]:
-        """Re-hash every committed chunk, verified or recovered; drop the bad ones. Chunks are
-        pinned while checked (recovered ones held busy). A bad chunk of a pinned blob is
-        reported and loses its record (the FUSE path never serves it; a read there fetches it
-        again and rewrites the verified bytes in place), but its bytes are not punched: a holder
-        mounted the file."""
-        checked = 0
-        bad: list[dict[str, object]] = []
-        for blob, e in list(self.entries.items()):
-            idxs = [i for i, p in enumerate(e.present) if p]
-            good_r, bad_r = await self.verify_unverified(e)
-            checked += len(good_r) + len(bad_r)
-            bad += [{"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": blob in self.pins}
-                    for i in bad_r]
-            if not idxs:
-                continue
-            self.pin(e, idxs)
-            try:
-                wrong = await trio.to_thread.run_sync(_rehash, e, idxs)
-            finally:
-                self.unpin(e, idxs)
-            checked += len(idxs)
-            if not wrong:
-                continue
-            self.corrupt_cached_chunks += len(wrong)
-            pinned = blob in self.pins
-            keep = pinned or blob in self.protected
-            for i in wrong:
-                log.error("cache verify: blob %s chunk %d (%s) does not match its digest; %s", blob, i,
-                          e.cmap.chunks[i].digest, "dropped" if not keep else
-                          f"unrecorded, not punched (the blob is {'pinned' if pinned else 'protected'})")
-                bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": pinned})
-            if keep:
-                if blob in self.protected and self.on_unrecord is not None:
-                    self.on_unrecord(blob, list(wrong))
-                self._unrecord(e, wrong)
-                await self.flush()
-            else:
-                await self.drop([(blob, i) for i in wrong])
-        return {"checked": checked, "bad": bad}
-
-    def _unrecord(self, e: BlobEntry, idxs: Sequence[int]) -> None:
-        """Mark chunks absent and queue the deletion of their records, without punching."""
-        for i in idxs:
-            if e.present[i] or e.unverified[i]:
-                e.present[i] = e.unverified[i] = 0
-                self.usage -= self.disk_bytes(e, i)
-        self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
-
     def gauges(self) -> dict[str, float]:
         """The cache's gauges for the metrics endpoint."""
         g: dict[str, float] = {
@@ -1007,25 +478,3 @@ class NodeCache:
                 "blobs": blobs}
 
 
-def _rehash(entry: BlobEntry, idxs: Sequence[int]) -> list[int]:
-    """Worker thread: the chunks whose bytes in the data file do not hash to their digest (a
-    read error counts as a mismatch; EBADF once the entry is closed)."""
-    wrong = []
-    chunks = entry.cmap.chunks
-    for i in idxs:
-        ref = chunks[i]
-        try:
-            data = entry.read_sync(ref.offset, ref.end)
-        except frames.StoredChunkCorrupt:  # a zstd cache's frame that does not decode to the digest
-            wrong.append(i)
-            continue
-        except OSError as e:
-            if e.errno == errno.EBADF:
-                raise
-            log.error("cache: blob %s chunk %d: cannot read it back: %s", entry.blob, i, e)
-            wrong.append(i)
-            continue
-        h = blake3.blake3(data).hexdigest()
-        if len(data) != ref.length or digestmod.PREFIX + h != ref.digest:
-            wrong.append(i)
-    return wrong

@@ -1,6 +1,7 @@
 """Fetching from the store: chunk maps on first lookup, chunks on demand and in the background.
 
-- Single-flight: one `Flight` per chunk position, registered in `NodeCache.busy`; every reader of
+- Single-flight: one flight per chunk position (`NodeCache.begin_fetch`: a `FetchWriter` that
+  writes the verified bytes, then commits or aborts; see `inflight`); every reader of
   that position waits for it. A fetched payload is written to every position of the blob that has
   the same digest, so a chunk is fetched once per blob even when files repeat.
 - The node's cap on store requests in flight: a `PriorityLimiter` of `concurrency` slots, one
@@ -11,8 +12,8 @@
   flight, and a reader joining a prefetch flight, queued or running, raises its priority.
 - Batched reads: where several chunks of a blob are wanted at once (a read spanning chunks,
   metadata before a mount, readahead windows, prefetch) and the store's backend reads several
-  objects a request (`Backend.reads_in_batches`: the HTTP service), and more chunks are wanted
-  than their class has slots free, they go in batches (`Backend.load_many`) of at most `batch`,
+  objects a request (`ChunkSource.reads_in_batches`: a `Store` over the HTTP service), and more chunks are wanted
+  than their class has slots free, they go in batches (`ChunkSource.load_many`) of at most `batch`,
   just large enough that the wanted chunks fit in the free slots: requests in parallel where
   there is room (a batch is answered in order, one stream: measured slower for a sequential
   reader than the same chunks as parallel GETs), fewer requests where there is not. Still one
@@ -37,25 +38,24 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
 from layerstore import chunkobj
-from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, LayerstoreError, NotFound, StoreUnavailable
 from layerstore.retry import RetryPolicy, Schedule
 from layerstore.store import MAX_OBJECT_SIZE
 
-from . import frames
 from .cache import NodeCache
 from .decodebudget import ByteBudget, budget_from_env, cost
 from .entry import BlobEntry, Flight
 from .errors import CacheIOError
+from .inflight import FetchWriter
 from .limiter import DEMAND, PREFETCH, PriorityLimiter, default_background
+from .source import ChunkSource
 from .stats import Stats
 
 log = logging.getLogger("layerstore.fuse.fetch")
@@ -66,14 +66,6 @@ DEFAULT_DEADLINE = 10.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0
 _PRIORITY_NAMES = {DEMAND: "demand", PREFETCH: "prefetch"}
-
-
-class ChunkSource(Protocol):
-    """What the fetcher needs of a store (`layerstore.store.Store` is one)."""
-
-    def get_chunk(self, chunk: str, max_length: int = ...) -> bytes: ...  # refused if longer
-
-    def get_chunk_map(self, blob: str) -> ChunkMap: ...
 
 
 class Request:
@@ -230,11 +222,11 @@ class Fetcher:
                 await trio.sleep(delay)
 
     async def _join(self, entry: BlobEntry, idx: int, priority: int, deadline: float) -> None:
-        key = (entry.blob, idx)
-        fl = self.cache.busy.get(key)
+        fl = self.cache.in_flight(entry.blob, idx)
         if fl is None:
             self._launch(entry, [idx], priority)
-            fl = self.cache.busy[key]
+            fl = self.cache.in_flight(entry.blob, idx)
+            assert fl is not None
         elif priority < fl.priority:
             self._raise_priority(fl, priority)
         with trio.move_on_at(deadline):
@@ -257,18 +249,16 @@ class Fetcher:
         """A flight for each chunk of `idxs` neither present nor in flight (one per digest: its
         other absent, idle positions are written too), in requests: batches of up to `batch`
         chunks when the backend reads in batches, else one a chunk."""
-        blob, busy, present = entry.blob, self.cache.busy, entry.present
-        flights: list[tuple[Flight, list[int], str]] = []
+        blob, cache, present = entry.blob, self.cache, entry.present
+        flights: list[tuple[FetchWriter, list[int], str]] = []
         for idx in idxs:
-            if present[idx] or (blob, idx) in busy:
+            if present[idx] or cache.in_flight(blob, idx) is not None:
                 continue
             digest = entry.cmap.chunks[idx].digest
             positions = [i for i in entry.positions(digest)
-                         if i == idx or (not present[i] and (blob, i) not in busy)]
-            fl = Flight(priority, "fetch")
-            for i in positions:
-                busy[(blob, i)] = fl
-            flights.append((fl, positions, digest))
+                         if i == idx or (not present[i] and cache.in_flight(blob, i) is None)]
+            w = cache.begin_fetch(entry, positions, priority)
+            flights.append((w, positions, digest))
         if not flights:
             return
         size = self._batch_size(len(flights), priority) if len(flights) > 1 and self._batching() else 1
@@ -277,16 +267,16 @@ class Fetcher:
         single = [f for f in flights if size == 1 or any(entry.unverified[i] for i in f[1])]
         groups = [batched[k:k + size] for k in range(0, len(batched), size)]
         single += [g[0] for g in groups if len(g) == 1]
-        for fl, positions, digest in single:
-            req = self._requests[fl] = Request(priority, [fl])
+        for w, _positions, digest in single:
+            req = self._requests[w.flight] = Request(priority, [w.flight])
             self._opened(req)
-            self._nursery.start_soon(self._fly, entry, positions, digest, fl, req)
+            self._nursery.start_soon(self._fly, w, digest, req)
         for group in groups:
             if len(group) == 1:
                 continue
-            req = Request(priority, [f[0] for f in group])
-            for fl, _p, _d in group:
-                self._requests[fl] = req
+            req = Request(priority, [f[0].flight for f in group])
+            for w, _p, _d in group:
+                self._requests[w.flight] = req
             self._opened(req)
             self._nursery.start_soon(self._fly_batch, entry, group, req)
 
@@ -307,11 +297,10 @@ class Fetcher:
     def _batching(self) -> bool:
         if self.batch < 2:
             return False
-        backend = getattr(self.store, "backend", None)
-        return backend is not None and bool(getattr(backend, "reads_in_batches", False)) \
-            and hasattr(self.store, "chunk_key")
+        return self.store.reads_in_batches
 
-    async def _fly(self, entry: BlobEntry, positions: list[int], digest: str, fl: Flight, req: Request) -> None:
+    async def _fly(self, w: FetchWriter, digest: str, req: Request) -> None:
+        entry, positions = w.entry, w.positions
         blob = entry.blob
         ref = entry.cmap.chunks[positions[0]]
         slots = self.slots
@@ -320,31 +309,31 @@ class Fetcher:
             await slots.acquire(req)
             try:
                 t0 = time.perf_counter()
-                prio = fl.priority
+                prio = w.flight.priority
                 unverified = entry.unverified
                 if any(unverified[i] for i in positions):
                     good, _ = await self.cache.check_unverified(entry, positions)
                     if good:  # verified local bytes: no store fetch
                         rest = [i for i in positions if i not in good]
                         if rest:
-                            await trio.to_thread.run_sync(_copy_chunk, entry, good[0], rest,
+                            await trio.to_thread.run_sync(w.copy, good[0], rest,
                                                           abandon_on_cancel=True, limiter=self._threads)
-                        self.cache.commit(entry, positions)
+                        w.commit()
                         return
                 # One worker thread call: get, verify and decompress, then write (one hop per chunk).
                 # Abandoned on cancel (a store that hangs must not hold up a shutdown); the thread
                 # then never writes to a closed entry (`BlobEntry.io_lock`).
                 async with self.decoding.hold(cost([ref.length])):
-                    await trio.to_thread.run_sync(self._get_and_write, entry, positions, digest, ref.length,
+                    await trio.to_thread.run_sync(self._get_and_write, w, digest, ref.length,
                                                   abandon_on_cancel=True, limiter=self._threads)
-                self._fetched(entry, positions, prio, t0)
+                self._fetched(w, prio, t0)
             finally:
                 slots.release(req)
         except Exception as e:
-            fl.error = self._failed(blob, positions[0], digest, e)
+            w.abort(self._failed(blob, positions[0], digest, e))
         finally:
             self._closed(req)
-            self._land(blob, positions, fl)
+            self._land(w)
 
     def _failed(self, blob: str, idx: int, digest: str, e: Exception) -> LayerstoreError:
         """Count and log one chunk's failure; the error its readers see."""
@@ -363,17 +352,15 @@ class Fetcher:
         log.error("blob %s chunk %d: cannot write to the cache: %s", blob, idx, e)
         return StoreUnavailable(f"blob {blob} chunk {idx}: cache write failed: {e}")
 
-    def _land(self, blob: str, positions: list[int], fl: Flight) -> None:
-        """The flight is over (done or failed): no longer busy, its waiters woken."""
-        busy = self.cache.busy
-        for i in positions:
-            if busy.get((blob, i)) is fl:
-                del busy[(blob, i)]
-        self._requests.pop(fl, None)
-        fl.done.set()
+    def _land(self, w: FetchWriter) -> None:
+        """The flight is over: committed, aborted with an error, or (cancelled) aborted with
+        none, its waiters then trying again; its request forgotten."""
+        w.abort()  # (nothing if it was committed or aborted with an error)
+        self._requests.pop(w.flight, None)
 
-    def _fetched(self, entry: BlobEntry, positions: list[int], prio: int, t0: float) -> None:
-        self.cache.commit(entry, positions)
+    def _fetched(self, w: FetchWriter, prio: int, t0: float) -> None:
+        entry, positions = w.entry, w.positions
+        w.commit()
         timer = self._timers.get(prio)
         if timer is None:  # `labels` takes a lock and builds a key: once per priority, not per chunk
             timer = self._timers[prio] = self.stats.fetch_seconds.labels(_PRIORITY_NAMES.get(prio, "other"))
@@ -382,7 +369,8 @@ class Fetcher:
         bs.fetched_bytes += entry.cmap.chunks[positions[0]].length
         bs.fetches += 1
 
-    async def _fly_batch(self, entry: BlobEntry, group: list[tuple[Flight, list[int], str]], req: Request) -> None:
+    async def _fly_batch(self, entry: BlobEntry, group: list[tuple[FetchWriter, list[int], str]],
+                         req: Request) -> None:
         """One batched read for several flights; each flight lands as its object arrives
         (verified, written, committed on the trio thread), or fails alone."""
         blob = entry.blob
@@ -393,46 +381,46 @@ class Fetcher:
                 prio = req.priority
                 token = trio.lowlevel.current_trio_token()
 
-                def land(fl: Flight, outcome: Exception | None) -> None:  # on the trio thread
-                    item = left.pop(id(fl), None)
+                def land(w: FetchWriter, outcome: Exception | None) -> None:  # on the trio thread
+                    item = left.pop(id(w), None)
                     if item is None:
                         return
-                    _fl, positions, digest = item
+                    _w, positions, digest = item
                     try:
                         if outcome is None:
-                            self._fetched(entry, positions, prio, t0)
+                            self._fetched(w, prio, t0)
                     except Exception as e:  # noqa: BLE001 - the cache's commit: that chunk's failure
                         outcome = e
                     if outcome is not None:
-                        fl.error = self._failed(blob, positions[0], digest, outcome)
-                    self._land(blob, positions, fl)
+                        w.abort(self._failed(blob, positions[0], digest, outcome))
+                    self._land(w)
 
                 lengths = [entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group]
                 async with self.decoding.hold(cost(lengths)):
                     await trio.to_thread.run_sync(self._load_many_and_write, entry, group, land, token,
                                                   abandon_on_cancel=True, limiter=self._threads)
         except Exception as e:
-            for fl, positions, digest in list(left.values()):
-                left.pop(id(fl))
-                fl.error = self._failed(blob, positions[0], digest, e)
-                self._land(blob, positions, fl)
+            for w, positions, digest in list(left.values()):
+                left.pop(id(w))
+                w.abort(self._failed(blob, positions[0], digest, e))
+                self._land(w)
         finally:
             self._closed(req)
-            for fl, positions, _digest in list(left.values()):  # cancelled: the waiters retry
-                fl.error = StoreUnavailable(f"blob {blob} chunk {positions[0]}: fetch cancelled")
-                self._land(blob, positions, fl)
+            for w, positions, _digest in list(left.values()):  # cancelled: the waiters retry
+                w.abort(StoreUnavailable(f"blob {blob} chunk {positions[0]}: fetch cancelled"))
+                self._land(w)
 
-    def _load_many_and_write(self, entry: BlobEntry, group: list[tuple[Flight, list[int], str]],
+    def _load_many_and_write(self, entry: BlobEntry, group: list[tuple[FetchWriter, list[int], str]],
                              land: object, token: trio.lowlevel.TrioToken) -> None:
         """Worker thread: one `load_many` of the group's chunk objects; each is verified and
         decompressed (`chunkobj.decode`), checked against the chunk map's length and written at
         its positions as it arrives, then handed to `land` on the trio thread."""
-        store: Any = self.store
+        store, fmt = self.store, self.cache.chunk_format
         by_key = {store.chunk_key(digest): (fl, positions, digest) for fl, positions, digest in group}
         try:
             longest = max(entry.cmap.chunks[positions[0]].length for _fl, positions, _d in group)
             limit = min(MAX_OBJECT_SIZE["chunks"], chunkobj.max_object_size(longest))
-            answers = store.backend.load_many(list(by_key), max_size=limit)
+            answers = store.load_many(list(by_key), max_size=limit)
             for key, value in answers:
                 fl, positions, digest = by_key[key]
                 outcome: Exception | None = None
@@ -443,7 +431,7 @@ class Fetcher:
                     payload = chunkobj.decode(value, digest, length)  # no longer than the map says
                     if len(payload) != length:
                         raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
-                    _write(entry, positions, payload, frames.frame_of(value) if entry.stored is not None else None)
+                    fl.write(payload, fmt.frame_of(value))
                 except LayerstoreError as e:
                     outcome = e
                 trio.from_thread.run_sync(land, fl, outcome, trio_token=token)  # type: ignore[arg-type]
@@ -454,22 +442,20 @@ class Fetcher:
         except Exception as e:  # a backend's unexpected failure: the store is not answering properly
             raise _as_store_error(e) from None
 
-    def _get_and_write(self, entry: BlobEntry, positions: list[int], digest: str, length: int) -> None:
-        """Worker thread: the chunk from the store (verified), written at every position. Touches
-        no shared state: `entry.fd` and the chunk map are immutable while the entry lives."""
+    def _get_and_write(self, w: FetchWriter, digest: str, length: int) -> None:
+        """Worker thread: the chunk from the store (verified), written at every position of the
+        flight (`FetchWriter.write`)."""
         try:
-            # A zstd node cache keeps the store's verified frame (`frames`); a plain one the payload.
-            get_frame = getattr(self.store, "get_chunk_frame", None) if entry.stored is not None else None
+            # As the cache's format keeps it: a zstd cache the store's verified frame, a plain one the payload.
             # no longer than the map says: a larger object is refused before it is decompressed
-            payload, frame = (get_frame(digest, length) if get_frame is not None
-                              else (self.store.get_chunk(digest, length), None))
+            payload, frame = self.cache.chunk_format.fetch(self.store, digest, length)
         except LayerstoreError:
             raise
         except Exception as e:  # a backend's unexpected failure: the store is not answering properly
             raise _as_store_error(e) from None
         if len(payload) != length:
             raise CorruptObject(f"chunk {digest} has {len(payload)} bytes, the chunk map says {length}")
-        _write(entry, positions, payload, frame)
+        w.write(payload, frame)
 
     def _store_error(self, what: str, err: LayerstoreError) -> None:
         self.stats.store_errors += 1
@@ -486,8 +472,8 @@ class Fetcher:
         """Fetch a sequential reader's new window [start, stop) of chunks (see
         `readahead.Streams`) in the background, at prefetch priority, leaving out chunks present
         or in flight (a prefetch task for a chunk in flight would hold a token just to wait)."""
-        busy, present, blob = self.cache.busy, entry.present, entry.blob
-        todo = [i for i in range(start, stop) if not present[i] and (blob, i) not in busy]
+        cache, present, blob = self.cache, entry.present, entry.blob
+        todo = [i for i in range(start, stop) if not present[i] and cache.in_flight(blob, i) is None]
         if todo:
             self._nursery.start_soon(self.prefetch, entry, todo)
 
@@ -543,24 +529,6 @@ class Fetcher:
                 self._launch(entry, group, PREFETCH)
                 nursery.start_soon(request, group, token)
         return done, failed
-
-
-def _write(entry: BlobEntry, positions: list[int], payload: bytes,
-           frame: bytes | memoryview | None = None) -> None:
-    try:
-        entry.write_sync(positions, payload, frame)
-    except OSError as e:
-        raise CacheIOError(f"writing to the cache: {os.strerror(e.errno or 0)}", e.errno) from None
-
-
-def _copy_chunk(entry: BlobEntry, src: int, positions: list[int]) -> None:
-    """Worker thread: the verified bytes at position `src` written at `positions` (same digest)."""
-    ref = entry.cmap.chunks[src]
-    try:
-        payload = entry.read_sync(ref.offset, ref.end)
-    except OSError as e:
-        raise CacheIOError(f"reading the cache: {os.strerror(e.errno or 0)}", e.errno) from None
-    _write(entry, positions, payload)
 
 
 def _as_store_error(e: BaseException) -> LayerstoreError:

@@ -146,3 +146,56 @@ def test_the_batch_size_from_the_environment(monkeypatch: pytest.MonkeyPatch, ra
     else:
         monkeypatch.setenv("LAYERSTORE_FETCH_BATCH", raw)
     assert fetch_batch_from_env() == want
+
+
+class Counting:
+    """A `ChunkSource` that is not a `Store` (no `backend`): it reads in batches through the
+    store it wraps and counts its batched reads and single gets."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.batches = 0
+        self.singles = 0
+        self.reads_in_batches = True
+
+    def get_chunk_map(self, blob: str) -> ChunkMap:
+        return self.store.get_chunk_map(blob)
+
+    def get_chunk(self, chunk: str, max_length: int = 1 << 26) -> bytes:
+        self.singles += 1
+        return self.store.get_chunk(chunk, max_length)
+
+    def get_chunk_frame(self, chunk: str, max_length: int = 1 << 26) -> tuple[bytes, memoryview | None]:
+        self.singles += 1
+        return self.store.get_chunk_frame(chunk, max_length)
+
+    def chunk_key(self, chunk: str) -> str:
+        return self.store.chunk_key(chunk)
+
+    def load_many(self, keys: list[str], *, max_size: int | None = None) -> Iterator[tuple[str, object]]:
+        self.batches += 1
+        return self.store.load_many(keys, max_size=max_size)
+
+
+@pytest.mark.trio
+async def test_the_fetcher_batches_through_what_its_source_declares(service: tuple[Service, Path],
+                                                                    tmp_path: Path) -> None:
+    """The fetcher asks its source (`ChunkSource.reads_in_batches`, `load_many`), not a `backend`
+    it reaches past the source for: a wrapper that reads in batches gets batched reads."""
+    from fuse_client.nodecache.source import ChunkSource
+
+    svc, store_dir = service
+    n = 20
+    cmap, data = push(store_dir, n, 3)
+    with Store(HttpBackend(svc.url)) as store:
+        assert isinstance(store, ChunkSource) and store.reads_in_batches
+        source = Counting(store)
+        async with running_lazy_cache(source, tmp_path / "cache", deadline=10.0, batch=16,  # type: ignore[arg-type]
+                                      concurrency=1) as lazy:
+            entry = await lazy.entry(cmap.blob)
+            lazy.fetcher.readahead(entry, 0, n)
+            with trio.fail_after(30):
+                while not all(entry.present):
+                    await trio.sleep(0.01)
+            assert entry.read_sync(0, len(data)) == data
+    assert (source.batches, source.singles) == (math.ceil(n / 16), 0)

@@ -19,7 +19,7 @@ from testkit.cli_helpers import assert_clean_failure, layerctl
 import fuse_client
 from fuse_client.control import DaemonNotRunning, request_json, socket_path
 from fuse_client.control.server import ControlAPI, ControlServer
-from fuse_client.nodecache import BlobIncomplete, CacheBusy, Fetcher, NodeCache, Stats, open_cache
+from fuse_client.nodecache import BlobIncomplete, CacheBusy, Fetcher, NodeCache, SingleChunkSource, Stats, open_cache
 from layerstore import keys
 from layerstore.chunkmap import ChunkMap
 from layerstore.errors import CorruptObject, NodeUnavailable, NotFound, StoreUnavailable, from_wire
@@ -114,7 +114,7 @@ def test_the_fuse_front_end_never_touches_cache_fields() -> None:
 
 
 # -- retries -------------------------------------------------------------------------------------
-class Failing:
+class Failing(SingleChunkSource):
     """A store whose every call fails with `error`, recording when it was asked."""
 
     def __init__(self, error: Exception) -> None:

@@ -21,7 +21,16 @@ from testkit.nodecache_formats import compressible
 import fuse_client.nodecache.reader as readermod
 from fuse_client.daemon import DaemonConfig
 from fuse_client.fuse.fs import BLOBS_INODE, ROOT_INODE, BlobFS
-from fuse_client.nodecache import INDEX_DIR, Budget, Fetcher, LazyCache, NodeCache, Stats, TraceRecorder
+from fuse_client.nodecache import (
+    INDEX_DIR,
+    Budget,
+    Fetcher,
+    LazyCache,
+    NodeCache,
+    SingleChunkSource,
+    Stats,
+    TraceRecorder,
+)
 from fuse_client.nodecache.cachedir import recorded_format
 from fuse_client.nodecache.index import CacheIndex
 from fuse_client.nodecache.limiter import PREFETCH
@@ -321,7 +330,7 @@ async def test_demand_overtakes_queued_prefetch(store: Store, data: bytes, tmp_p
     gate = threading.Event()
     first = threading.Event()
 
-    class Gated:
+    class Gated(SingleChunkSource):
         def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
             order.append(digest)
             if len(order) == 1:
@@ -457,7 +466,7 @@ async def test_multi_chunk_read_fetches_in_parallel(store: Store, data: bytes, t
     cmap = put_blob(store, data)
     barrier = threading.Barrier(4, timeout=10)
 
-    class AllAtOnce:
+    class AllAtOnce(SingleChunkSource):
         """Each chunk load waits until four loads are in flight: a serial fetcher would time out."""
 
         def get_chunk(self, digest: str, max_length: int = 1 << 26) -> bytes:
@@ -556,7 +565,7 @@ async def test_sequential_reader_of_a_cold_blob_keeps_the_fetch_slots_busy(store
     state = {"now": 0, "max": 0}
     release = threading.Event()
 
-    class Slow:
+    class Slow(SingleChunkSource):
         """Loads wait until six are in flight at once (or a generous timeout), so the test
         sees how many the daemon keeps in flight; counts the peak."""
 
