@@ -268,3 +268,29 @@ def test_one_module_loads_libc() -> None:
     """Every Linux call goes through layerstore.linux, whose `libc` module is the one loader."""
     loaders = libc_loaders()
     assert sorted(loaders) == [LIBC_HOME], {m: lines for m, lines in loaders.items() if m != LIBC_HOME}
+
+
+# -- sizes a newcomer can read (issue 29) ---------------------------------------------------------
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(modules: dict[str, Path], limit: int) -> list[str]:
+    """Every function (methods and nested ones too) of these modules longer than `limit` lines."""
+    out = []
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{mod}:{node.lineno} {node.name}: {lines} lines")
+    return out
+
+
+def test_no_product_function_is_longer_than_120_lines() -> None:
+    assert long_functions(MODULES, MAX_FUNCTION_LINES) == []
+
+
+def test_a_long_function_is_caught(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
+    assert long_functions({"m": tmp_path / "m.py"}, MAX_FUNCTION_LINES) == [f"m:5 long: {MAX_FUNCTION_LINES + 1} lines"]

@@ -54,10 +54,6 @@ def _functions(folder: Path) -> list[tuple[int, str]]:
     return out
 
 
-def test_no_function_of_the_shim_is_longer_than_120_lines() -> None:
-    assert [f for n, f in _functions(ROOT / "runtime_shim") if n > MAX_LINES] == []
-
-
 def test_recovery_is_named_phases_each_saying_what_it_repairs() -> None:
     tree = ast.parse(Path(recover.__file__).read_text())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "recover")
