@@ -18,7 +18,6 @@ from runtime_shim.node.request import MountRequest
 from runtime_shim.supervise.daemon import default_command
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_LINES = 120
 
 
 def test_a_mount_request_is_one_frozen_value_with_the_defaults_of_a_mount() -> None:
@@ -43,15 +42,6 @@ def test_an_explicit_upper_takes_no_upper_image() -> None:
     req = MountRequest("env:1", upper="/u", upper_image=1 << 20)
     assert req.image_size is None and not req.scratch
     assert MountRequest("env:1", upper_image=1 << 20).scratch
-
-
-def _functions(folder: Path) -> list[tuple[int, str]]:
-    out = []
-    for path in sorted(folder.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                out.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
-    return out
 
 
 def test_recovery_is_named_phases_each_saying_what_it_repairs() -> None:
