@@ -24,6 +24,7 @@ from testkit.shim_support import (
     busybox_rootfs,
     cleanup_node,
     dir_shim,
+    in_background,
     mkfs,
     needs_busybox,
     needs_root,
@@ -72,20 +73,6 @@ def scrub(node: Path, sandbox: str) -> None:
     cgroups.kill(sandbox)
     subprocess.run(["runc", "--root", str(node / "oci" / "runc"), "delete", "--force", sandbox], capture_output=True)
     cgroups.remove(sandbox, timeout=5)
-
-
-def in_background(fn: object, *args: object, **kw: object) -> tuple[threading.Thread, list[object]]:
-    result: list[object] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(*args, **kw))  # type: ignore[operator]
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            result.append(e)
-
-    th = threading.Thread(target=target, name="hostile-runtime", daemon=True)  # (a hang must not hold pytest)
-    th.start()
-    return th, result
 
 
 # -- through the CLI: a FIFO layer as root, and stop signals ------------------------------------------

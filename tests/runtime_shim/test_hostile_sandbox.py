@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from testkit.shim_support import (
     add_blob,
     busybox_rootfs,
     dir_shim,
+    in_background,
     mkfs,
     needs_busybox,
     needs_root,
@@ -76,20 +76,6 @@ def probe(shim: Shim, blob: str, **kw: object) -> dict[str, int]:
     code, out, err = run(shim, blob, "/bin/probe", **kw)
     assert code == 0, err
     return {name: int(e) for name, e in (line.split() for line in out.splitlines())}
-
-
-def in_background(fn: object, *args: object, **kw: object) -> tuple[threading.Thread, list[object]]:
-    result: list[object] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(*args, **kw))  # type: ignore[operator]
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            result.append(e)
-
-    th = threading.Thread(target=target, name="hostile-sandbox", daemon=True)  # (a hang must not hold pytest)
-    th.start()
-    return th, result
 
 
 def runc_kill(shim: Shim, sandbox: str) -> None:

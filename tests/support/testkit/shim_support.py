@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +205,20 @@ def snapshot(root: Path, skip: tuple[str, ...] = ("proc", "sys", "dev", "tmp")) 
                 with open(p, "rb") as f:
                     out[rel] = ("f", oct(st.st_mode & 0o7777), digestmod.of(f.read()))
     return out
+
+
+def in_background(fn: object, *args: object, name: str = "in-background",
+                  **kw: object) -> tuple[threading.Thread, list[object]]:
+    """Run fn(*args, **kw) in a daemon thread (a hang must not hold pytest); the list gets its
+    result or the exception it raised."""
+    result: list[object] = []
+
+    def target() -> None:
+        try:
+            result.append(fn(*args, **kw))  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result.append(e)
+
+    th = threading.Thread(target=target, name=name, daemon=True)
+    th.start()
+    return th, result
