@@ -1,4 +1,4 @@
-"""Node cache formats (docs/fuse-client.md, "Cache formats"): plain against zstd in the same run.
+"""Node cache formats (docs/node-cache.md, "Cache formats"): plain against zstd in the same run.
 
 - disk: a blob of Python sources (compressible like a layer of code) fetched whole from a local
   store into an empty cache of each format: bytes allocated by the data file, bytes the process

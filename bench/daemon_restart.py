@@ -34,7 +34,7 @@ blob still had holes at the kill (`marked_at_kill`: its mark stays until the blo
 until the manager's next daemon answers (`daemon_back`), until every reader has completed a read
 started after the kill (`reads_back`), whether the group stayed the same, and the failed and
 wrong reads. Exits 1 on any failed or wrong read, or a read still waiting 30 s after the next
-daemon answered (`cycles_with_a_stuck_read`: see docs/fanotify.md, "Status", for the one seen).
+daemon answered (`cycles_with_a_stuck_read`: see docs/benchmarks-fanotify.md for the one seen).
 """
 
 from __future__ import annotations

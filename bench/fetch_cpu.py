@@ -1,4 +1,4 @@
-"""CPU of the node cache's shared fetch path (docs/fuse-client.md, "CPU of the fetch path"), in
+"""CPU of the node cache's shared fetch path (docs/benchmarks-fetch.md, "CPU of the fetch path"), in
 process, no kernel front end: a fresh node cache filled cold from a local-directory store by
 `Reader.fill` over a whole blob, as a front end's reads would (readahead on).
 

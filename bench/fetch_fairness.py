@@ -1,4 +1,4 @@
-"""Fairness and batching of the node cache's store requests (docs/fuse-client.md, "Fairness under
+"""Fairness and batching of the node cache's store requests (docs/node-cache.md, "Fairness under
 a burst"; docs/service.md, "Batched reads for the node daemon").
 
 **fairness** (in-process, no kernel): the node cache (`LazyCache`) on a slow store: a local

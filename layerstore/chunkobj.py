@@ -159,7 +159,7 @@ def decode(obj: bytes | memoryview, expected: str, max_length: int = MAX_CHUNK) 
                 raise CorruptObject(f"chunk {expected}: zstd frame declares {declared} bytes")
             # One-shot into a buffer of the declared size, with the thread's own context: a
             # fresh context and a streaming decompressobj per chunk cost 3x the decompression
-            # itself (measured: 1.8 against 0.6 s per GB; docs/fuse-client.md, "CPU of the
+            # itself (measured: 1.8 against 0.6 s per GB; docs/benchmarks-fetch.md, "CPU of the
             # fetch path"). A truncated frame, a second frame or padding is refused (the
             # one-shot call checks nothing for an empty frame: that rare case streams).
             if ulen:

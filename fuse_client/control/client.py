@@ -97,7 +97,7 @@ def request_json(cache_dir: Path, method: str, path: str, body: dict[str, Any] |
     return json.loads(request(cache_dir, method, path, body, timeout)[1])
 
 
-# -- pins: the runtime shim's direct mounts of complete blobs (docs/fuse-client.md) ---------------
+# -- pins: the runtime shim's direct mounts of complete blobs (docs/node-cache.md) ----------------
 def pin(cache_dir: Path, blob: str, holder: str, *, timeout: float | None = 60.0) -> Path | None:
     """Pin a blob for `holder` and return the absolute path of its cache data file, which is
     then a complete EROFS image that the daemon never modifies until `unpin`; None (and no pin)

@@ -239,7 +239,7 @@ class FanotifyFrontEnd:
         out["generation"] = self.generation
         out["attached"] = {b: {"holders": sorted(a.holders), "marked": a.marked}
                            for b, a in sorted(self.attached.items())}
-        # Blobs whose attach failed: the shim mounts those over FUSE (docs/fanotify.md, "Attach failures").
+        # Blobs whose attach failed: the shim mounts those over FUSE (docs/fanotify.md, "Marks and eviction").
         out["attach_failed"] = dict(sorted(self.attach_failed.items()))
         out["unrestored"] = sorted(self._unrestored)  # persisted attachments not taken back yet (retried)
         if self.lazy is not None:

@@ -1,6 +1,6 @@
 """The group fd between processes: the holder's socket (`CACHE/fanotify.sock`), SCM_RIGHTS, and
 the holder's identity file (`CACHE/fanotify.holder`: pid and start time), what the shim's layer
-mounts name as their generation (docs/fanotify.md, "If the holder dies too").
+mounts name as their generation (docs/fanotify.md, "Every process of ours killed").
 
 Protocol (one request per connection, peer must be root): the client sends one byte, `G` (give me
 the group: the answer is `{"pid": P}` with the group fd attached), `Q` (quit: the holder

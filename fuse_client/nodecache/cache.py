@@ -71,7 +71,7 @@ TOUCH_INTERVAL = 30.0
 # each data file it vouches for, a synchronous LMDB transaction (copy-on-write pages) and the
 # ext4 journal commits they force: at 50 ms a burst whose fetches trickle in over a minute wrote
 # ~8 MB of index pages for 55 MB of chunks, at 1 s 0.4 MB, and the node disk's journal and
-# metadata writes fell by ~14 MB (docs/fuse-client.md, "Node disk writes"). Nothing waits for a batch on
+# metadata writes fell by ~14 MB (docs/benchmarks-cache.md, "Node disk writes"). Nothing waits for a batch on
 # the read path (chunks are served from memory at once) and whoever needs durability now (pins,
 # eviction, shutdown) flushes itself; a crash loses at most this much of fetched chunks' records
 # (the chunks are fetched again).

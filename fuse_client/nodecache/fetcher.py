@@ -60,7 +60,7 @@ from .stats import Stats
 
 log = logging.getLogger("layerstore.fuse.fetch")
 
-DEFAULT_CONCURRENCY = 16  # store requests in flight per node (docs/fuse-client.md, "Fairness")
+DEFAULT_CONCURRENCY = 16  # store requests in flight per node (docs/node-cache.md, "Fairness under a burst")
 DEFAULT_BATCH = 16  # chunks one batched read asks for (the http backend's READ_BATCH)
 DEFAULT_DEADLINE = 10.0
 BACKOFF_MIN = 0.05

@@ -121,7 +121,7 @@ class BlobFiles:
         will do). Writeback of every file is started first and only then is each one
         fdatasync'ed: the blocks ext4 allocates for all of them at writeback land in one journal
         transaction, which the first fdatasync commits and the others find committed, instead
-        of one commit per file (a journal batch touches many blobs in a burst; docs/fuse-client.md,
+        of one commit per file (a journal batch touches many blobs in a burst; docs/benchmarks-cache.md,
         "Node disk writes")."""
         fds: list[int] = []
         try:

@@ -55,7 +55,7 @@ class _Waiter:
         self.owner = owner
         self.cls = cls  # its class when last counted in `_urgent_waiting` (`reprioritized` recounts)
         # Made only when it has to wait: most requests find a slot free at once (one request per
-        # chunk fetched, so it counts: docs/fuse-client.md, "CPU of the fetch path").
+        # chunk fetched, so it counts: docs/benchmarks-fetch.md, "CPU of the fetch path").
         self.event: trio.Event | None = None
         self.granted = False
 

@@ -1,6 +1,6 @@
 """`BlobFiles.sync_all`: one journal batch's data files made durable together (writeback of all
 started first, then each fdatasync'ed). What it saves on the disk is measured by the node disk
-write figures (docs/fuse-client.md, "Node disk writes"); here: it syncs what exists, skips what
+write figures (docs/benchmarks-cache.md, "Node disk writes"); here: it syncs what exists, skips what
 does not, leaves no descriptor open, and reports a failure."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A successor answering the unknown events of a daemon that died reading a batch
-(docs/fanotify.md, "Status", the stuck read). Found by bench/daemon_restart.py --kill-all
+(docs/benchmarks-fanotify.md, the stuck read). Found by bench/daemon_restart.py --kill-all
 --fd-store: the dead daemon's pending event had fd number 12, which the successor had open when
 it took the group over, so it was not reserved and never answered: its reader waited forever.
 Every number of the dead daemon's range must be answered after the complete fill, except one

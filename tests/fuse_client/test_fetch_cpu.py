@@ -1,4 +1,4 @@
-"""What the fetch path's CPU cuts must not change (docs/fuse-client.md, "CPU of the fetch path"):
+"""What the fetch path's CPU cuts must not change (docs/benchmarks-fetch.md, "CPU of the fetch path"):
 the limiter's count of waiting urgent requests (now kept per waiter, not recounted per grant)
 stays exact through grants, re-prioritising and cancellation; a request granted at once makes
 no wake-up event; a prefetch of one chunk a request (a store that does not read in batches,

@@ -611,7 +611,7 @@ async def test_interleaved_readers_of_one_blob_do_not_open_readahead_windows(sto
         st = r.stats.blobs[cmap.blob]
         assert st.fetched_bytes == 32 * CHUNK and st.fetches == 32
         # A sequential reader of the rest: its window ramps up and runs ahead of it, once the
-        # readers' burst of misses is over (during one, readahead waits: docs/fuse-client.md,
+        # readers' burst of misses is over (during one, readahead waits: docs/node-cache.md,
         # "Fairness under a burst").
         await trio.sleep(r.fetcher.slots.linger + 0.1)
         for off in range(32 * CHUNK, 40 * CHUNK, 16384):

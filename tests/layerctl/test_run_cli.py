@@ -453,7 +453,7 @@ def test_the_opt_in_fanotify_data_path_end_to_end(store: dict[str, str], nodes: 
                    and m.mountpoint.startswith(str(node))}
         # Every layer attached: one whose attach failed is mounted on the FUSE file instead, which the
         # kill -9 below leaves dead (its reads fail with EIO). Concurrent attaches once raced on the
-        # persisted list (ENOENT; docs/fanotify.md, "The persisted list"): seen in 4 of 9 runs under load.
+        # persisted list (ENOENT; docs/fanotify.md, "Marks and eviction"): seen in 4 of 9 runs under load.
         assert sources and all(s.startswith(str(node / "cache" / "data")) for s in sources), \
             (sources, st.json().get("fanotify", {}).get("attach_failed"), (node / "daemon.log").read_text()[-3000:])
         assert (target / "data" / "keep").read_text() == "keep\n"

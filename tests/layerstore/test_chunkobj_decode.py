@@ -1,5 +1,5 @@
 """`chunkobj.decode` of zstd objects: one-shot with a decompression context per thread (the
-fetch path's CPU, docs/fuse-client.md "CPU of the fetch path"), as strict as the streaming
+fetch path's CPU, docs/benchmarks-fetch.md "CPU of the fetch path"), as strict as the streaming
 decoder it replaced: a truncated frame, padding or a second frame is refused, the empty frame
 included; contexts are never shared between threads."""
 
