@@ -294,3 +294,13 @@ def test_a_long_function_is_caught(tmp_path: Path) -> None:
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     (tmp_path / "m.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
     assert long_functions({"m": tmp_path / "m.py"}, MAX_FUNCTION_LINES) == [f"m:5 long: {MAX_FUNCTION_LINES + 1} lines"]
+
+
+MAX_NOTE_LINES = 450
+
+
+def test_no_design_note_is_longer_than_450_lines() -> None:
+    """A note in docs/ is read in about ten minutes; longer write-ups become pages of their own."""
+    long = [f"{p.name}: {n}" for p in sorted((ROOT / "docs").glob("*.md"))
+            if (n := len(p.read_text().splitlines())) > MAX_NOTE_LINES]
+    assert long == []
