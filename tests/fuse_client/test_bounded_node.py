@@ -46,6 +46,7 @@ def _bomb_object(length: int, fill: int) -> tuple[str, bytes]:
     return digestmod.of(payload), obj
 
 
+@pytest.mark.slow  # hundreds of MiB decoded or refused: `make test`, not `make check`
 def test_a_map_over_the_bound_fails_the_lookup_and_costs_no_memory(store: Store, tmp_path: Path) -> None:
     """The issue's map (4,194,304 entries of a 1-byte chunk, 192 MiB). Old code read and decoded
     it: 37 s and the daemon at 1.2 GB, never given back."""
@@ -113,6 +114,7 @@ def test_chunks_longer_than_their_map_says_are_refused_before_decompressing(stor
     trio.run(main)
 
 
+@pytest.mark.slow  # hundreds of MiB decoded or refused: `make test`, not `make check`
 def test_largest_chunks_all_at_once_stay_within_the_decode_budget(store: Store, tmp_path: Path) -> None:
     """Six legal 64 MiB chunks (a few KiB each as stored), all wanted at once: old code
     decompressed all six together (+384 MiB and more); now at most the budget is held."""

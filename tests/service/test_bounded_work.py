@@ -24,7 +24,7 @@ from layerstore import digest as digestmod
 from layerstore.store import Store
 from service.budget import DEFAULT_BUDGET
 
-pytestmark = pytest.mark.hostile
+pytestmark = [pytest.mark.hostile, pytest.mark.slow]  # a real service bombed: `make test`, not `make check`
 
 DEADLINE = 20.0  # a liveness bound: any answer (the body timeout is 10 s)
 BOMBS = 32

@@ -108,6 +108,7 @@ def run_idle_flood(t: Target, count: int, per_worker_cap: int, workers: int) -> 
 
 # -- floods against a real service -------------------------------------------------------------------
 @pytest.mark.hostile
+@pytest.mark.slow  # a real flood: `make test`, not `make check`
 @serve("--max-connections", "2000", "--header-timeout", "120")
 def test_idle_flood_healthz_and_reads_answer(target: Target) -> None:
     """12,000 idle connections against a cap of 2,000 a worker (and a header timeout longer than
@@ -125,6 +126,7 @@ def test_full_size_idle_flood(target: Target) -> None:
 
 
 @pytest.mark.hostile
+@pytest.mark.slow  # a real flood: `make test`, not `make check`
 @serve("--header-timeout", "2")
 def test_half_sent_requests_are_closed_after_the_header_timeout(target: Target) -> None:
     """3,000 requests whose headers never end: all closed (a 408) soon after the header timeout
@@ -151,6 +153,7 @@ def test_endless_headers_are_refused(target: Target) -> None:
 
 
 @pytest.mark.hostile
+@pytest.mark.slow  # a real flood: `make test`, not `make check`
 @serve("--max-connections", "20000", workers=1)
 def test_accept_errors_are_counted_not_logged_each(target: Target) -> None:
     """Past the file limit (lowered under the running worker so the cap cannot keep below it),
