@@ -183,12 +183,15 @@ def node_facts(kind: str, cfg: dict[str, Any], mounted: int, cli_sample: int) ->
 
 
 def cli_round(cfg: dict[str, Any], n: int, tag: str) -> dict[str, Any]:
-    """`layerctl mount` then `layerctl umount`, n each, as processes, one at a time."""
+    """`layerctl mount` then `layerctl umount`, n each, as processes, one at a time. Each mount keeps a
+    256 MiB upper image: the node refuses kept uppers its disk cannot hold all together (issue 27), and
+    n of the default 10 GiB would not fit the bench's 32 GiB node disk."""
     targets = [Path(cfg["work"]) / "cli" / f"{tag}-{i}" for i in range(n)]
     ml, ul = [], []
     for tgt in targets:
         t = time.perf_counter()
-        p = subprocess.run([LAYERCTL, "mount", "--node-dir", cfg["node"], "--store", cfg["store"], ENV_TAG, str(tgt)],
+        p = subprocess.run([LAYERCTL, "mount", "--node-dir", cfg["node"], "--store", cfg["store"], "--upper-size", "256M",
+                            ENV_TAG, str(tgt)],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"layerctl mount: {p.stderr.strip()}")
