@@ -190,8 +190,8 @@ def cli_round(cfg: dict[str, Any], n: int, tag: str) -> dict[str, Any]:
     ml, ul = [], []
     for tgt in targets:
         t = time.perf_counter()
-        p = subprocess.run([LAYERCTL, "mount", "--node-dir", cfg["node"], "--store", cfg["store"], "--upper-size", "256M",
-                            ENV_TAG, str(tgt)],
+        p = subprocess.run([LAYERCTL, "mount", "--node-dir", cfg["node"], "--store", cfg["store"],
+                            "--upper-size", "256M", ENV_TAG, str(tgt)],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"layerctl mount: {p.stderr.strip()}")
