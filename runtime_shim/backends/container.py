@@ -30,7 +30,7 @@ from layerstore.errors import ConfigError
 from ..errors import RuntimeNotAvailable, ShimError
 from ..node.paths import NodePaths
 from ..node.state import Sandbox
-from ..sandbox import cgroups, signals
+from . import cgroups, signals
 from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
+from ..backends import signals
 from ..backends.base import Confinement, Stdio
 from ..errors import ShimError
 from ..node import idmap
@@ -29,7 +30,6 @@ from ..node.request import MountRequest
 from ..node.shim import Shim
 from ..node.state import Sandbox
 from ..resolve.environment import EnvSpec
-from . import signals
 
 LIMITS_FILE = "limits.json"
 
