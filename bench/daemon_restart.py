@@ -165,8 +165,8 @@ def kill_all(args: argparse.Namespace) -> int:
     from fuse_client.control import attach
     from fuse_client.fanotify import handover
     from layerstore.linux import mount_erofs
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
     from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
 
     os.environ["LAYERSTORE_DATA_PATH"] = "fanotify"

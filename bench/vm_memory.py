@@ -56,8 +56,8 @@ from layerstore import digest as digestmod  # noqa: E402
 from runtime_shim.backends.base import Confinement  # noqa: E402
 from runtime_shim.backends.vm import VmBackend  # noqa: E402
 from runtime_shim.node.blobs import DirBlobs  # noqa: E402
-from runtime_shim.node.paths import NodePaths  # noqa: E402
 from runtime_shim.node.shim import Shim  # noqa: E402
+from runtime_shim.nodestate.paths import NodePaths  # noqa: E402
 from runtime_shim.sandbox import runner  # noqa: E402
 from runtime_shim.vm import hostmem  # noqa: E402
 from runtime_shim.vm.pmem import pmem_image  # noqa: E402

@@ -27,8 +27,8 @@ sandbox_option = click.option("--sandbox", "sandbox", metavar="ID", default=None
 def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None = None) -> Iterator[Any]:
     """The node's shim, with SIGTERM and SIGHUP stopping a command as SIGINT does (raised as
     `signals.Stopped`, a KeyboardInterrupt: the shim's clean-ups run, the CLI exits 130)."""
+    from runtime_shim.backends import signals
     from runtime_shim.node.shim import Shim
-    from runtime_shim.sandbox import signals
 
     with signals.stopping(), Shim.for_node(node_dir, store_url, policy=policy) as shim:
         yield shim

@@ -25,7 +25,7 @@ def snapshotter_cmd(address: str, node_dir: str | None, store_url: str | None, r
                     log_level: str) -> None:
     """Serve containerd's snapshots service: layerstore layers mounted lazily through the node
     daemon, ordinary OCI layers in directories, containers' writes in overlay uppers."""
-    from runtime_shim.node.paths import NodePaths
+    from runtime_shim.nodestate.paths import NodePaths
     from snapshotter.layers import RemoteLayers
     from snapshotter.server import serve
     from snapshotter.snapshots import Snapshotter

@@ -27,7 +27,7 @@ def run_cli(fn: Callable[[], T]) -> T:
         e.show()
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, click.exceptions.Abort) as e:
-        # A stop signal during a shim call (runtime_shim.sandbox.signals) is a KeyboardInterrupt saying what
+        # A stop signal during a shim call (runtime_shim.backends.signals) is a KeyboardInterrupt saying what
         # it stopped; click hands it on as the cause of an Abort.
         cause = e.__cause__ if isinstance(e, click.exceptions.Abort) else e
         said = str(cause) if isinstance(cause, KeyboardInterrupt) else ""

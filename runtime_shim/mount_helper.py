@@ -124,7 +124,7 @@ def check_node_dir(req: MountRequest) -> None:
     `Shim.for_node`.)"""
     if req.node_dir is None:
         return
-    from .node.paths import resolve_node_dir
+    from .nodestate.paths import resolve_node_dir
     from .resolve.environment import node_floor
 
     default, chosen = resolve_node_dir(None), resolve_node_dir(req.node_dir)
@@ -182,7 +182,7 @@ def umount_main(argv: Sequence[str] | None = None) -> int:
     from layerstore import linux
 
     from .errors import SandboxNotFound
-    from .node import utab
+    from .nodestate import utab
 
     try:
         with Shim.for_node(os.environ.get("LAYERSTORE_NODE_DIR") or node_dir_of(target)) as shim:

@@ -31,10 +31,10 @@ from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 from runtime_shim.errors import SandboxExists, SandboxNotFound
 from runtime_shim.node.blobs import BlobSource
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import MOUNTED
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import MOUNTED
 from runtime_shim.resolve.environment import CachingResolver, EnvSpec, LayerSpec
 
 HOLD_BACKEND = "containerd"  # the holds' Sandbox.backend: their roots are composed by containerd

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput
-from runtime_shim.node.paths import check_overlay_safe
+from runtime_shim.nodestate.paths import check_overlay_safe
 
 from . import filters as filtermod
 from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition, SnapshotterBusy

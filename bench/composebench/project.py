@@ -27,12 +27,12 @@ def mount_request_class() -> Any:
 
 
 def node_state_class() -> Any:
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.state import NodeState
 
     return NodeState
 
 
 def record_of(sandbox_dir: Any) -> bytes | None:
-    from runtime_shim.node import records
+    from runtime_shim.nodestate import records
 
     return records.load(sandbox_dir)

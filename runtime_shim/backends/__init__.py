@@ -8,7 +8,7 @@ from a drive per layer) and "vm" (`vm`: a full q35 VM on one flattened root devi
 
 from __future__ import annotations
 
-from ..node.paths import NodePaths
+from ..nodestate.paths import NodePaths
 from .base import BackendRegistry, Execution, SandboxBackend
 from .container import CrunBackend, RuncBackend
 from .microvm import MicrovmBackend

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 from ..errors import RuntimeNotAvailable
-from ..node.paths import NodePaths
-from ..node.state import Sandbox
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import Sandbox
 
 Stdio = IO[bytes] | int | None
 

@@ -30,7 +30,7 @@ from layerstore.errors import BadInput, NotFound
 from layerstore.fileio import write_atomic
 from layerstore.linux import read_regular_beneath, regular_size_beneath
 
-from ..node.idmap import RANGE_SIZE
+from ..nodestate.idmap import RANGE_SIZE
 from .base import Confinement
 from .seccomp import default_profile
 

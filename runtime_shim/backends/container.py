@@ -28,9 +28,9 @@ from types import FrameType
 from layerstore.errors import ConfigError
 
 from ..errors import RuntimeNotAvailable, ShimError
-from ..node.paths import NodePaths
-from ..node.state import Sandbox
-from ..sandbox import cgroups, signals
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import Sandbox
+from . import cgroups, signals
 from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
 

@@ -52,8 +52,8 @@ from layerstore.errors import ConfigError
 from layerstore.fileio import write_atomic
 
 from ..errors import ShimError
-from ..node.paths import NodePaths
-from ..node.state import Sandbox
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import Sandbox
 from ..vm.spec import Drive, VmSpec
 from .base import Confinement
 from .vm import MAX_MEMORY_MIB, VmBackend

@@ -70,8 +70,8 @@ from layerstore.fileio import write_atomic
 from layerstore.linux import find_mount
 
 from ..errors import ShimError
-from ..node.paths import NodePaths
-from ..node.state import Sandbox, start_time
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import Sandbox, start_time
 from ..vm.config import GuestConfig, write_config
 from ..vm.kit import find_kit
 from ..vm.pmem import pmem_image, sweep

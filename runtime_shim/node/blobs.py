@@ -22,10 +22,10 @@ from layerstore import digest as digestmod
 from layerstore.errors import LayerstoreError
 
 from ..errors import DaemonError
+from ..nodestate.lock import BlobLock
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import NodeState, group_generation
 from ..supervise.daemon import DaemonCommand, DaemonSupervisor, default_command, is_alive, proc_start_time
-from .lock import BlobLock
-from .paths import NodePaths
-from .state import NodeState, group_generation
 
 
 class BlobSource(Protocol):

@@ -40,10 +40,10 @@ from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 
 from ..errors import ShimError
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import ATTACHED_PREFIX, MOUNTED, MOUNTING, LayerMount, Txn, fuse_generation, this_process
 from .blobs import BlobSource
 from .overlay import SAFE, explain
-from .paths import NodePaths
-from .state import ATTACHED_PREFIX, MOUNTED, MOUNTING, LayerMount, Txn, fuse_generation, this_process
 
 log = logging.getLogger("layerstore.shim.layers")
 

@@ -25,11 +25,11 @@ from layerstore.fileio import rmdir_quiet
 from layerstore.linux import detach
 
 from ..errors import SandboxExists, SandboxNotFound
-from . import records, utab
+from ..nodestate import records, utab
+from ..nodestate.lock import NodeLock
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import MOUNTING, UNMOUNTING, NodeState, Sandbox, owner_alive
 from .layers import LayerMounts
-from .lock import NodeLock
-from .paths import NodePaths
-from .state import MOUNTING, UNMOUNTING, NodeState, Sandbox, owner_alive
 
 
 class SandboxLifecycle:

@@ -23,7 +23,7 @@ from pathlib import Path
 from layerstore import linux
 
 from ..errors import NodeFull, ShimError
-from .paths import check_overlay_safe
+from ..nodestate.paths import check_overlay_safe
 
 # overlayfs refuses more lower layers than this (OVL_MAX_STACK)
 MAX_LOWERS = 500

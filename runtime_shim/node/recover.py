@@ -51,12 +51,12 @@ from layerstore.linux import detach
 
 from ..backends.base import SandboxBackend
 from ..errors import RuntimeNotAvailable, ShimError
-from . import records
+from ..nodestate import records
+from ..nodestate.state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 from .blobs import BlobSource
 from .layers import LayerMounts
 from .lifecycle import SandboxLifecycle
 from .overlay import mount_overlay, mount_upper_image
-from .state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 
 
 @dataclass

@@ -27,26 +27,11 @@ from layerstore.fileio import rmdir_quiet
 
 from ..backends import SandboxBackend, node_backends
 from ..errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimError
-from ..resolve.environment import EnvSpec
-from ..supervise.daemon import DaemonCommand, default_command
-from . import records, utab
-from .blobs import BlobSource, DaemonBlobs
-from .idmap import chown_to_range, idmapped_lowers
-from .layers import CLAIMED, LayerMounts
-from .lifecycle import SandboxLifecycle
-from .lock import BlobLock, NodeLock
-from .overlay import (
-    make_upper_image,
-    mount_flags,
-    mount_overlay,
-    mount_scratch,
-    mount_upper_image,
-    reserve_upper_image,
-)
-from .paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
-from .recover import RecoverReport, recover
-from .request import MountRequest
-from .state import (
+from ..nodestate import records, utab
+from ..nodestate.idmap import chown_to_range, idmapped_lowers
+from ..nodestate.lock import BlobLock, NodeLock
+from ..nodestate.paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
+from ..nodestate.state import (
     BROKEN,
     MOUNTED,
     MOUNTING,
@@ -59,6 +44,21 @@ from .state import (
     encode,
     this_process,
 )
+from ..resolve.environment import EnvSpec
+from ..supervise.daemon import DaemonCommand, default_command
+from .blobs import BlobSource, DaemonBlobs
+from .layers import CLAIMED, LayerMounts
+from .lifecycle import SandboxLifecycle
+from .overlay import (
+    make_upper_image,
+    mount_flags,
+    mount_overlay,
+    mount_scratch,
+    mount_upper_image,
+    reserve_upper_image,
+)
+from .recover import RecoverReport, recover
+from .request import MountRequest
 
 Resolver = Callable[[str], EnvSpec]
 HINTS_TIMEOUT = 60.0  # how long closing a shim waits for prefetch hints still being sent

@@ -33,8 +33,8 @@ from layerstore.store import Store
 
 from ..backends.base import SandboxBackend
 from ..errors import ShimError
-from ..node.idmap import to_layer_ids
-from ..node.state import Sandbox
+from ..nodestate.idmap import to_layer_ids
+from ..nodestate.state import Sandbox
 
 if TYPE_CHECKING:
     from erofs_builder.workflow import LayerSource

@@ -21,15 +21,15 @@ from typing import Any
 
 from layerstore.errors import ConfigError
 
+from ..backends import signals
 from ..backends.base import Confinement, Stdio
 from ..errors import ShimError
-from ..node import idmap
-from ..node.paths import NodePaths
 from ..node.request import MountRequest
 from ..node.shim import Shim
-from ..node.state import Sandbox
+from ..nodestate import idmap
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import Sandbox
 from ..resolve.environment import EnvSpec
-from . import signals
 
 LIMITS_FILE = "limits.json"
 

@@ -41,9 +41,9 @@ from layerstore import linux
 from layerstore.errors import LayerstoreError
 
 from ..errors import DaemonError
-from ..node.lock import NodeLock
-from ..node.paths import NodePaths
-from ..node.state import DaemonRecord, NodeState
+from ..nodestate.lock import NodeLock
+from ..nodestate.paths import NodePaths
+from ..nodestate.state import DaemonRecord, NodeState
 
 log = logging.getLogger("layerstore.shim.watch")
 

@@ -87,7 +87,7 @@ def choose_accel(kernel: str, initrd: str | None) -> str:
         return want
     if not kvm_usable():
         return "tcg"
-    from ..node.state import boot_id
+    from ..nodestate.state import boot_id
 
     cache = PROBE_CACHE / f"accel-{boot_id() or 'unknown'}"
     with contextlib.suppress(OSError):

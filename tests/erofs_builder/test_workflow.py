@@ -91,7 +91,7 @@ def test_commit_and_build_give_the_same_blob_and_chunks(tmp_path: Path) -> None:
     build DIR --push` (built, then pushed) store the same blob with the same chunks."""
     from manifest import Layer, Manifest
     from manifest.environment import create_environment, load_manifest
-    from runtime_shim.node.state import Sandbox
+    from runtime_shim.nodestate.state import Sandbox
     from runtime_shim.sandbox.commit import commit
 
     root = _tree(tmp_path / "upper")

@@ -106,8 +106,8 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
     bytes (filled on the new group's events, never zeros). Then `daemon-upgrade` replaces the
     daemon: the watch adopts the new one into the shim's record instead of starting another."""
     from fuse_client.fanotify.upgrade import upgrade
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
     from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
 
     monkeypatch.setenv("LAYERSTORE_DATA_PATH", "fanotify")

@@ -22,7 +22,7 @@ from testkit.fanotify_helpers import needs_fanotify, stop_holder
 from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, needs_root, needs_runc, snapshot
 
 from layerstore import linux
-from runtime_shim.node.state import NodeState
+from runtime_shim.nodestate.state import NodeState
 from runtime_shim.supervise.daemon import is_alive
 
 pytestmark = [needs_root, needs_busybox, needs_runc]

@@ -12,7 +12,7 @@ import pytest
 
 from layerstore.errors import PermissionDenied
 from layerstore.fileio import narrow_files, private_dir
-from runtime_shim.node.paths import NodePaths
+from runtime_shim.nodestate.paths import NodePaths
 
 
 def mode(p: Path) -> int:

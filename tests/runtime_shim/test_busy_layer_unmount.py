@@ -13,8 +13,8 @@ import pytest
 
 from layerstore import linux
 from runtime_shim.node.layers import DIRECT, LayerMounts
-from runtime_shim.node.paths import NodePaths
-from runtime_shim.node.state import ATTACHED_PREFIX, LayerMount
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import ATTACHED_PREFIX, LayerMount
 
 pytestmark = pytest.mark.root
 

@@ -48,7 +48,7 @@ from layerstore.store import Store
 from runtime_shim.errors import ShimError
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import Sandbox
+from runtime_shim.nodestate.state import Sandbox
 from runtime_shim.sandbox.commit import commit, frozen
 
 LONG = os.environ.get("LAYERSTORE_LONG_RACE") == "1"

@@ -28,9 +28,9 @@ from testkit.shim_support import cleanup_node, needs_root, store_with_env
 from fuse_client.nodecache.files import BlobFiles
 from layerstore.backends.posix import PosixBackend
 from layerstore.store import Store
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NodePaths
 
 pytestmark = [pytest.mark.hostile, needs_root]
 

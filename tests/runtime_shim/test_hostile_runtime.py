@@ -35,10 +35,10 @@ from testkit.shim_support import (
 )
 
 from layerstore.errors import BadInput
-from runtime_shim.backends import bundle
+from runtime_shim.backends import bundle, cgroups, signals
 from runtime_shim.errors import ShimError
 from runtime_shim.node.shim import Shim
-from runtime_shim.sandbox import cgroups, runner, signals
+from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc, pytest.mark.hostile]
 DEADLINE = 60.0  # seconds: "fails cleanly in under 60 s" (issue 27); only turns a hang into a failure

@@ -32,9 +32,9 @@ from layerstore import linux
 from layerstore.errors import BadInput
 from runtime_shim.backends.base import Confinement
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.sandbox import runner
 
 pytestmark = [needs_root, needs_busybox, needs_runc]

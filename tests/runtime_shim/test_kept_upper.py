@@ -29,9 +29,9 @@ from testkit.shim_support import (
 from layerstore import linux
 from layerstore.store import Store
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.sandbox import runner
 from runtime_shim.sandbox.commit import commit
 
@@ -108,7 +108,7 @@ def test_a_kept_sandboxs_files_survive_a_reboot(shim: Shim, image: tuple[Path, s
 
 
 def test_a_crash_after_the_image_is_mounted_is_rolled_back(shim: Shim, image: tuple[Path, str]) -> None:
-    from runtime_shim.node.state import MOUNTING
+    from runtime_shim.nodestate.state import MOUNTING
 
     sb = shim.mount(MountRequest(spec((image[1], "base")), sandbox="crashed", upper_image=QUOTA))
     with shim.state.write() as t:  # as a mount a crash interrupted leaves it: `mounting`, pending, owner gone

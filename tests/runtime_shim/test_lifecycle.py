@@ -12,12 +12,12 @@ from testkit.shim_support import needs_root
 
 from layerstore import linux
 from runtime_shim.errors import SandboxExists, SandboxNotFound
-from runtime_shim.node import records
 from runtime_shim.node.layers import LayerMounts
 from runtime_shim.node.lifecycle import SandboxLifecycle
-from runtime_shim.node.lock import NodeLock
-from runtime_shim.node.paths import NodePaths
-from runtime_shim.node.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox
+from runtime_shim.nodestate import records
+from runtime_shim.nodestate.lock import NodeLock
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import MOUNTED, MOUNTING, UNMOUNTING, LayerMount, NodeState, Sandbox
 
 A, B = "b3:" + "a" * 64, "b3:" + "b" * 64
 

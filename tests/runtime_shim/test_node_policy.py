@@ -17,8 +17,8 @@ from manifest.errors import UntrustedManifest
 from manifest.files import POLICY_ENV
 from manifest.signing import PrivateKey
 from runtime_shim.mount_helper import EXIT_FAILURE, mount_main
-from runtime_shim.node.paths import NODE_DIR_ENV
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NODE_DIR_ENV
 
 NODE_KEY, OTHER_KEY = PrivateKey.generate(), PrivateKey.generate()
 

@@ -15,11 +15,11 @@ from testkit.shim_support import needs_busybox, needs_root, spec
 
 from runtime_shim.errors import ShimError
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.lock import NodeLock
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import MOUNTED, MOUNTING
+from runtime_shim.nodestate.lock import NodeLock
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import MOUNTED, MOUNTING
 from tests.runtime_shim.test_shim_mounts import env2, erofs_mounts, images, open_shim  # noqa: F401  (fixtures)
 
 pytestmark = [needs_root, needs_busybox]

@@ -14,12 +14,12 @@ from testkit.shim_support import add_blob, busybox_rootfs, mkfs, needs_busybox, 
 
 from layerstore import linux
 from runtime_shim.errors import SandboxExists, ShimError
-from runtime_shim.node import records
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import MOUNTED, UNMOUNTING
+from runtime_shim.nodestate import records
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import MOUNTED, UNMOUNTING
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -279,11 +279,12 @@ def test_mount_and_teardown_never_read_the_mount_table(node: Path, images: dict[
 CRASH = """
 import json, os, sys
 from pathlib import Path
-from runtime_shim.node import lifecycle, records, shim as shim_module
+from runtime_shim.node import lifecycle, shim as shim_module
+from runtime_shim.nodestate import records
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.blobs import DirBlobs
 from runtime_shim.resolve.environment import EnvSpec, LayerSpec
-from runtime_shim.node.paths import NodePaths
+from runtime_shim.nodestate.paths import NodePaths
 
 node, blobs, layers, point, op, upper = sys.argv[1:7]
 def die_after(fn):
@@ -366,7 +367,7 @@ def test_a_caller_upper_survives_a_crash_mid_teardown(node: Path, images: dict[s
 
 
 def test_after_a_reboot_the_picture_is_rebuilt_from_the_records(node: Path, images: dict[str, object]) -> None:
-    from runtime_shim.node.state import Sandbox
+    from runtime_shim.nodestate.state import Sandbox
 
     with open_shim(node, images) as shim:
         a = shim.mount(MountRequest(env2(images), sandbox="a"))
@@ -445,7 +446,7 @@ from pathlib import Path
 from runtime_shim.node import lifecycle, shim as shim_module
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
+from runtime_shim.nodestate.paths import NodePaths
 
 node, blobs, marker, go = sys.argv[1:5]
 real = lifecycle.detach

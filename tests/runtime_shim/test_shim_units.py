@@ -15,7 +15,7 @@ from runtime_shim.backends.base import Confinement
 from runtime_shim.errors import ShimError
 from runtime_shim.mount_helper import parse_mount_argv, parse_umount_argv
 from runtime_shim.node import overlay
-from runtime_shim.node.paths import check_sandbox_id, new_sandbox_id, resolve_node_dir
+from runtime_shim.nodestate.paths import check_sandbox_id, new_sandbox_id, resolve_node_dir
 from runtime_shim.resolve.environment import LayerSpec
 from runtime_shim.sandbox.commit import committed_layers, layer_entries
 
@@ -192,7 +192,7 @@ def test_layer_entries_keep_only_opaque() -> None:
 
 # -- node state, records, utab, resolution (no kernel) -------------------------------------------
 def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
-    from runtime_shim.node.state import MOUNTED, NodeState, Sandbox, boot_id
+    from runtime_shim.nodestate.state import MOUNTED, NodeState, Sandbox, boot_id
 
     with NodeState(tmp_path / "state") as st:
         sb = Sandbox(id="s1", env="e:1", manifest="", layers=["b3:" + "1" * 64], config={}, target="/t/1",
@@ -226,7 +226,7 @@ def test_state_indexes_pending_and_boot(tmp_path: Path) -> None:
 def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
     # Durability comes from the boot id + records (docs/runtime-shim.md); a synced LMDB would cost
     # a flush per mount and per teardown again.
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.state import NodeState
 
     with NodeState(tmp_path / "state") as st:
         flags = st._env.flags()
@@ -234,7 +234,7 @@ def test_state_is_opened_without_fsync_per_transaction(tmp_path: Path) -> None:
 
 
 def test_default_roots_and_shim_made_uppers_are_found_without_index_entries(tmp_path: Path) -> None:
-    from runtime_shim.node.state import MOUNTED, NodeState, Sandbox
+    from runtime_shim.nodestate.state import MOUNTED, NodeState, Sandbox
 
     def sandbox(sid: str, target: str, upper: str) -> Sandbox:
         return Sandbox(id=sid, env="e:1", manifest="", layers=[], config={}, target=target, upper=upper,
@@ -277,9 +277,9 @@ def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_tha
     import json
     import os
 
-    from runtime_shim.node import records
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import Sandbox, encode
+    from runtime_shim.nodestate import records
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import Sandbox, encode
 
     paths = NodePaths(tmp_path / "node")
     paths.create()
@@ -314,9 +314,9 @@ def test_a_record_is_an_attribute_of_the_sandboxs_directory_and_a_file_where_tha
 def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path) -> None:
     import os
 
-    from runtime_shim.node import records
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import Sandbox
+    from runtime_shim.nodestate import records
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import Sandbox
 
     obj = {"id": "s1", "env": "", "manifest": "", "layers": [], "config": {}, "target": "/t", "upper": "/u",
            "work": "/w", "owned": True, "from_a_newer_shim": 1}
@@ -339,7 +339,7 @@ def test_records_ignore_unknown_fields_and_trash_names_its_owner(tmp_path: Path)
 
 
 def test_utab_entries(tmp_path: Path) -> None:
-    from runtime_shim.node import utab
+    from runtime_shim.nodestate import utab
 
     (tmp_path / "utab").write_text("ID=7 SRC=/dev/sdb1 TARGET=/media/usb ROOT=/ OPTS=uhelper=udisks2\n")
     utab.add(41, "/run/sbx/1/rootfs", directory=tmp_path)
@@ -455,8 +455,8 @@ def test_eager_fetches_a_blob_once_for_every_concurrent_caller(tmp_path: Path, m
     import fuse_client.control as control
     from runtime_shim.errors import DaemonError
     from runtime_shim.node.blobs import DaemonBlobs
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
 
     paths = NodePaths(tmp_path / "node")
     paths.create()
@@ -506,7 +506,7 @@ def test_a_layer_mount_follows_the_group_or_the_daemon_it_was_made_on() -> None:
     """On the fanotify data path the blob source's generation names the group and the daemon: a
     layer attached to the group stays current across daemon restarts, a layer whose attach failed
     (mounted on the daemon's FUSE file) goes stale with its daemon; off that path, the daemon's."""
-    from runtime_shim.node.state import LayerMount, fuse_generation, group_generation
+    from runtime_shim.nodestate.state import LayerMount, fuse_generation, group_generation
 
     gen = group_generation("fanotify:g1", "daemon:10:1")
     attached = LayerMount("b", "/m", "/c", 0, "fanotify:g1")

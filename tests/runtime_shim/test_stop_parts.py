@@ -1,5 +1,5 @@
 """The parts of issue 27's orderly stop that need no root: stop signals as `Stopped`
-(`runtime_shim.sandbox.signals`) and finding a sandbox's cgroup in a hierarchy layout (`cgroups`, on a
+(`runtime_shim.backends.signals`) and finding a sandbox's cgroup in a hierarchy layout (`cgroups`, on a
 fake /sys/fs/cgroup under tmp_path: nothing there names a process, so nothing is killed)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_shim.sandbox import cgroups, signals
+from runtime_shim.backends import cgroups, signals
 
 
 def in_main_thread() -> None:

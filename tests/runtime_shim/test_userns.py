@@ -1,4 +1,4 @@
-"""Sandboxes in user namespaces (`runtime_shim.node.idmap`), with real runc on a real node: root in a
+"""Sandboxes in user namespaces (`runtime_shim.nodestate.idmap`), with real runc on a real node: root in a
 sandbox is an unprivileged uid on the host, the layers show their recorded owners through
 idmapped clones, what the sandbox writes is owned by its range on the host, two sandboxes get
 disjoint ranges, and a commit gives the layer the same tree gives without a user namespace."""
@@ -24,10 +24,10 @@ from testkit.shim_support import (
 from layerstore.errors import BadInput
 from layerstore.store import Store
 from runtime_shim.backends.bundle import oci_config
-from runtime_shim.node import idmap
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import Sandbox
+from runtime_shim.nodestate import idmap
+from runtime_shim.nodestate.state import Sandbox
 from runtime_shim.sandbox import runner
 from runtime_shim.sandbox.commit import commit
 

@@ -29,8 +29,8 @@ from layerstore import digest as digestmod
 from runtime_shim.backends.vm import VmBackend
 from runtime_shim.errors import ShimError
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.sandbox import runner
 from runtime_shim.vm import hostmem
 from runtime_shim.vm.pmem import PMEM_ALIGN, image_path, padded

@@ -29,13 +29,13 @@ from testkit.shim_support import (
 )
 
 from layerstore import linux
-from runtime_shim.node import records
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.lock import NodeLock
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
-from runtime_shim.node.state import MOUNTED, NodeState
+from runtime_shim.nodestate import records
+from runtime_shim.nodestate.lock import NodeLock
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.nodestate.state import MOUNTED, NodeState
 
 pytestmark = [needs_root, needs_busybox]
 
@@ -70,7 +70,7 @@ import json, os, signal, sys
 from pathlib import Path
 from runtime_shim.node.blobs import DirBlobs
 from runtime_shim.resolve.environment import EnvSpec, LayerSpec
-from runtime_shim.node.paths import NodePaths
+from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.node.shim import Shim
 from runtime_shim.node.request import MountRequest
 node, blobs, blob, point = sys.argv[1:5]

@@ -103,7 +103,7 @@ def check_agreement(c: Child, stub: pbg.SnapshotsStub) -> dict[str, pb.Info]:
     (through the node's shim) only layers its records name; the node's layer references match its
     sandboxes (holds included: nothing leaked) and its layer mounts match its layer records."""
     snaps = walk(stub)
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.state import NodeState
     from snapshotter.metadata import Metadata
 
     dirs = set(os.listdir(c.root / "snapshots"))
@@ -212,9 +212,9 @@ def test_kill_while_a_shim_sandbox_shares_the_layer(child: Child, tmp_path: Path
     snapshotter's reference is gone (the crash came before its record), the sandbox's stays, the
     layer is mounted once until the sandbox goes too."""
     from runtime_shim.node.blobs import DirBlobs
-    from runtime_shim.node.paths import NodePaths
     from runtime_shim.node.request import MountRequest
     from runtime_shim.node.shim import Shim
+    from runtime_shim.nodestate.paths import NodePaths
     from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 
     _blobs, blob = busybox_image(tmp_path / "img")

@@ -13,9 +13,9 @@ from testkit.shim_support import busybox_image, needs_busybox
 
 from layerstore import linux
 from runtime_shim.node.blobs import DirBlobs
-from runtime_shim.node.paths import NodePaths
 from runtime_shim.node.request import MountRequest
 from runtime_shim.node.shim import Shim
+from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 from snapshotter.snapshots import LABEL_BLOB, LABEL_REF, REMOTE_PREFIX
 

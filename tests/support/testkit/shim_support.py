@@ -18,7 +18,7 @@ import pytest
 
 from layerstore import digest as digestmod
 from layerstore import linux
-from runtime_shim.node.state import NodeState
+from runtime_shim.nodestate.state import NodeState
 from runtime_shim.resolve.environment import EnvSpec, LayerSpec
 from runtime_shim.supervise.daemon import is_alive
 
@@ -118,7 +118,7 @@ def cleanup_node(node: Path, *extra_roots: Path) -> None:
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 20
     for pid, start in pids:
-        from runtime_shim.node.state import DaemonRecord
+        from runtime_shim.nodestate.state import DaemonRecord
 
         rec = DaemonRecord(pid, start, "", "", "")
         while is_alive(rec) and time.monotonic() < deadline:
@@ -175,8 +175,8 @@ def dir_shim(tmp_path: Path, blobs: Path) -> Iterator[Shim]:
     """A shim on a fresh node under `tmp_path` whose layers are the EROFS images in `blobs`
     (`DirBlobs`); the node's mounts and processes are torn down afterwards, also on failure."""
     from runtime_shim.node.blobs import DirBlobs
-    from runtime_shim.node.paths import NodePaths
     from runtime_shim.node.shim import Shim
+    from runtime_shim.nodestate.paths import NodePaths
 
     node = tmp_path / "node"
     try:

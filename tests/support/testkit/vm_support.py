@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from runtime_shim.errors import RuntimeNotAvailable
-from runtime_shim.node.state import NodeState
+from runtime_shim.nodestate.state import NodeState
 from runtime_shim.vm.kit import find_kit
 
 
