@@ -179,6 +179,54 @@ def test_an_upward_or_unlisted_sideways_import_is_caught() -> None:
     assert upward_imports(graph) == ["layerstore.store -> layerctl.main", "manifest.environment -> erofs_builder.tree"]
 
 
+# runtime_shim's sub-packages, bottom to top (docs/runtime-shim.md, "Sub-packages and their seams"):
+# the same rule one level down. `errors` is the shim's error family; `nodestate` the node's records
+# on disk; `resolve` manifests and trust; `supervise` the node daemon; `vm` guest kits and VMMs;
+# `backends` container, microVM and VM; `node` layer mounts, overlays and recovery; `sandbox` runs.
+SHIM_TIERS = [
+    ["errors"],
+    ["resolve", "nodestate"],
+    ["supervise", "vm"],
+    ["backends"],
+    ["node"],
+    ["sandbox"],
+    ["mount_helper"],
+]
+SHIM_ALLOWED: dict[str, set[str]] = {
+    part: {low for below in SHIM_TIERS[:i] for low in below} for i, tier in enumerate(SHIM_TIERS) for part in tier
+}
+
+
+def _shim_part(mod: str) -> str:
+    return mod.split(".")[1] if mod.count(".") else ""
+
+
+def shim_wrong_way_imports(graph: dict[str, dict[str, set[str]]]) -> list[str]:
+    """Imports between runtime_shim's sub-packages that SHIM_ALLOWED does not list."""
+    return sorted(f"{m} -> {t}" for m, deps in graph.items() if _top(m) == "runtime_shim" and _shim_part(m)
+                  for t in deps if _top(t) == "runtime_shim" and _shim_part(t)
+                  and _shim_part(t) != _shim_part(m) and _shim_part(t) not in SHIM_ALLOWED[_shim_part(m)])
+
+
+def test_the_shim_tiers_name_every_sub_package_once() -> None:
+    parts = {_shim_part(m) for m in MODULES if _top(m) == "runtime_shim"} - {""}
+    named = [part for tier in SHIM_TIERS for part in tier]
+    assert sorted(named) == sorted(parts) and len(set(named)) == len(named)
+
+
+def test_imports_between_shim_sub_packages_flow_one_way() -> None:
+    graph = {m: {t: n for t, n in deps.items() if t in MODULES} for m, deps in GRAPH.items() if m in MODULES}
+    assert shim_wrong_way_imports(graph) == []
+
+
+def test_a_wrong_way_shim_import_is_caught() -> None:
+    graph = {"runtime_shim.nodestate.state": {"runtime_shim.node.shim": {""}},  # up
+             "runtime_shim.vm.qemu": {"runtime_shim.supervise.daemon": {""}},  # sideways
+             "runtime_shim.node.shim": {"runtime_shim.backends.base": {""}, "runtime_shim.node.layers": {""}}}  # down
+    assert shim_wrong_way_imports(graph) == ["runtime_shim.nodestate.state -> runtime_shim.node.shim",
+                                             "runtime_shim.vm.qemu -> runtime_shim.supervise.daemon"]
+
+
 def test_import_graph_has_no_circles() -> None:
     # A package's __init__ importing its own modules is not a circle of the house: drop the
     # edge module -> its package __init__ when the package is only a namespace for it.
