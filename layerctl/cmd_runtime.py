@@ -91,13 +91,16 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
 @click.option("--backend", type=click.Choice(["container", "microvm", "vm"]), default="container",
               show_default=True,
               help="What runs the sandbox: a container (runc/crun), a microVM whose guest stacks a read-only drive "
-                   "per layer, or a full VM on one flattened root device (QEMU; KVM where it works, else TCG).")
+                   "per layer, or a full VM (q35) whose root is one flattened device over the layers, or with "
+                   "--layer-device pmem a virtio-pmem device per layer (QEMU; KVM where it works, else TCG).")
 @click.option("--runtime", type=click.Choice(["runc", "crun"]), default="runc", show_default=True,
               help="The OCI runtime (container backend).")
 @click.option("--layer-device", type=click.Choice(["blk", "pmem"]), default=None,
-              help="How a VM gets its layers (VM backends): blk = virtio-blk drives (the default; lazy fetching), "
-                   "pmem = virtio-pmem devices mounted with DAX (vm only: the node's VMs share the layers' pages; "
-                   "each layer is fetched whole first). See docs/vm-memory.md.")
+              help="How a VM gets its layers. blk (the default): virtio-blk, fetched lazily: a drive per layer "
+                   "(microvm), or one flattened multi-device EROFS root over a drive per layer blob (vm). "
+                   "pmem (vm only; microvm refuses it): a virtio-pmem device per layer, mounted with DAX, so the "
+                   "node's VMs share the layers' pages; each layer is fetched whole before the VM boots. "
+                   "See docs/vm-memory.md.")
 @click.option("-e", "--env", "extra_env", multiple=True, metavar="KEY[=VALUE]",
               help="Extra environment variable; KEY alone takes its value from this process's environment "
                    "(keeps a secret off the command line). Values never reach a command line or a log.")
