@@ -31,7 +31,7 @@ from .backends import Backend, open_backend
 from .chunker import DEFAULT_CHUNK_SIZE, fixed_boundaries
 from .chunkmap import ChunkMap, ChunkRef
 from .config import resolve_store_url
-from .errors import BadInput, CorruptObject, LayerstoreError, NotFound
+from .errors import BadInput, CorruptObject, LayerstoreError, NotFound, PermissionDenied
 from .fileio import pread_exact, pwrite_all
 
 STORE_FORMAT = {"format": "layerstore", "version": 1}
@@ -147,13 +147,25 @@ class Store:
         self.backend.create()
         return self.backend.store_once(keys.CONFIG, _canonical(STORE_FORMAT))
 
+    def _why_no_config(self) -> str:
+        """The end of the message for a location without the store's `config`: `layerctl store init`
+        is the fix only where the location is empty; a location holding other objects is most
+        likely the wrong path or bucket, and one this client may not list is its operator's."""
+        try:
+            first = next(iter(self.backend.list("")), None)
+        except PermissionDenied:
+            return "it has no `config` (an admin creates a store with `layerctl store init`)"
+        if first is None:
+            return "it is empty (run `layerctl store init` to make it one)"
+        return f"it has no `config` but holds other objects ({first!r}, ...): check the store URL"
+
     def check(self) -> None:
         """Raise unless this is an initialised store of a format we read."""
         self.backend.check()
         try:
             raw = self.backend.load(keys.CONFIG, max_size=MAX_CONFIG_SIZE)
         except NotFound:
-            raise NotFound(f"{self.url} is not a layerstore store (run `layerctl store init`)") from None
+            raise NotFound(f"{self.url} is not a layerstore store: {self._why_no_config()}") from None
         try:
             conf = json.loads(raw)
         except ValueError:

@@ -40,6 +40,17 @@ LOCK_STALE = 30.0  # seconds on the store's clock after which a lock is a dead w
 LOCK_WAIT = 10.0  # seconds a compare-and-swap waits for another one's lock
 
 
+
+def missing_root(url: str, root: Path) -> str:
+    """Why the store directory is not there, with `layerctl store init` named only where it is the
+    fix: the directory is missing but its parent is there (a new store). A path whose parent is
+    missing too is more likely mistyped; a path that is a file is not a store at all."""
+    if root.exists() or root.is_symlink():
+        return f"store {url}: {root} is not a directory"
+    if not root.parent.is_dir():
+        return f"store {url} does not exist, nor does its parent directory {root.parent} (check the path)"
+    return f"store {url} does not exist (run `layerctl store init` to create it)"
+
 def _translate(e: OSError, what: str) -> Exception:
     if e.errno == errno.ENOENT:
         return NotFound(f"{what}: not found")
@@ -70,7 +81,7 @@ class PosixBackend(Backend):
 
     def check(self) -> None:
         if not self.root.is_dir():
-            raise NotFound(f"store {self.url} does not exist (run `layerctl store init`)")
+            raise NotFound(missing_root(self.url, self.root))
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise PermissionDenied(f"store {self.url}: permission denied")
 
