@@ -47,7 +47,8 @@ def test_json_shape_push_and_get_blob(tmp_path: Path, store: str, tree_tar: Path
                  "--role", "toolkit")
     assert r.code == 0, r.err
     res = r.json()
-    assert set(res) == KEYS | {"role"} and res["role"] == "toolkit"
+    assert set(res) == KEYS | {"role", "lease", "lease_expires"} and res["role"] == "toolkit"
+    assert res["lease"].startswith("push-kept-")
     image = out.read_bytes()
     assert res["size"] == len(image)
     with Store.open(store) as s:
