@@ -159,3 +159,11 @@ def test_flows_beside_a_looping_collector_local(tmp_path: Path) -> None:
 def test_flows_beside_a_looping_collector_distributed(kind: str, request: pytest.FixtureRequest,
                                                       tmp_path: Path) -> None:
     _flows_beside_a_collector(request.getfixturevalue(f"{kind}_store_url"), tmp_path)
+
+
+def test_flows_beside_a_looping_collector_http(tmp_path: Path) -> None:
+    """The same through the project's HTTP service (leases travel as its mutable keys)."""
+    from testkit.store_service import threaded_service
+
+    with threaded_service(str(tmp_path / "store")) as url:
+        _flows_beside_a_collector(url, tmp_path)
