@@ -93,8 +93,9 @@ def test_oci_source_writes_one_file_per_layer_and_the_config(tmp_path: Path, sto
     assert r.code == 0, r.err
     layers = r.json()
     assert isinstance(layers, list) and len(layers) == 3
+    assert len({res["lease"] for res in layers}) == 1  # one push, one lease for all its layers
     for res in layers:
-        assert set(res) == KEYS | {"role"}
+        assert set(res) == KEYS | {"role", "lease", "lease_expires"}
         path = out / (res["blob"].split(":")[1] + ".erofs")
         with Store.open(store) as s:
             assert is_blob_file(s, res["blob"], path)
