@@ -8,14 +8,16 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import layergc
 import pytest
 from testkit.cli_helpers import layerctl
-from testkit.gc_race import check_reachable, content_keys, reachable_keys
+from testkit.gc_race import JitterBackend, check_reachable, content_keys, reachable_keys
 
 from layerstore import keys, leases
+from layerstore.backends.posix import PosixBackend
 from layerstore.errors import NotFound
 from layerstore.store import Store
 
@@ -101,6 +103,64 @@ def test_an_unreleased_lease_expires_and_env_create_leaves_others(tmp_path: Path
         s.get_chunk_map(str(other["blob"]))  # still held by its 1 h lease
         layergc.collect(s, grace=0)  # housekeeping took the expired lease
         assert [x.id for x in leases.read_leases(s.backend)] == [other["lease"]]
+
+
+class _PausedAfterLeaseRead(JitterBackend):
+    """The collector's backend: its first read of the leases (step 4) is answered from before a
+    pause, so the push that runs during the pause is unknown to its mark."""
+
+    def __init__(self, inner: PosixBackend) -> None:
+        super().__init__(inner, 0.0)
+        self.reading, self.go = threading.Event(), threading.Event()
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        found = list(self.inner.list(prefix))
+        if prefix.startswith(leases.LEASES) and not self.reading.is_set():
+            self.reading.set()
+            assert self.go.wait(120)
+        return iter(found)
+
+
+def test_gc_whose_mark_began_before_the_push(tmp_path: Path) -> None:
+    """A collector reads the leases, then `build --push` deduplicates an old, unreferenced file's
+    chunks and exits, then the collector goes on: the chunks are its candidates, and its re-read
+    (step 7) rescues them; a second run before `env create` keeps them by the kept lease, so
+    `env create` afterwards finds them all."""
+    url = str(tmp_path / "store")
+    shared = os.urandom(256 * 1024)
+    old = _tree(tmp_path / "old", 0)
+    (old / "shared").write_bytes(shared)
+    with Store.open(url) as s:
+        s.init()
+    first = _build(url, old)
+    with Store.open(url) as s:
+        s.backend.delete_many(list(s.backend.list(leases.LEASES)))  # let the old layer go
+        for key in content_keys(s):
+            os.utime(Path(url) / key, (1, 1))  # and age it past any grace
+    new = _tree(tmp_path / "new", 1)
+    (new / "shared").write_bytes(shared)
+    paused = _PausedAfterLeaseRead(PosixBackend(url))
+    reports: list[layergc.Report] = []
+    collector = threading.Thread(target=lambda: reports.append(layergc.collect(Store(paused), grace=0)))
+    collector.start()
+    try:
+        assert paused.reading.wait(120)
+        built = _build(url, new)
+    finally:
+        paused.go.set()
+        collector.join(timeout=120)
+    assert reports and reports[0].deleted.objects > 0  # the old layer's own objects went
+    assert reports[0].rescued.objects > 0  # the shared chunks were candidates until the re-read
+    with Store.open(url) as s:  # and a run that starts now, with the layer old enough, keeps it too
+        os.utime(Path(url) / keys.object_key("blobs", str(built["blob"])), (1, 1))
+        assert layergc.collect(s, grace=0).kept_lease.objects > 0
+    r = layerctl("env", "create", "--store", url, "--base", str(built["blob"]), "-t", "new:1", "--json")
+    assert r.code == 0, r.err
+    with Store.open(url) as s:
+        assert check_reachable(s) == []
+        s.get_chunk_map(str(built["blob"]))
+        with pytest.raises(NotFound):
+            s.get_chunk_map(str(first["blob"]))
 
 
 def _flows_beside_a_collector(url: str, tmp: Path) -> None:
