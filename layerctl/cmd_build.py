@@ -4,7 +4,10 @@ optionally write them out and push them (chunks first, then the chunk map) to a 
 Every layer is built completely before anything is published: a source that turns out to be bad
 half-way leaves no output file and nothing in the store. With a multi-layer source (oci:,
 docker-archive:, docker://) `--output` names a directory that receives one `<blob-hex>.erofs` per layer;
-the `--json` list gives their order, base first. The work is `erofs_builder.workflow.build_and_push`;
+the `--json` list gives their order, base first. A push leaves a lease behind (`push-kept-...`,
+printed, in `--json` as `lease`) that keeps its layers from garbage collection until `env create`
+names them or `--lease-ttl` passes (docs/gc.md, "A push's layers until an environment names them").
+The work is `erofs_builder.workflow.build_and_push`;
 this module holds the options, the progress bar and the printing.
 """
 
@@ -12,12 +15,14 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from layerstore import leases
 from layerstore.errors import ConfigError, LayerstoreError, NotFound, PermissionDenied
 from layerstore.fileio import write_atomic
 
@@ -57,6 +62,9 @@ class ProgressBar:
 @click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
               help="Write the image here (a directory of <blob-hex>.erofs files for oci:/docker-archive:/docker://).")
 @click.option("--push", is_flag=True, help="Store the image's chunks and chunk map in the store.")
+@click.option("--lease-ttl", default="1h", show_default=True, metavar="DURATION",
+              help="With --push: how long the push's lease keeps its layers from `layerctl gc` if no `env create` "
+                   "names them first (env create releases it).")
 @store_option
 @click.option("--role", type=click.Choice(["base", "toolkit", "workspace"]), default=None,
               help="The layer's role, reported with the result.")
@@ -73,8 +81,8 @@ class ProgressBar:
               help="Keep the data of every file of a block or more in whole blocks (no tail packed inline), so that "
                    "a DAX mount reads it in place: for layers VMs map as pmem (--layer-device pmem). Images "
                    "grow by up to a block a file.")
-def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, role: str | None, all_root: bool,
-              mtime: int | None, as_json: bool, config_out: Path | None, parent: str | None,
+def build_cmd(src: str, output: Path | None, push: bool, lease_ttl: str, store_url: str | None, role: str | None,
+              all_root: bool, mtime: int | None, as_json: bool, config_out: Path | None, parent: str | None,
               no_pack_tails: bool) -> None:
     """Build SRC into EROFS layer images.
 
@@ -85,8 +93,13 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
     hosts and $LAYERSTORE_INSECURE_REGISTRIES). `layerctl env create --from SRC` makes a whole
     image an environment in one step.
     """
+    from layergc.retention import parse_duration
+
     from erofs_builder.workflow import build_and_push, resolve_source
 
+    keep_for = parse_duration(lease_ttl)
+    if keep_for <= 0:
+        raise ConfigError(f"--lease-ttl must be positive, got {lease_ttl!r}")
     source = resolve_source(src, all_root=all_root)
     if config_out is not None and source.config is None:
         raise ConfigError("--config-out needs an image source (oci:PATH, docker-archive:PATH or docker://REF)")
@@ -97,6 +110,8 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
         from .cmd_store import open_store
 
         store = open_store(store_url)
+        if push:
+            store.name_lease(leases.PUSH_KEPT)
     results: list[dict[str, Any]] = []
     try:
         with ProgressBar(not as_json) as bar:
@@ -116,6 +131,11 @@ def build_cmd(src: str, output: Path | None, push: bool, store_url: str | None, 
             res["_path"] = r.path
             res["_payload"] = sum(ref.length for ref in layer.refs)
             results.append(res)
+        if push and store is not None:
+            # Only a build that succeeded keeps its lease; a failed one releases it at close.
+            kept = store.keep_lease(keep_for, [r.layer.blob for r in built])
+            for res in results:
+                res["lease"], res["lease_expires"] = kept if kept is not None else (None, None)
         if config_out is not None:
             write_atomic(config_out, json.dumps(source.config, indent=2, sort_keys=True).encode() + b"\n", mode=0o644)
     except OSError as e:
@@ -146,6 +166,10 @@ def _report(results: list[dict[str, Any]], multi: bool, as_json: bool, store_url
                        f"{human_bytes(dedup)} deduplicated")
         if r["_path"] is not None:
             click.echo(f"  written to {r['_path']}")
+    if results and results[0].get("lease"):
+        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(results[0]["lease_expires"]))
+        click.echo(f"kept by lease {results[0]['lease']} until {until} (`layerctl env create` naming "
+                   f"{'them' if multi else 'it'} releases it)")
 
 
 def register(cli: click.Group) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from layerstore import leases
 from layerstore.errors import ConfigError, LayerstoreError
 from manifest import environment as envmod
 from manifest import files
@@ -74,14 +75,18 @@ def create_cmd(store_url: str | None, image: str | None, top_workspace: bool, ba
         manifest = envmod.build_manifest(store, base=base, toolkits=toolkits, workspace=workspace, config=config,
                                          trace=trace, annotations=notes)
         created = envmod.create_environment(store, manifest, tag, key=key)
+        # The tag now keeps the layers: the leases their pushes left behind can go.
+        released = leases.release_kept(store.backend, {layer.blob for layer in manifest.layers})
     if as_json:
-        emit_json(created.to_json())
+        emit_json({**created.to_json(), "released_leases": released})
         return
     click.echo(f"{created.tag} -> {created.manifest}")
     click.echo(f"  {len(manifest.layers)} layer(s), {human_bytes(manifest.size)}, "
                f"prefetch hints for {len(manifest.prefetch)} blob(s)")
     if created.signed_by is not None:
         click.echo(f"  signed by {created.signed_by}")
+    for lease_id in released:
+        click.echo(f"  released lease {lease_id}")
 
 
 def _create_from_image(store_url: str | None, image: str, tag: str, *, top_workspace: bool, workspace: str | None,

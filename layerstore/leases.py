@@ -4,7 +4,7 @@ garbage collection safe while others push, tag and mount (the whole argument is 
 A *lease* names objects its holder is about to reference (a push, a commit, a node's mounted
 layers, an operator's hold). Layout, under the store's keys:
 
-    leases/<id>/head            JSON: kind, name, holder, created, expires, keys (mutable: renewed)
+    leases/<id>/head            JSON: kind, name, holder, created, expires, keys, layers (mutable)
     leases/<id>/s<seq>          JSON list of object keys held since (create-once shards, appended)
 
 A collector that is about to delete publishes its candidates first:
@@ -49,6 +49,8 @@ LEASES = "leases/"
 RUNS = "gc/runs/"
 CANDIDATES = "gc/candidates/"
 DEFAULT_TTL = 600.0  # seconds a lease lives without renewal
+PUSH_KEPT = "push-kept"  # id prefix of the leases `build --push` leaves behind (docs/gc.md)
+KEEP_TTL = 3600.0  # how long such a lease keeps a push's layers when nothing releases it
 SKEW = 60.0  # how far the clocks of two hosts may disagree (seconds); see docs/gc.md
 MAX_HEAD = 4 << 20  # a lease head (its inline keys included)
 MAX_SHARD = 4 << 20
@@ -104,6 +106,7 @@ class LeaseInfo:
     created: float
     expires: float
     keys: frozenset[str] = field(repr=False, default=frozenset())
+    layers: frozenset[str] = frozenset()  # blob digests a kept push made (`Lease.keep`)
 
     def live(self, now: float) -> bool:
         """Still binding for a collector at `now` (its own clock): until SKEW past the expiry."""
@@ -128,6 +131,7 @@ class Lease:
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.created = time.time()
         self._inline: frozenset[str] = frozenset()
+        self._layers: tuple[str, ...] = ()
         self._held: set[str] = set()  # every key held so far, inline or in a shard
         self._shards: list[str] = []
         self._seq = 0  # shard numbers only go up: a rotation never reuses one
@@ -138,10 +142,13 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     # the head ------------------------------------------------------------------------------
-    def _write_head(self) -> None:
+    def _write_head(self, ttl: float | None = None) -> None:
         started = time.monotonic()
-        body = {"kind": self.kind, "name": self.name, "holder": self.holder, "created": self.created,
-                "expires": time.time() + self.ttl, "keys": sorted(self._inline)}
+        body: dict[str, object] = {"kind": self.kind, "name": self.name, "holder": self.holder,
+                                   "created": self.created, "expires": time.time() + (ttl or self.ttl),
+                                   "keys": sorted(self._inline)}
+        if self._layers:
+            body["layers"] = list(self._layers)
         self.backend.replace(head_key(self.id), _dump(body))
         self._renewed = started
 
@@ -206,6 +213,23 @@ class Lease:
             self._held = set(self._inline)
             self.backend.delete_many(old)
 
+    def keep(self, ttl: float, layers: Iterable[str] = ()) -> float:
+        """Stop renewing, but leave the lease (every key held so far) in the store until `ttl`
+        seconds from now, naming the blob digests `layers` it was kept for: what a push does so
+        that its layers outlive its process until an environment names them (`release_kept`).
+        Returns the new expiry. After this the handle binds nothing (it is released)."""
+        if ttl <= 0:
+            raise BadInput(f"a lease time to live of {ttl} s is too short")
+        self.check()  # every hold so far is still binding: the new head extends them all
+        self._released.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._layers = tuple(sorted(set(layers)))
+            self._write_head(ttl)
+            self._shards = []  # no longer ours to delete: they expire with the head
+        return time.time() + ttl
+
     def release(self) -> None:
         """Delete the lease (head first: shards without a head bind nothing)."""
         if self._released.is_set():
@@ -227,12 +251,13 @@ class Lease:
         self.release()
 
 
-def read_leases(backend: Backend) -> Iterator[LeaseInfo]:
-    """Every lease in the store, live or not, with every key it holds (head and shards). A
+def read_leases(backend: Backend, id_prefix: str = "") -> Iterator[LeaseInfo]:
+    """Every lease in the store whose id starts with `id_prefix`, live or not, with every key it
+    holds (head and shards). A
     lease whose head is gone (being released) holds nothing; an unreadable head is skipped with
     a warning (a lease cannot be trusted to protect anything it cannot say)."""
     groups: dict[str, list[str]] = {}
-    for key in backend.list(LEASES):
+    for key in backend.list(LEASES + id_prefix):
         lease_id, _, leaf = key[len(LEASES):].partition("/")
         groups.setdefault(lease_id, []).append(leaf)
     for lease_id, leaves in sorted(groups.items()):
@@ -249,7 +274,7 @@ def read_leases(backend: Backend) -> Iterator[LeaseInfo]:
                     held.update(map(str, shard if isinstance(shard, list) else ()))
             yield LeaseInfo(lease_id, str(head.get("kind", "")), str(head.get("name", lease_id)),
                             str(head.get("holder", "")), float(head.get("created", 0)), float(head["expires"]),
-                            frozenset(held))
+                            frozenset(held), frozenset(map(str, head.get("layers", ()))))
         except NotFound:
             continue  # released while we read it
         except (LayerstoreError, KeyError, TypeError, ValueError) as e:
@@ -259,6 +284,25 @@ def read_leases(backend: Backend) -> Iterator[LeaseInfo]:
 def lease_keys(backend: Backend, lease_id: str) -> list[str]:
     """Every object key of one lease (head and shards): what releasing it deletes."""
     return list(backend.list(f"{LEASES}{validate(lease_id)}/"))
+
+
+def release_kept(backend: Backend, named: Collection[str]) -> list[str]:
+    """Release every lease a push kept (`Lease.keep`) whose layers are all among the blob
+    digests `named`: call it only once something durable (an environment's tag) names them,
+    since from then on that root keeps them. Returns the released ids; one that cannot be
+    deleted is left to expire (a warning)."""
+    released = []
+    for info in read_leases(backend, PUSH_KEPT + "-"):
+        if not info.layers or not info.layers <= set(named):
+            continue
+        try:
+            head = head_key(info.id)  # first: shards without a head bind nothing
+            backend.delete_many([head, *(k for k in lease_keys(backend, info.id) if k != head)])
+        except LayerstoreError as e:
+            log.warning("lease %s: could not release it (%s); it expires on its own", info.id, e)
+            continue
+        released.append(info.id)
+    return released
 
 
 # -- sweeps ---------------------------------------------------------------------------------------

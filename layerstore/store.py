@@ -94,6 +94,7 @@ class Store:
         self.workers = workers
         self._pool: ThreadPoolExecutor | None = None
         self._lease: leases.Lease | None = None
+        self._lease_kind = "push"
         self._lease_lock = threading.Lock()
 
     @classmethod
@@ -132,8 +133,24 @@ class Store:
         if self._lease is None:
             with self._lease_lock:
                 if self._lease is None:
-                    self._lease = leases.Lease(self.backend, kind="push").open()
+                    self._lease = leases.Lease(self.backend, kind=self._lease_kind).open()
         return self._lease
+
+    def name_lease(self, kind: str) -> None:
+        """Open this handle's lease (on first use) as `kind`, which is also its id's prefix."""
+        with self._lease_lock:
+            if self._lease is not None:
+                raise RuntimeError("this store handle's lease is open already")
+            self._lease_kind = kind
+
+    def keep_lease(self, ttl: float, layers: Iterable[str]) -> tuple[str, float] | None:
+        """Leave this handle's lease in the store for `ttl` seconds instead of releasing it at
+        `close` (`leases.Lease.keep`); returns (its id, its expiry), or None if it never opened."""
+        with self._lease_lock:
+            lease, self._lease = self._lease, None
+        if lease is None:
+            return None
+        return lease.id, lease.keep(ttl, layers)
 
     def protect(self, kind: str, digests: Iterable[str]) -> None:
         """Before relying on stored objects without writing them (deduplication, a manifest's

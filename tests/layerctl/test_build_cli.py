@@ -47,7 +47,8 @@ def test_json_shape_push_and_get_blob(tmp_path: Path, store: str, tree_tar: Path
                  "--role", "toolkit")
     assert r.code == 0, r.err
     res = r.json()
-    assert set(res) == KEYS | {"role"} and res["role"] == "toolkit"
+    assert set(res) == KEYS | {"role", "lease", "lease_expires"} and res["role"] == "toolkit"
+    assert res["lease"].startswith("push-kept-")
     image = out.read_bytes()
     assert res["size"] == len(image)
     with Store.open(store) as s:
@@ -92,8 +93,9 @@ def test_oci_source_writes_one_file_per_layer_and_the_config(tmp_path: Path, sto
     assert r.code == 0, r.err
     layers = r.json()
     assert isinstance(layers, list) and len(layers) == 3
+    assert len({res["lease"] for res in layers}) == 1  # one push, one lease for all its layers
     for res in layers:
-        assert set(res) == KEYS | {"role"}
+        assert set(res) == KEYS | {"role", "lease", "lease_expires"}
         path = out / (res["blob"].split(":")[1] + ".erofs")
         with Store.open(store) as s:
             assert is_blob_file(s, res["blob"], path)

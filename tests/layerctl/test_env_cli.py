@@ -56,7 +56,8 @@ def test_create_show_ls(ctx: Ctx) -> None:
     out = ctx.ok("create", "--base", ctx.base, "--toolkit", ctx.tool, "--workspace", ctx.work, "--config", cfg,
                  "--prefetch-trace", trace, "--annotation", "org.example/task=42", "--annotation", "note=a=b",
                  "-t", "py:v1")
-    assert set(out) == {"manifest", "tag"} and out["tag"] == "py:v1" and out["manifest"].startswith("b3:")
+    assert set(out) == {"manifest", "tag", "released_leases"} and out["released_leases"] == []
+    assert out["tag"] == "py:v1" and out["manifest"].startswith("b3:")
 
     shown = ctx.ok("show", "py:v1")
     assert shown["manifest"] == out["manifest"] and shown["signed_by"] == []
