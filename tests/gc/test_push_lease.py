@@ -177,6 +177,7 @@ def _flows_beside_a_collector(url: str, tmp: Path) -> None:
             while not stop.is_set():
                 try:
                     reports.append(layergc.collect(s, grace=0))
+                    stop.wait(0.02)  # the flows' processes get the CPU between rounds (2 cores)
                 except BaseException as e:  # reported by the test, not lost in the thread
                     errors.append(e)
                     return
@@ -210,6 +211,7 @@ def _flows_beside_a_collector(url: str, tmp: Path) -> None:
         assert not [x for x in leases.read_leases(s.backend) if x.id.startswith(leases.PUSH_KEPT)]
 
 
+@pytest.mark.slow
 def test_flows_beside_a_looping_collector_local(tmp_path: Path) -> None:
     _flows_beside_a_collector(str(tmp_path / "store"), tmp_path)
 
@@ -221,6 +223,7 @@ def test_flows_beside_a_looping_collector_distributed(kind: str, request: pytest
     _flows_beside_a_collector(request.getfixturevalue(f"{kind}_store_url"), tmp_path)
 
 
+@pytest.mark.slow
 def test_flows_beside_a_looping_collector_http(tmp_path: Path) -> None:
     """The same through the project's HTTP service (leases travel as its mutable keys)."""
     from testkit.store_service import threaded_service
