@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import spec
-from .probes import process_cpu_s, thread_sched_ns
+from .probes import process_cpu_s, process_faults, thread_sched_ns
 from .project import DaemonNotRunning, digestmod, linux, request_json
 
 
@@ -43,7 +43,8 @@ class DaemonRun:
         on_cpu, waiting = thread_sched_ns(self.pid, self.pid)
         return {"requests": st.get("hits", 0) + st.get("misses", 0), "misses": st.get("misses", 0),
                 "served": st.get("served_bytes", 0), "fetched": st.get("fetched_bytes", 0),
-                "cpu_s": process_cpu_s(self.pid), "main_cpu_ns": on_cpu, "main_wait_ns": waiting}
+                "cpu_s": process_cpu_s(self.pid), "main_cpu_ns": on_cpu, "main_wait_ns": waiting,
+                "faults": process_faults(self.pid)}
 
     def data_file(self, blob: str) -> Path:
         hexd = digestmod.hex_of(blob)
