@@ -59,6 +59,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
                                  for k in samples[0]["memory"]}
     if "fuse" in samples[0]:
         out["fuse"] = summarize_fuse([s["fuse"] for s in samples])
+    if "daemon_probe" in samples[0]:  # --daemon-probe: each run's summary, as the tool printed it
+        out["daemon_probe"] = [s["daemon_probe"] for s in samples]
     if "fanotify" in samples[0]:
         out["fanotify"] = summarize_fanotify([s["fanotify"] for s in samples])
     return out
