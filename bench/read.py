@@ -39,7 +39,9 @@ FUSE path itself.
 Measured with every FUSE run: the FUSE read requests (the daemon's hits + misses), bytes served and
 fetched, the daemon's CPU time; with every EROFS run: the page cache held afterwards by EROFS, by
 its backing file (the image file or the FUSE blob file) and by the node cache's data file
-(cachestat(2)): the memory side of `directio`.
+(cachestat(2)): the memory side of `directio`. `--daemon-probe strace|perf` attaches `strace -c -f`
+or `perf stat` (task clock, page faults, context switches) to the daemon for exactly each timed
+FUSE run: counts per request that the load of a shared machine does not move.
 
 The cost of one FUSE request on the cache-hit path: O_DIRECT reads of 4 KiB, 128 KiB and 1 MiB of
 a blob through the mount, the data in the page cache (wall time, and the daemon's own CPU time
@@ -109,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="extra environment for the daemon (e.g. for profiling)")
     ap.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                     help="extra `layerctl daemon` argument (repeat for each; default: the shipped defaults)")
+    ap.add_argument("--daemon-probe", choices=sorted(spec.DAEMON_PROBES), default=None,
+                    help="attach it to the daemon for each timed FUSE run; its summary goes into the results")
     ap.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory under /var/tmp")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/read.json (full) or read-<size>.json")
@@ -136,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec.DAEMON_ARGS[:] = args.daemon_arg
+    spec.DAEMON_PROBE[:] = spec.DAEMON_PROBES[args.daemon_probe] if args.daemon_probe else []
     if os.geteuid() != 0:
         print("needs root (mounts, drop_caches)", file=sys.stderr)
         return 2

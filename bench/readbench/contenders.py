@@ -74,9 +74,10 @@ def run_one(im: Images, contender: str, workload: str, *, hot: bool = False) -> 
                 out["mount_s"] = time.perf_counter() - t0
                 if not hot:
                     drop_caches()
-                c0 = d.counters(blob)
-                out["seconds"], out["bytes"] = timed(fn, m, out)
-                c1 = d.counters(blob)
+                with d.probed(out):
+                    c0 = d.counters(blob)
+                    out["seconds"], out["bytes"] = timed(fn, m, out)
+                    c1 = d.counters(blob)
                 out["memory"] = {"erofs": tree_cached_bytes(m), "backing": linux.cached_bytes(d.blob(blob)),
                                  "node_cache_file": linux.cached_bytes(d.data_file(blob))}
             out["fuse"] = {k: c1[k] - c0[k] for k in c0}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import spec
-from .probes import process_cpu_s, thread_sched_ns
+from .probes import process_cpu_s, process_faults, thread_sched_ns
 from .project import DaemonNotRunning, digestmod, linux, request_json
 
 
@@ -27,6 +27,9 @@ def erofs_mount(image: Path, work: Path, options: str = "") -> Iterator[Path]:
     finally:
         linux.umount(target, lazy=True)
         target.rmdir()
+
+
+PROBE_ATTACH_S = 0.5  # strace and perf attach asynchronously: what they would miss of the run
 
 
 @dataclass
@@ -43,7 +46,33 @@ class DaemonRun:
         on_cpu, waiting = thread_sched_ns(self.pid, self.pid)
         return {"requests": st.get("hits", 0) + st.get("misses", 0), "misses": st.get("misses", 0),
                 "served": st.get("served_bytes", 0), "fetched": st.get("fetched_bytes", 0),
-                "cpu_s": process_cpu_s(self.pid), "main_cpu_ns": on_cpu, "main_wait_ns": waiting}
+                "cpu_s": process_cpu_s(self.pid), "main_cpu_ns": on_cpu, "main_wait_ns": waiting,
+                "faults": process_faults(self.pid)}
+
+    @contextlib.contextmanager
+    def probed(self, out: dict[str, object]) -> Iterator[None]:
+        """`spec.DAEMON_PROBE` attached to the daemon for the block (nothing if none): counts that
+        load does not move (system calls, page faults) of exactly the timed run; its summary in
+        `out["daemon_probe"]`."""
+        if not spec.DAEMON_PROBE:
+            yield
+            return
+        fd, path = tempfile.mkstemp(prefix="daemon-probe-", dir=self.cache.parent)
+        os.close(fd)
+        proc = subprocess.Popen([*spec.DAEMON_PROBE, "-p", str(self.pid), "-o", path],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(PROBE_ATTACH_S)
+        try:
+            yield
+        finally:
+            proc.send_signal(signal.SIGINT)  # both tools write their summary when interrupted
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out["daemon_probe"] = Path(path).read_text(errors="replace").strip().splitlines()
+            os.unlink(path)
 
     def data_file(self, blob: str) -> Path:
         hexd = digestmod.hex_of(blob)

@@ -40,6 +40,14 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def process_faults(pid: int) -> int:
+    """Page faults of the whole process (minor + major): with the request count and size, a cost
+    that load does not move (the warm hit path faults only on the data file's mapping)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]) + int(fields[9])
+
+
 def thread_sched_ns(pid: int, tid: int) -> tuple[int, int]:
     """(time on a CPU, time runnable but waiting for a CPU) of one thread, in ns (schedstat)."""
     with open(f"/proc/{pid}/task/{tid}/schedstat") as f:

@@ -25,7 +25,8 @@ NOTES = [
     "rounds of the same-round ratio to erofs_local (rounds interleave contenders, order rotating)",
     "_dio: EROFS mounted with -o directio (EROFS reads its backing file with direct I/O)",
     "fuse.requests: FUSE read requests the daemon answered (hits + misses); daemon_cpu_s: the daemon "
-    "process's utime+stime during the run (10 ms ticks); main thread: schedstat of the trio thread",
+    "process's utime+stime during the run (10 ms ticks); main thread: schedstat of the trio thread; "
+    "daemon_faults_per_request: the process's page faults (minor + major) per request",
     "reader_thread_ms / daemon_main_thread_ms: time on a CPU and time runnable but waiting for one "
     "(schedstat): on a shared machine every FUSE round trip adds two wake-ups that may wait",
     "fanotify: events the daemon saw during the run (fast_allowed: answered in its event thread, every "
@@ -58,6 +59,8 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
                                  for k in samples[0]["memory"]}
     if "fuse" in samples[0]:
         out["fuse"] = summarize_fuse([s["fuse"] for s in samples])
+    if "daemon_probe" in samples[0]:  # --daemon-probe: each run's summary, as the tool printed it
+        out["daemon_probe"] = [s["daemon_probe"] for s in samples]
     if "fanotify" in samples[0]:
         out["fanotify"] = summarize_fanotify([s["fanotify"] for s in samples])
     return out
@@ -102,6 +105,8 @@ def summarize_fuse(f: list[dict[str, Any]]) -> dict[str, Any]:
         if reqs else None,
         "daemon_main_thread_ms": {"cpu": round(statistics.median(x["main_cpu_ns"] for x in f) / 1e6, 1),
                                   "wait": round(statistics.median(x["main_wait_ns"] for x in f) / 1e6, 1)},
+        "daemon_faults_per_request": round(statistics.median(x["faults"] for x in f) / reqs, 2)
+        if reqs and all("faults" in x for x in f) else None,
     }
 
 

@@ -11,6 +11,12 @@ RESULTS = ROOT / "bench" / "results"
 MiB = 1 << 20
 LAYERCTL = str(Path(sys.executable).with_name("layerctl"))
 DAEMON_ARGS: list[str] = []  # --daemon-arg: extra `layerctl daemon` arguments for every daemon (set by main)
+# --daemon-probe: a tool attached to the daemon for each timed FUSE run (its summary in the results)
+DAEMON_PROBES: dict[str, list[str]] = {
+    "strace": ["strace", "-c", "-f"],  # system calls, per call and in all
+    "perf": ["perf", "stat", "-e", "task-clock,page-faults,major-faults,context-switches,cpu-migrations"],
+}
+DAEMON_PROBE: list[str] = []  # the chosen one's command (set by main); empty: none
 SIZES: dict[str, dict[str, int | str | bool]] = {
     # quick: every contender and workload still against erofs_local in the same rounds, and the S3
     # pair over loopback and one shaped link, at the fewest rounds that give a paired median; the
