@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -66,6 +67,9 @@ def new_id(prefix: str) -> str:
 
 def head_key(lease_id: str) -> str:
     return validate(f"{LEASES}{lease_id}/head")
+
+
+_SHARD_LEAF = re.compile(r"s[0-9]{8,}")
 
 
 def _shard_key(lease_id: str, seq: int) -> str:
@@ -244,7 +248,7 @@ def read_leases(backend: Backend) -> Iterator[LeaseInfo]:
                 raise CorruptObject("not an object")
             held = set(map(str, head.get("keys", ())))
             for leaf in sorted(leaves):
-                if leaf != "head":
+                if _SHARD_LEAF.fullmatch(leaf):  # (other leaves hold nothing: a node's figures record)
                     shard = _load_json(backend, f"{LEASES}{lease_id}/{leaf}", MAX_SHARD)
                     held.update(map(str, shard if isinstance(shard, list) else ()))
             yield LeaseInfo(lease_id, str(head.get("kind", "")), str(head.get("name", lease_id)),

@@ -58,7 +58,10 @@ class NodeRow:
 
 
 def _count(obj: dict[str, object], name: str) -> int:
-    v = obj.get(name)
+    return _whole(obj.get(name), name)
+
+
+def _whole(v: object, name: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 63:
         raise ValueError(f"{name} is not a count")
     return v
@@ -87,7 +90,7 @@ def parse_record(raw: bytes) -> NodeFigures:
     for s in samples[-MAX_SAMPLES:]:
         if not isinstance(s, list) or len(s) < 2:
             raise ValueError("a sample is not [time, fetched, ...]")
-        out.append((_time(s[0], "a sample's time"), _count({"fetched": s[1]}, "a sample's fetched bytes")))
+        out.append((_time(s[0], "a sample's time"), _whole(s[1], "a sample's fetched bytes")))
     return NodeFigures(_time(obj.get("time"), "time"), _count(obj, "cached_bytes"), _count(obj, "fetched_bytes"),
                        _count(obj, "hits"), _count(obj, "misses"), _count(obj, "blobs"), tuple(out))
 
@@ -146,10 +149,14 @@ W, H, LEFT, BOTTOM, TOP, RIGHT = 720, 220, 70, 28, 12, 12
 
 
 def nice_ceiling(x: float) -> float:
+    """The axis top for a rate `x` in bytes/s: 1, 2 or 5 times a power of ten of a binary unit
+    (B, KiB, MiB, ...), so the labels read 50 MiB/s, not 47.7 MiB/s."""
     if x <= 0:
         return 1.0
-    step = 10 ** math.floor(math.log10(x))
-    return next(m * step for m in (1, 2, 5, 10) if m * step >= x)
+    unit = 1024.0 ** min(max(math.floor(math.log(x, 1024)), 0), 5)
+    scaled = x / unit
+    step = 10 ** math.floor(math.log10(scaled))
+    return unit * next(m * step for m in (1, 2, 5, 10) if m * step >= scaled)
 
 
 def plot(rows: list[NodeRow], now: float, human: object) -> dict[str, object]:

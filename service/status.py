@@ -362,6 +362,11 @@ def when(epoch: object) -> str:
         return "-"
 
 
+def clock(epoch: object) -> str:
+    """The time of day only (the full date is in the cell's title)."""
+    return when(epoch)[11:] if _epoch(epoch) else "-"
+
+
 def short(digest: str) -> str:
     return digest[:15] + "…" if len(digest) > 16 else digest
 
@@ -372,7 +377,7 @@ def percent(part: float, whole: float) -> str:
 
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
                           undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-_env.filters.update(bytes=human_bytes, when=when, short=short)
+_env.filters.update(bytes=human_bytes, when=when, clock=clock, short=short)
 _env.globals.update(percent=percent)
 
 

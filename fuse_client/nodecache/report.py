@@ -5,9 +5,9 @@ Every `interval` seconds the daemon writes one small JSON record beside its node
 the last `MAX_SAMPLES` samples of those counters (so the page can draw a fetch rate over the last
 minutes without having watched the node itself). The record lives under the lease's own prefix
 because the service lets only the lease's owner write there (`service.leaseowner`); such keys
-are create-once, so each record is a new key and the previous one is deleted after it. A record
-is a JSON object, never a list: a collector that reads it as a shard of the lease finds no key
-held in it.
+are create-once, so each record is a new key and the previous one is deleted after it. A
+collector reads only a lease's head and its shards (`s<seq>`): a record holds nothing, and its
+deletion never races the collector's reading of the lease.
 
 State (the daemon's trio thread only): `samples` (the ring), `seq` and `current` (the key of the
 last record written, and the lease it belongs to). Nothing here is needed by the data path: a
