@@ -430,7 +430,9 @@ def render_page(template: str, **context: Any) -> str:
     return _env.get_template(template).render(**context)
 
 
-def render_status(store: Store, *, visible: Visible = _everyone) -> str:
-    """The status page of `store` as the caller who sees the environment names `visible` accepts."""
+def render_status(store: Store, *, visible: Visible = _everyone, nodes: bool = True) -> str:
+    """The status page of `store` as the caller who sees the environment names `visible` accepts;
+    `nodes`: whether it may see the nodes (their names, leases and figures are the operator's,
+    not a namespaced tenant's: another tenant's burst shows in them)."""
     snap = source_for(store).snapshot(store)
-    return _env.get_template("status.html").render(**page_model(snap, visible))
+    return _env.get_template("status.html").render(**page_model(snap, visible), show_nodes=nodes)
