@@ -95,6 +95,7 @@ class NodeReport:
         self.samples: deque[tuple[float, int, int, int]] = deque(maxlen=MAX_SAMPLES)
         self.seq = 0
         self.current: tuple[leases.Lease, str] | None = None
+        self.stopped = False  # released: nothing more is written
         self._last_error = ""
 
     def record(self) -> dict[str, object]:
@@ -108,11 +109,14 @@ class NodeReport:
     async def publish(self) -> None:
         body = json.dumps(self.record(), separators=(",", ":")).encode()
         lease = self.lease()
-        if lease is None:
+        if lease is None or self.stopped:
             return  # no lease yet: the node has used nothing (its sample is kept for the plot)
         key = report_key(lease.id, self.seq)
         self.seq += 1
         await trio.to_thread.run_sync(lease.backend.store_once, key, body)
+        if self.stopped:  # released while this one was written: it goes too
+            await trio.to_thread.run_sync(lease.backend.delete, key)
+            return
         previous, self.current = self.current, (lease, key)
         if previous is not None and previous[0] is lease:
             await trio.to_thread.run_sync(lease.backend.delete, previous[1])
@@ -131,6 +135,7 @@ class NodeReport:
 
     async def release(self) -> None:
         """At a clean shutdown, before the lease's release: delete the last record."""
+        self.stopped = True
         current, self.current = self.current, None
         if current is not None:
             try:

@@ -25,6 +25,7 @@ from testkit.store_service import make_tokens, threaded_service
 
 import service.nodes as nodes
 import service.status as status
+from fuse_client.nodecache import report
 from layerstore import keys, leases
 from layerstore.store import Store
 
@@ -220,6 +221,9 @@ def test_a_node_that_served_reads_shows_its_lease_figures_and_fetch_rate(
     # The layer stays open to the end: in use, so the node lease holds it while the page is read.
     with open(daemon.blob(blob), "rb") as f:
         _check_node_page(root, daemon, blob, tmp_path, f)
+    assert daemon.stop() == 0  # a clean stop takes the record and the lease away
+    with Store.open(str(root)) as s:
+        assert list(s.backend.list(leases.LEASES)) == []
 
 
 def _check_node_page(root: Path, daemon: DaemonProcess, blob: str, tmp_path: Path, f: BinaryIO) -> None:
@@ -263,3 +267,38 @@ def _check_node_page(root: Path, daemon: DaemonProcess, blob: str, tmp_path: Pat
     assert int(hits["data-count"]) == record["hits"] and int(misses["data-count"]) == record["misses"] > 0
     points = [tuple(map(float, p.split(","))) for p in page.lines[lease.name].split()]
     assert len(points) >= 3 and min(y for _, y in points) < nodes.H - nodes.BOTTOM - 1  # a rise above zero
+
+
+# -- the node's side, without a kernel ------------------------------------------------------------------
+@pytest.mark.trio
+async def test_the_node_keeps_one_record_with_a_bounded_ring_and_removes_it_at_shutdown(tmp_path: Path) -> None:
+    with Store.open(str(tmp_path / "store")) as s:
+        s.init()
+        lease = leases.Lease(s.backend, kind="node", name="n1", renew=False).open(["blobs/ab/cd/x"])
+        counters = {"fetched": 0}
+        clock = iter(range(1_000_000, 2_000_000, 10))
+
+        def figures() -> report.Figures:
+            counters["fetched"] += 1000
+            return report.Figures(4096, counters["fetched"], 1, 2, 1)
+
+        current: list[leases.Lease | None] = [None]
+        rep = report.NodeReport(lambda: current[0], figures, name="n1", interval=10, clock=lambda: float(next(clock)))
+        await rep.publish()  # no lease yet: nothing written, the sample kept
+        assert _records(s, lease.id) == [] and len(rep.samples) == 1
+        current[0] = lease
+        for _ in range(report.MAX_SAMPLES + 5):
+            await rep.publish()
+        (key,) = _records(s, lease.id)  # the previous records are gone
+        fig = nodes.parse_record(s.backend.load(key))
+        assert len(fig.samples) == report.MAX_SAMPLES and fig.fetched_bytes == counters["fetched"]
+        assert nodes.rates(fig.samples) == [(t, 100.0) for t, _ in fig.samples[1:]]  # 1000 bytes per 10 s
+        (info,) = leases.read_leases(s.backend)
+        assert info.keys == {"blobs/ab/cd/x"}  # the record holds nothing
+        await rep.release()
+        assert _records(s, lease.id) == []
+        lease.release()
+
+
+def _records(store: Store, lease_id: str) -> list[str]:
+    return [k for k in store.backend.list(f"leases/{lease_id}/") if k.rpartition("/")[2].startswith("r")]
