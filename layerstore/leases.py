@@ -6,6 +6,7 @@ layers, an operator's hold). Layout, under the store's keys:
 
     leases/<id>/head            JSON: kind, name, holder, created, expires, keys (mutable: renewed)
     leases/<id>/s<seq>          JSON list of object keys held since (create-once shards, appended)
+    leases/<id>/r<seq>          a node's figures for the status page (holds nothing; docs/status-page.md)
 
 A collector that is about to delete publishes its candidates first:
 

@@ -180,7 +180,8 @@ def plot(rows: list[NodeRow], now: float, human: object) -> dict[str, object]:
               "peak": max(r for _, r in pts)} for i, (row, pts) in enumerate(series)]
     fmt = human if callable(human) else str
     yticks = [{"y": TOP + ph * (1 - f), "label": f"{fmt(ymax * f)}/s"} for f in (0, 0.5, 1)]
-    xticks = [{"x": LEFT + pw * (1 - m * 60 / WINDOW), "label": "now" if m == 0 else f"-{m} min"}
+    xticks = [{"x": LEFT + pw * (1 - m * 60 / WINDOW), "label": "now" if m == 0 else f"-{m} min",
+               "anchor": "end" if m == 0 else "middle"}
               for m in range(0, int(WINDOW // 60) + 1, 2)]
     return {"w": W, "h": H, "left": LEFT, "top": TOP, "bottom": H - BOTTOM, "right": W - RIGHT,
             "lines": lines, "yticks": yticks, "xticks": xticks}
