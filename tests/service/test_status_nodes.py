@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layergc import collect
+from layergc.report import last_report
 from testkit import browser
 from testkit.fuse_helpers import DaemonProcess, build_and_push, force_unmount, make_tree, wait_until
 from testkit.store_service import make_tokens, threaded_service
@@ -302,3 +306,41 @@ async def test_the_node_keeps_one_record_with_a_bounded_ring_and_removes_it_at_s
 
 def _records(store: Store, lease_id: str) -> list[str]:
     return [k for k in store.backend.list(f"leases/{lease_id}/") if k.rpartition("/")[2].startswith("r")]
+
+
+# -- gc's rescued and lease-kept figures ----------------------------------------------------------------
+def _figure_text(html: str, name: str) -> str:
+    """The value cell of the gc section's row `name`."""
+    start = html.index(f'data-figure="{name}"')
+    row = html[start:html.index("</tr>", start)]
+    return " ".join(re.sub(r"<[^>]+>", " ", row[row.index("<td"):]).split())
+
+
+def test_the_last_gc_shows_what_leases_kept_and_what_was_rescued(tmp_path: Path) -> None:
+    with Store.open(str(tmp_path / "store")) as s:
+        s.init()
+        img = tmp_path / "loose.img"
+        img.write_bytes(random.Random(5).randbytes(150_000))
+        blob = s.put_blob(img, chunk_size=64 << 10).blob  # in no environment: only the lease keeps it
+        for dirpath, _dirs, files in os.walk(tmp_path / "store"):
+            for name in files:
+                os.utime(os.path.join(dirpath, name), (1, 1))  # old: the grace period keeps nothing
+        with leases.Lease(s.backend, kind="push", renew=False).open([keys.object_key("blobs", blob)]):
+            collect(s, grace=0)
+            html = status.render_status(s)
+        report = last_report(s)
+    assert report is not None and report["kept_lease"]["objects"] >= 4  # the blob and its chunks
+    kept = report["kept_lease"]
+    assert _figure_text(html, "kept_lease").startswith(f"{kept['objects']} ({status.human_bytes(kept['bytes'])})")
+    assert _figure_text(html, "rescued").startswith(f"{report['rescued']['objects']} (")
+    assert _figure_text(html, "kept_grace").startswith(f"{report['kept_grace']['objects']} (")
+
+    with Store.open(str(tmp_path / "store")) as s:  # a report written by anyone with the gc scope
+        s.backend.replace("gc/last-report", json.dumps({"rescued": {"objects": 2, "bytes": 3 << 20},
+                                                        "kept_lease": {"objects": "<b>", "bytes": -1},
+                                                        "kept_grace": [1]}).encode())
+        status.source_for(s).last = None
+        html = status.render_status(s)
+    assert _figure_text(html, "rescued").startswith(f"2 ({status.human_bytes(3 << 20)})")
+    assert _figure_text(html, "kept_lease").startswith("- (-)") and "<b>" not in html
+    assert _figure_text(html, "kept_grace").startswith("- (-)")
