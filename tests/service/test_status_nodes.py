@@ -19,6 +19,7 @@ from typing import BinaryIO
 
 import httpx
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from layergc import collect
@@ -31,6 +32,8 @@ import service.nodes as nodes
 import service.status as status
 from fuse_client.nodecache import report
 from layerstore import keys, leases
+from layerstore.backends.http import HttpBackend
+from layerstore.errors import PermissionDenied
 from layerstore.store import Store
 
 
@@ -344,3 +347,34 @@ def test_the_last_gc_shows_what_leases_kept_and_what_was_rescued(tmp_path: Path)
     assert _figure_text(html, "rescued").startswith(f"2 ({status.human_bytes(3 << 20)})")
     assert _figure_text(html, "kept_lease").startswith("- (-)") and "<b>" not in html
     assert _figure_text(html, "kept_grace").startswith("- (-)")
+
+
+# -- through the service: only the lease's owner writes its records ------------------------------------
+@pytest.mark.trio
+async def test_through_the_service_a_node_publishes_and_no_other_token_can(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Store.open(str(root)) as s:
+        s.init()
+    tokens = make_tokens(tmp_path / "tokens.json", {"node": ["read", "lease"], "other": ["read", "lease"]})
+    with threaded_service(str(root), tokens=tmp_path / "tokens.json") as url:
+        node = HttpBackend(url, token=tokens["node"], attempts=1)
+        other = HttpBackend(url, token=tokens["other"], attempts=1)
+        try:
+            lease = await trio.to_thread.run_sync(
+                lambda: leases.Lease(node, kind="node", name="n1", renew=False).open(["blobs/ab/cd/x"]))
+            rep = report.NodeReport(lambda: lease, lambda: report.Figures(1 << 20, 2 << 20, 3, 4, 1), name="n1")
+            await rep.publish()
+            await rep.publish()
+            forged = report.report_key(lease.id, 999)
+            with pytest.raises(PermissionDenied):
+                await trio.to_thread.run_sync(other.store_once, forged, b'{"format": 1}')
+            with Store.open(str(root)) as s:
+                (key,) = _records(s, lease.id)
+                assert key == report.report_key(lease.id, 1)
+                (row,) = status.source_for(s).snapshot(s, ttl=0).nodes
+            assert row.figures is not None and row.figures.fetched_bytes == 2 << 20 and row.held == 1
+            await rep.release()
+            await trio.to_thread.run_sync(lease.release)
+        finally:
+            node.close()
+            other.close()
