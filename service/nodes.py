@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from layerstore import leases
@@ -109,9 +110,19 @@ def clip(text: str) -> str:
     return text if len(text) <= MAX_NAME else text[:MAX_NAME - 1] + "…"
 
 
-def read_nodes(backend: Backend, now: float) -> tuple[list[NodeRow], int, bool]:
+def _load_record(backend: Backend, key: str) -> NodeFigures | str:
+    """A node's record, or why it cannot be shown."""
+    try:
+        return parse_record(backend.load(key, max_size=MAX_RECORD))
+    except NotFound:
+        return "its record changed while read: shown at the next refresh"
+    except (LayerstoreError, ValueError) as e:
+        return f"record unreadable: {clip(str(e))}"
+
+
+def read_nodes(backend: Backend, now: float, pool: Executor | None = None) -> tuple[list[NodeRow], int, bool]:
     """(the node leases with their latest records, how many other leases, whether more leases
-    than `MAX_LEASES` were left out)."""
+    than `MAX_LEASES` were left out). `pool`: loads the records concurrently (a store's)."""
     records: dict[str, tuple[int, str]] = {}  # lease id -> (seq, key) of its latest record
     for key in backend.list(leases.LEASES):
         lease_id, _, leaf = key[len(leases.LEASES):].partition("/")
@@ -128,18 +139,15 @@ def read_nodes(backend: Backend, now: float) -> tuple[list[NodeRow], int, bool]:
             continue
         held = sum(1 for k in info.keys if k.startswith("blobs/"))
         row = NodeRow(info.id, clip(info.name), clip(info.holder), info.expires, held, info.live(now))
-        key = records.get(info.id, (0, None))[1]
-        if key is None:
-            row.error = "no figures published yet"
-        else:
-            try:
-                row.figures = parse_record(backend.load(key, max_size=MAX_RECORD))
-                row.rates = rates(row.figures.samples)
-            except NotFound:
-                row.error = "its record changed while read: shown at the next refresh"
-            except (LayerstoreError, ValueError) as e:
-                row.error = f"record unreadable: {clip(str(e))}"
+        row.error = "no figures published yet"
         rows.append(row)
+    wanted = [(row, records[row.lease][1]) for row in rows if row.lease in records]
+    mapper = pool.map if pool is not None else map
+    for (row, _), got in zip(wanted, mapper(lambda rk: _load_record(backend, rk[1]), wanted), strict=True):
+        if isinstance(got, str):
+            row.error = got
+        else:
+            row.figures, row.rates, row.error = got, rates(got.samples), ""
     rows.sort(key=lambda r: (not r.live, r.name, r.lease))
     return rows, others, len(found) > MAX_LEASES
 

@@ -223,7 +223,7 @@ class StatusSource:
                         self.index.stored_bytes, len(self.index.unsized), stored_objects, unref_bytes, unref_objects,
                         listed, gc, gc_error, now=time.time())
         try:
-            snap.nodes, snap.other_leases, snap.leases_cut = nodesmod.read_nodes(store.backend, snap.now)
+            snap.nodes, snap.other_leases, snap.leases_cut = nodesmod.read_nodes(store.backend, snap.now, store.pool)
         except LayerstoreError as e:
             snap.nodes_error = str(e)
         return snap
