@@ -71,6 +71,8 @@ from .nodecache import (
 from .nodecache.cachedir import cache_format
 from .nodecache.files import BlobFiles
 from .nodecache.inuse import NodeLease, interval_from_env
+from .nodecache.report import NodeReport, node_figures
+from .nodecache.report import interval_from_env as report_interval_from_env
 
 log = logging.getLogger("layerstore.fuse.daemon")
 
@@ -265,6 +267,9 @@ class Daemon:
                 lazy = LazyCache(cache, self.store, nursery=service, trace=trace, concurrency=cfg.fetch_concurrency,
                                  deadline=cfg.fetch_deadline, readahead=cfg.readahead, guard=inuse.guard)
                 self.stats = lazy.stats
+                report = NodeReport(lambda: inuse.lease, functools.partial(node_figures, cache, lazy.stats),
+                                    name=inuse.name, interval=report_interval_from_env())
+                service.start_soon(report.run)  # the node's figures for the status page
                 # Pinned files may be mounted directly (no FUSE hop verifies their reads): re-hash
                 # their recovered chunks now, in the background (docs/fuse-client.md).
                 service.start_soon(lazy.verify_pinned)
@@ -291,6 +296,7 @@ class Daemon:
                             await trio.to_thread.run_sync(write_trace, cfg.record_trace, trace.to_json())
                         await cache.shutdown_flush()
                         try:
+                            await report.release()
                             await inuse.release()
                         except LayerstoreError as e:  # it expires on its own
                             log.warning("node lease: not released (%s); it expires on its own", e)

@@ -6,6 +6,7 @@ layers, an operator's hold). Layout, under the store's keys:
 
     leases/<id>/head            JSON: kind, name, holder, created, expires, keys, layers (mutable)
     leases/<id>/s<seq>          JSON list of object keys held since (create-once shards, appended)
+    leases/<id>/r<seq>          a node's figures for the status page (holds nothing; docs/status-page.md)
 
 A collector that is about to delete publishes its candidates first:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -68,6 +70,9 @@ def new_id(prefix: str) -> str:
 
 def head_key(lease_id: str) -> str:
     return validate(f"{LEASES}{lease_id}/head")
+
+
+_SHARD_LEAF = re.compile(r"s[0-9]{8,}")
 
 
 def _shard_key(lease_id: str, seq: int) -> str:
@@ -269,7 +274,7 @@ def read_leases(backend: Backend, id_prefix: str = "") -> Iterator[LeaseInfo]:
                 raise CorruptObject("not an object")
             held = set(map(str, head.get("keys", ())))
             for leaf in sorted(leaves):
-                if leaf != "head":
+                if _SHARD_LEAF.fullmatch(leaf):  # (other leaves hold nothing: a node's figures record)
                     shard = _load_json(backend, f"{LEASES}{lease_id}/{leaf}", MAX_SHARD)
                     held.update(map(str, shard if isinstance(shard, list) else ()))
             yield LeaseInfo(lease_id, str(head.get("kind", "")), str(head.get("name", lease_id)),

@@ -16,7 +16,6 @@ only list of who may do what; a removed token stops working at the next request)
 
 from __future__ import annotations
 
-import html
 from urllib.parse import parse_qs, urlsplit
 
 import anyio
@@ -27,6 +26,7 @@ from layerstore.backends import http_wire as wire
 from layerstore.errors import LayerstoreError, PermissionDenied
 
 from .auth import Principal
+from .status import render_page
 
 COOKIE = "layerstore_token"
 COOKIE_PATH = "/status"
@@ -40,34 +40,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "same-origin",  # no-referrer would make a form post send Origin: null
     "X-Content-Type-Options": "nosniff",
 }
-
-PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>layerstore: sign in</title>
-<style>
-  body {{ font: 14px/1.4 system-ui, sans-serif; margin: 1.5em 2em; color: #1d2430; background: #fbfbfd; }}
-  form {{ margin: 1em 0; }} input {{ font: inherit; padding: .3em; }} input[type=password] {{ width: 32em; }}
-  .error {{ color: #a3261b; }} code {{ font: 12px ui-monospace, monospace; }}
-</style>
-</head>
-<body>
-<h1>layerstore store status: sign in</h1>
-{message}
-<p>This page shows the store's environments to a token that may read them. Paste a token
-(<code>lst_...</code>, from <code>layerctl serve token add ID --scope read</code>, or
-<code>read:PREFIX</code> for your own environments only):</p>
-<form id="signin" method="post" action="{action}">
-  <input type="password" name="token" autocomplete="off" required placeholder="lst_...">
-  <input type="submit" value="Sign in">
-</form>
-<p>The token is kept in a cookie for this page only (HttpOnly, SameSite=Strict, {hours} hours);
-API clients send it as <code>Authorization: Bearer</code> instead.</p>
-</body>
-</html>
-"""
 
 
 def reader(request: Request) -> Principal:
@@ -88,8 +60,7 @@ def wants_html(request: Request) -> bool:
 
 def page(message: str, status: int, *, action: str = "status/signin") -> Response:
     """The sign-in page (`action`: the form's target, relative to the page's own URL)."""
-    text = PAGE.format(message=f'<p class="error" id="message">{html.escape(message)}</p>' if message else "",
-                       action=html.escape(action), hours=COOKIE_AGE // 3600)
+    text = render_page("signin.html", message=message, action=action, hours=COOKIE_AGE // 3600)
     headers = dict(SECURITY_HEADERS)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="layerstore"'

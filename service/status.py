@@ -11,6 +11,7 @@ A snapshot is shared for `SNAPSHOT_TTL` seconds by every caller; what a caller m
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -23,6 +24,7 @@ from typing import Any
 
 import jinja2
 from layergc.report import last_report
+from packaging.version import InvalidVersion, Version
 
 from layerstore import digest as digestmod
 from layerstore import keys
@@ -31,6 +33,8 @@ from layerstore.errors import LayerstoreError, NotFound
 from layerstore.store import Store
 from manifest.environment import SIG_TAG_NAME, load_manifest
 from manifest.schema import Manifest
+
+from . import nodes as nodesmod
 
 SNAPSHOT_TTL = 5.0  # seconds a snapshot serves every render
 LISTING_TTL = 300.0  # seconds between two listings of every chunk object (stored sizes, unreferenced chunks)
@@ -160,6 +164,11 @@ class Snapshot:
     listed: float  # when the chunk objects were last listed (epoch seconds)
     gc: dict[str, Any] | None
     gc_error: str = ""
+    nodes: list[nodesmod.NodeRow] = field(default_factory=list)
+    other_leases: int = 0
+    leases_cut: bool = False  # more leases than nodes.MAX_LEASES: some were not read
+    nodes_error: str = ""
+    now: float = 0.0  # wall clock of the refresh (the plot's right edge)
 
 
 class StatusSource:
@@ -210,9 +219,14 @@ class StatusSource:
         except LayerstoreError as e:
             gc, gc_error = None, str(e)
         rows = sorted(layers.values(), key=lambda lr: lr.blob)
-        return Snapshot(taken, envs, rows, self.index.logical_bytes, self.index.unique_bytes, len(self.index.chunks),
+        snap = Snapshot(taken, envs, rows, self.index.logical_bytes, self.index.unique_bytes, len(self.index.chunks),
                         self.index.stored_bytes, len(self.index.unsized), stored_objects, unref_bytes, unref_objects,
-                        listed, gc, gc_error)
+                        listed, gc, gc_error, now=time.time())
+        try:
+            snap.nodes, snap.other_leases, snap.leases_cut = nodesmod.read_nodes(store.backend, snap.now, store.pool)
+        except LayerstoreError as e:
+            snap.nodes_error = str(e)
+        return snap
 
     def _list_chunks(self, store: Store, taken: float) -> None:
         """One listing of every chunk object: the stored size of each one a layer uses, and what
@@ -289,7 +303,29 @@ def environment_tags(store: Store) -> list[tuple[str, str, str]]:
             continue  # deleted between the listing and the read
         except LayerstoreError as e:
             out.append((ref, "", str(e)))
-    return sorted(out)
+    return sorted(out, key=lambda row: tag_order(row[0]))
+
+
+def _natural(text: str) -> tuple[tuple[int, int | str], ...]:
+    """`text` cut into runs of digits (compared as numbers) and of other characters."""
+    out: list[tuple[int, int | str]] = []
+    for digits, run in itertools.groupby(text, str.isdigit):
+        part = "".join(run)
+        out.append((0, int(part)) if digits else (1, part))
+    return tuple(out)
+
+
+def tag_order(ref: str) -> tuple[Any, ...]:
+    """Sort key of a reference `name:tag`: by name, then the tags that are versions
+    (`packaging.version`: 1.9 < 1.10, v2 < v10, 1.0rc1 < 1.0) in version order, then the others
+    (`latest`, `main-2024`) in natural order (digit runs as numbers)."""
+    name, _, tag = ref.rpartition(":")
+    if not name:
+        name, tag = ref, ""
+    try:
+        return (name, 0, Version(tag), ())
+    except InvalidVersion:
+        return (name, 1, _natural(tag), tag)
 
 
 _sources: weakref.WeakKeyDictionary[Store, StatusSource] = weakref.WeakKeyDictionary()
@@ -326,6 +362,11 @@ def when(epoch: object) -> str:
         return "-"
 
 
+def clock(epoch: object) -> str:
+    """The time of day only (the full date is in the cell's title)."""
+    return when(epoch)[11:] if _epoch(epoch) else "-"
+
+
 def short(digest: str) -> str:
     return digest[:15] + "…" if len(digest) > 16 else digest
 
@@ -336,13 +377,18 @@ def percent(part: float, whole: float) -> str:
 
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
                           undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-_env.filters.update(bytes=human_bytes, when=when, short=short)
+_env.filters.update(bytes=human_bytes, when=when, clock=clock, short=short)
 _env.globals.update(percent=percent)
 
 
 def _count(value: object) -> int | None:
     """A count from the gc report (written by whoever may write `gc/`): a non-negative integer, else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _part(report: dict[str, Any], name: str) -> dict[str, Any]:
+    value = report.get(name)
+    return value if isinstance(value, dict) else {}
 
 
 def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
@@ -363,7 +409,9 @@ def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
         gc_view = {"started": started, "finished": finished, "duration": duration,
                    "marked_objects": _count(gc.get("marked_objects")),
                    "deleted_objects": _count(gc.get("deleted_objects")),
-                   "deleted_bytes": _count(gc.get("deleted_bytes")), "dry_run": gc.get("dry_run") is True}
+                   "deleted_bytes": _count(gc.get("deleted_bytes")), "dry_run": gc.get("dry_run") is True,
+                   **{f"{part}_{unit}": _count(_part(gc, part).get(unit))
+                      for part in ("rescued", "kept_lease", "kept_grace") for unit in ("objects", "bytes")}}
     referenced = snap.stored_bytes  # the stored bytes of the layers' distinct chunks
     return {
         "envs": envs, "layers": layers, "snap": snap, "gc": gc_view, "referenced_bytes": referenced,
@@ -373,10 +421,18 @@ def page_model(snap: Snapshot, visible: Visible) -> dict[str, Any]:
         "total_saved": snap.logical_bytes - referenced,
         "ratio": f"{snap.logical_bytes / referenced:.2f}x" if referenced else "-",
         "generated": when(time.time()),
+        "plot": nodesmod.plot(snap.nodes, snap.now, human_bytes), "window_min": int(nodesmod.WINDOW // 60),
     }
 
 
-def render_status(store: Store, *, visible: Visible = _everyone) -> str:
-    """The status page of `store` as the caller who sees the environment names `visible` accepts."""
+def render_page(template: str, **context: Any) -> str:
+    """One of the service's pages (`templates/`), autoescaped."""
+    return _env.get_template(template).render(**context)
+
+
+def render_status(store: Store, *, visible: Visible = _everyone, nodes: bool = True) -> str:
+    """The status page of `store` as the caller who sees the environment names `visible` accepts;
+    `nodes`: whether it may see the nodes (their names, leases and figures are the operator's,
+    not a namespaced tenant's: another tenant's burst shows in them)."""
     snap = source_for(store).snapshot(store)
-    return _env.get_template("status.html").render(**page_model(snap, visible))
+    return _env.get_template("status.html").render(**page_model(snap, visible), show_nodes=nodes)

@@ -35,7 +35,7 @@ async def status_page(request: Request, svc: Svc) -> Response:
     render = status_renderer()
     if render is None:
         raise NotFound("this service has no status page")
-    html = await run(lambda: render(svc.store, visible=who.lists))
+    html = await run(lambda: render(svc.store, visible=who.lists, nodes=not who.namespaced))
     return Response(html, media_type="text/html; charset=utf-8")
 
 
