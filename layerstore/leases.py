@@ -259,8 +259,9 @@ class Lease:
 def read_leases(backend: Backend, id_prefix: str = "") -> Iterator[LeaseInfo]:
     """Every lease in the store whose id starts with `id_prefix`, live or not, with every key it
     holds (head and shards). A
-    lease whose head is gone (being released) holds nothing; an unreadable head is skipped with
-    a warning (a lease cannot be trusted to protect anything it cannot say)."""
+    lease whose head is gone (being released) holds nothing; a malformed head is skipped with
+    a warning (a lease cannot be trusted to protect anything it cannot say); a store that cannot
+    be read raises `StoreUnavailable` (a lease missed for that reason could hold anything)."""
     groups: dict[str, list[str]] = {}
     for key in backend.list(LEASES + id_prefix):
         lease_id, _, leaf = key[len(LEASES):].partition("/")
@@ -269,21 +270,44 @@ def read_leases(backend: Backend, id_prefix: str = "") -> Iterator[LeaseInfo]:
         if "head" not in leaves:
             continue
         try:
+            info = _read_lease(backend, lease_id, leaves)
+        except StoreUnavailable:
+            raise  # a lease we could not read may hold anything: the caller (gc) must not go on
+        except (LayerstoreError, KeyError, TypeError, ValueError) as e:
+            log.warning("lease %s: unreadable (%s); ignored", lease_id, e)
+            continue
+        if info is not None:
+            yield info
+
+
+SHARD_RACE_RETRIES = 5
+
+
+def _read_lease(backend: Backend, lease_id: str, leaves: Collection[str]) -> LeaseInfo | None:
+    """One lease from its head and the shard leaves listed; None once its head is gone (released).
+    A listed shard that is gone by the time it is read was dropped by a rotation (`replace_keys`),
+    which writes the new head before it deletes old shards: the lease is read again from a fresh
+    listing, never skipped, since a skipped live lease would leave its keys to the collector."""
+    for _ in range(SHARD_RACE_RETRIES):
+        try:
             head = _load_json(backend, head_key(lease_id), MAX_HEAD)
-            if not isinstance(head, dict):
-                raise CorruptObject("not an object")
-            held = set(map(str, head.get("keys", ())))
+        except NotFound:
+            return None  # released while we read it
+        if not isinstance(head, dict):
+            raise CorruptObject("not an object")
+        held = set(map(str, head.get("keys", ())))
+        try:
             for leaf in sorted(leaves):
                 if _SHARD_LEAF.fullmatch(leaf):  # (other leaves hold nothing: a node's figures record)
                     shard = _load_json(backend, f"{LEASES}{lease_id}/{leaf}", MAX_SHARD)
                     held.update(map(str, shard if isinstance(shard, list) else ()))
-            yield LeaseInfo(lease_id, str(head.get("kind", "")), str(head.get("name", lease_id)),
-                            str(head.get("holder", "")), float(head.get("created", 0)), float(head["expires"]),
-                            frozenset(held), frozenset(map(str, head.get("layers", ()))))
         except NotFound:
-            continue  # released while we read it
-        except (LayerstoreError, KeyError, TypeError, ValueError) as e:
-            log.warning("lease %s: unreadable (%s); ignored", lease_id, e)
+            leaves = [k.rpartition("/")[2] for k in lease_keys(backend, lease_id)]
+            continue
+        return LeaseInfo(lease_id, str(head.get("kind", "")), str(head.get("name", lease_id)),
+                         str(head.get("holder", "")), float(head.get("created", 0)), float(head["expires"]),
+                         frozenset(held), frozenset(map(str, head.get("layers", ()))))
+    raise StoreUnavailable(f"its shards changed under {SHARD_RACE_RETRIES} reads in a row")
 
 
 def lease_keys(backend: Backend, lease_id: str) -> list[str]:
