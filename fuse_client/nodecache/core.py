@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from . import index as ci
 from .entry import BlobEntry, Flight
@@ -20,6 +20,7 @@ from .entry import BlobEntry, Flight
 Punch = tuple[str, list[tuple[int, int]]]  # (blob, [(offset, length), ...]) to punch once deleted
 
 
+@runtime_checkable
 class Core(Protocol):
     entries: dict[str, BlobEntry]  # blob -> entry; parts read it (only the core adds or removes)
     busy: dict[tuple[str, int], Flight]  # (blob, chunk) -> the one operation on it
