@@ -7,6 +7,7 @@ real entries over a real data file, so re-hashing reads real bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
@@ -17,6 +18,7 @@ import pytest
 import trio
 
 from fuse_client.nodecache import index as ci
+from fuse_client.nodecache.cachedir import open_cache
 from fuse_client.nodecache.core import Core, Punch
 from fuse_client.nodecache.entry import BlobEntry, Flight
 from fuse_client.nodecache.errors import BlobIncomplete, BlobPinned, CacheIOError, NoPlainImage
@@ -312,3 +314,15 @@ def test_forgetting_keeps_maps_within_the_budget(core: FakeCore) -> None:
     assert f.map_entries() == 3 * N
     assert f.forget_idle_maps(keep=c.blob) == [b.blob]
     assert f.maps_forgotten == 1 and set(core.entries) == {a.blob, c.blob} and f.forget_idle_maps() == []
+
+
+# -- the real core ------------------------------------------------------------------------------------
+def test_node_cache_is_the_core_its_parts_share(tmp_path: Path) -> None:
+    """`NodeCache` satisfies the seam the fakes stand in for, and its parts share one `Holds`."""
+    with contextlib.ExitStack() as stack:
+        cache = open_cache(tmp_path / "cache", None, stack)
+        assert isinstance(cache, Core)
+        holds = cache.holds
+        assert cache.pins.holds is holds and cache.verifier.holds is holds
+        assert cache.evictor.holds is holds and cache.forgetting.holds is holds
+        assert all(part.core is cache for part in (cache.pins, cache.verifier, cache.evictor, cache.forgetting))
