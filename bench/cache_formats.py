@@ -97,7 +97,7 @@ def hits(store: Store, blob: str, cache_dir: Path, lru: int | None) -> dict[str,
                 await nursery.start(cache.run)
                 lazy = LazyCache(cache, store, nursery=nursery, readahead=0)
                 entry = await lazy.entry(blob)
-                await cache.verify_all_unverified(entry)
+                await cache.verifier.verify_all_unverified(entry)
                 assert entry.complete()
                 for block in BLOCKS:
                     if cache.lru is not None:

@@ -262,7 +262,7 @@ class Daemon:
                     cache, backend if isinstance(backend, Backend) else None,
                     name=f"{socket.gethostname()}:{cache_dir}",
                     interval=cfg.lease_interval if cfg.lease_interval is not None else interval_from_env())
-                cache.in_use = inuse.last_seen
+                cache.forgetting.in_use = inuse.last_seen
                 await service.start(inuse.run)
                 lazy = LazyCache(cache, self.store, nursery=service, trace=trace, concurrency=cfg.fetch_concurrency,
                                  deadline=cfg.fetch_deadline, readahead=cfg.readahead, guard=inuse.guard)

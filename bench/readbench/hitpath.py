@@ -71,7 +71,7 @@ def hit_path_handler(store_url: str, cache_dir: Path, blob: str, size: int) -> l
                 assert entry is not None
                 # a reopened cache serves its chunks once re-hashed (docs/fuse-client.md, "What is
                 # verified when"): verify them first, so that every probed read is a hit
-                await cache.verify_all_unverified(entry)
+                await cache.verifier.verify_all_unverified(entry)
                 for block, n in HIT_PATH_HANDLER_BLOCKS:
                     span = min(size, HIT_PATH_SPAN) // block * block
                     best = float("inf")

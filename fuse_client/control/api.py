@@ -141,16 +141,16 @@ class ControlAPI:
         return _json(self.cache.ls())
 
     async def post_verify(self, req: dict[str, Any]) -> Response:
-        return _json(await self.cache.verify())
+        return _json(await self.cache.verifier.verify())
 
     async def post_evict(self, req: dict[str, Any]) -> Response:
         body = EvictRequest.model_validate(req)
-        return _json(await self.cache.evict(blob=body.blob or None, all_chunks=body.all_chunks,
+        return _json(await self.cache.evictor.evict(blob=body.blob or None, all_chunks=body.all_chunks,
                                             to_bytes=body.to_bytes))
 
     async def post_gc(self, req: dict[str, Any]) -> Response:
         body = GcRequest.model_validate(req)
-        return _json(await self.cache.gc_unused(body.older_than, dry_run=body.dry_run))
+        return _json(await self.cache.forgetting.gc_unused(body.older_than, dry_run=body.dry_run))
 
     async def post_prefetch(self, req: dict[str, Any]) -> Response:
         body = PrefetchRequest.model_validate(req)
@@ -165,8 +165,8 @@ class ControlAPI:
 
     async def post_unpin(self, req: dict[str, Any]) -> Response:
         blob, holder = _pin_args(req)
-        removed = await self.cache.unpin_blob(blob, holder)
-        return _json({"blob": blob, "holder": holder, "removed": removed, "holders": self.cache.holders(blob)})
+        removed = await self.cache.pins.unpin_blob(blob, holder)
+        return _json({"blob": blob, "holder": holder, "removed": removed, "holders": self.cache.pins.holders(blob)})
 
 
     async def post_attach(self, req: dict[str, Any]) -> Response:

@@ -215,7 +215,7 @@ class FanotifyFrontEnd:
     def bind(self, lazy: LazyCache, nursery: trio.Nursery) -> None:
         self.lazy = lazy
         self.nursery = nursery
-        lazy.cache.on_unrecord = self.on_unrecord
+        lazy.cache.holds.on_unrecord = self.on_unrecord
 
     async def release(self) -> None:
         """Answer the leftovers, serve the held events; from now on events go straight to the
@@ -246,7 +246,7 @@ class FanotifyFrontEnd:
             # Attached blobs are never evicted (window 7): what they hold, and whether the budget is
             # exceeded because of them (docs/fanotify.md, "Eviction of attached blobs").
             cache = self.lazy.cache
-            out["unevictable_attached_bytes"] = cache.protected_bytes()
+            out["unevictable_attached_bytes"] = cache.pins.protected_bytes()
             out["over_budget"] = cache.budget is not None and cache.usage > cache.budget.size
         return out
 
@@ -286,7 +286,7 @@ class FanotifyFrontEnd:
                 log.warning("blob %s: cannot mark %s again: %s", blob, path, e.strerror)
 
     def on_unrecord(self, blob: str, idxs: list[int]) -> None:
-        """`NodeCache.on_unrecord` (trio thread): chunks of an attached blob found bad are about to
+        """`Holds.on_unrecord` (trio thread): chunks of an attached blob found bad are about to
         become absent (never punched: the blob is protected while attached). Its file is marked
         again first, so reads of them raise events and are filled with verified bytes written over
         the bad ones; metadata chunks, which EROFS reads without events, are fetched again now.
@@ -372,7 +372,7 @@ class FanotifyFrontEnd:
             # Window 7 (docs/fanotify.md): after FAN_ALLOW the kernel's read goes on without us, so
             # nothing may punch the file while it can be mounted. An eviction of it under way
             # finishes before this returns; none starts after (durably: recovery keeps it too).
-            await self.lazy.cache.protect(blob)
+            await self.lazy.cache.pins.protect(blob)
             await self.lazy.ensure_metadata(a.entry)
             # EROFS reads its metadata through the backing file's page cache (read_mapping_folio),
             # which raises no pre-content event: those chunks must be on disk for as long as the
@@ -383,7 +383,7 @@ class FanotifyFrontEnd:
                 a.meta_pinned = True
             # (again: a concurrent attach of the blob that failed meanwhile dropped it; this also
             # commits the metadata chunks' records)
-            await self.lazy.cache.protect(blob)
+            await self.lazy.cache.pins.protect(blob)
         except BaseException:
             if not a.holders:
                 # (a restore keeps the mark: the layer is still mounted on the file)
@@ -407,7 +407,7 @@ class FanotifyFrontEnd:
         assert self.lazy is not None
         try:
             before = len(a.entry.unverified_idxs())
-            bad = await self.lazy.cache.verify_all_unverified(a.entry)
+            bad = await self.lazy.cache.verifier.verify_all_unverified(a.entry)
             self.stats.reverified_chunks += before
             if bad:
                 log.error("attached blob %s: %d recovered chunk(s) changed on disk since they were verified; "
@@ -431,7 +431,7 @@ class FanotifyFrontEnd:
                     with contextlib.suppress(OSError):
                         kernel.unmark(self.group, self.data_file(blob))
                 if self.lazy is not None:
-                    self.lazy.cache.unprotect(blob)
+                    self.lazy.cache.pins.unprotect(blob)
             await self._persist()
             return {"blob": blob, "holder": holder, "removed": True}
         removed = a is not None and holder in a.holders
@@ -453,7 +453,7 @@ class FanotifyFrontEnd:
             with contextlib.suppress(OSError):
                 kernel.unmark(self.group, a.path)
         if unmark and self.lazy is not None:  # (a failed restore keeps both: the layer is still mounted)
-            self.lazy.cache.unprotect(a.entry.blob)
+            self.lazy.cache.pins.unprotect(a.entry.blob)
 
     async def _persist(self) -> None:
         """Write the attachments (and those not restored yet) to CACHE/fanotify-attached.json: one
@@ -480,9 +480,9 @@ class FanotifyFrontEnd:
         One that fails stays marked and persisted and is tried again in the background; events
         on its file wait for it (`_handle`), they are not denied as "not attached"."""
         # Protections a crash left behind (detached, not yet recorded as unprotected) go; the
-        # persisted attachments stay protected (they were since before recovery: `NodeCache.protect`).
+        # persisted attachments stay protected (they were since before recovery: `Pins.protect`).
         assert self.lazy is not None
-        dropped = self.lazy.cache.settle_protected(set(previous))
+        dropped = self.lazy.cache.pins.settle_protected(set(previous))
         if dropped:
             log.info("%d blob(s) no longer attached are evictable again", len(dropped))
         # Every one counts as not taken back until it is: a persist meanwhile (another blob's

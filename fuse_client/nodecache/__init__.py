@@ -11,9 +11,10 @@ other on this API:
   `blobs()`, `open_reader(entry)` -> `Reader` (`read_cached(off, size)`: the inline hot path,
   data or None; `read_missing(off, size)`: fetch, then serve; `close()`), `ensure`,
   `ensure_metadata`, `prefetch`, `pin_blob`.
-- maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `verify`, `evict`, `gc_unused`,
-  `pin_blob` / `unpin_blob` / `holders` (durable pins), `pin` / `unpin` (a reader's chunks),
-  `gauges`; `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
+- maintenance (`NodeCache`, also offline through `maintenance`): `ls`, `gauges`, `pin` / `unpin`
+  (a reader's chunks), and its parts: `pins` (`pin_blob` / `unpin_blob` / `holders`: durable pins;
+  `protect` / `unprotect`), `verifier` (`verify`), `evictor` (`evict`), `forgetting`
+  (`gc_unused`); `BlobEntry`: `size`, `cmap`, `metadata_missing`, `metadata_near`, `read_sync`, `touch`.
 - errors (`errors`): `BlobIncomplete`, `BlobPinned`, `CacheIOError`, `CacheBusy`, `NoPlainImage`.
 - formats (`frames`, fixed per cache directory by `cachedir`): `plain`, or `zstd` (chunks kept as
   the store's verified frames, decompressed and re-hashed on a read; no direct mounts, no fanotify).

@@ -23,10 +23,13 @@ fetcher on first demand, by `pin_blob` before a direct mount, by `verify`). A cl
 the verified seal (`seal`): the next open serves at once the recorded chunks of every data file
 that was not changed since (the seal is removed on open: a crash leaves none).
 
-The parts, each a module mixed into `NodeCache`: durable pins and protected blobs (`pins`),
-re-hashing recovered and cached chunks (`verify`), eviction (`evictor`, its policy in
-`eviction`), forgetting unused blobs and idle maps (`forgetting`, its policy in `unused`). This
-module keeps the core: entries, the journal (commit, flush), the background tasks, the stats.
+The parts, each an object `NodeCache` constructs and owns, built with the core's narrow seam
+(`core.Core`) and only the other collaborators it needs: `holds` (who pins or protects which
+blob) and `pins` (changing them), `verifier` (re-hashing recovered and cached chunks), `evictor`
+(eviction; its policy in `eviction`), `forgetting` (unused blobs and idle maps; its policy in
+`unused`). Front ends call the parts directly (`cache.pins.pin_blob`, `cache.evictor.evict`, ...).
+This module keeps the core: entries, the busy flights, usage, the journal (commit, flush), the
+background tasks, the gauges.
 
 Usage counts the bytes each chunk occupies on disk: its length in a plain cache, its stored
 length (the zstd frame, or the plain bytes when kept raw) in a zstd cache.
@@ -37,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 
 import trio
@@ -47,6 +50,7 @@ from layerstore.chunkmap import ChunkMap
 from . import frames, seal
 from . import index as ci
 from .cacheformat import format_named
+from .core import Punch
 from .entry import BlobEntry, Flight
 from .eviction import Budget
 from .evictor import Evictor
@@ -56,6 +60,7 @@ from .inflight import FetchWriter
 from .pins import (  # noqa: F401 - re-exported
     MAX_HOLDER,
     PROTECTED_NAME,
+    Holds,
     Pins,
     check_holder,
     protect_before_open,
@@ -79,15 +84,7 @@ JOURNAL_GATHER = 1.0
 RELEASE_INTERVAL = 1.0  # seconds between unmapping the pages that reads touched
 
 
-
-
-
-
-
-
-
-
-class NodeCache(Pins, Verifier, Evictor, Forgetting):
+class NodeCache:
     def __init__(self, root: Path, files: BlobFiles, index: ci.CacheIndex, *, budget: Budget | None = None,
                  clock: Callable[[], float] = time.time, cache_format: str = frames.PLAIN,
                  lru_bytes: int = frames.DEFAULT_LRU_BYTES, map_budget: int = 0) -> None:
@@ -102,47 +99,26 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
         self.budget = budget
         self.clock = clock
         self.entries: dict[str, BlobEntry] = {}
-        # Chunk-map entries the node keeps in memory (0: no limit): past it, adding a map forgets
-        # the least recently used blobs nothing uses (`forget_idle_maps`; issue 27).
-        self.map_budget = map_budget
-        self.maps_forgotten = 0
-        # Durable pins (LMDB "pins"): blob -> {holder: since}. A pinned blob's data file is an
-        # image some holder mounted directly: nothing here modifies it (no eviction, no punch).
-        self.pins: dict[str, dict[str, float]] = {}
-        self._pin_log_at = float("-inf")
         self.busy: dict[tuple[str, int], Flight] = {}
         self.usage = 0
-        self.evicted_chunks = 0
-        self.evicted_bytes = 0
+        self.corrupt_cached_chunks = 0  # recovered, verified or read chunks whose bytes did not match
         self._pending: list[ci.Op] = []
-        self._punches: list[tuple[str, list[tuple[int, int]]]] = []
+        self._punches: list[Punch] = []
+        self._protected_pending: list[str] | None = None  # the protected set to write with the next batch
         self._apply_lock = trio.Lock()
         self._journal_kick = trio.Event()
-        self._evict_kick = trio.Event()
-        self._episode = False
         self.journal_batches = 0
         self.journal_chunk_records = 0  # PutChunk records committed since start
         self._journal_failures = 0
-        self.verified_chunks = 0  # recovered chunks whose bytes matched their digest again
-        self.corrupt_cached_chunks = 0  # recovered or verified chunks whose bytes did not
-        self.write_failures = 0  # chunk writes into the data files that failed
-        self.disk_full = 0  # ... of them with ENOSPC (each kicks an eviction)
-        self._disk_full = False
-        self._disk_full_at = float("-inf")
-        # blob -> when (wall clock) something beyond an open handle or a pin last used it, inf
-        # while it is in use: set by the daemon (the node lease's view: lookups, prefetches, pins
-        # in progress, mounts); for `gc_unused`.
-        self.in_use: Callable[[], Mapping[str, float]] | None = None
-        # Blobs whose data files a front end mounted directly (`protect`): never punched. Durable
-        # (PROTECTED_NAME, written with the next journal batch once `_protected_dirty`).
-        self.protected: set[str] = set()
-        self._protected_dirty = False
-        self._protected_logged = False  # "usage stays above the target because of protected blobs", once
-        # Called on the trio thread with (blob, chunk indexes) just before chunks of a protected blob
-        # become absent without a punch (found bad): the front end makes reads of them raise events
-        # again and may fetch them again (docs/fanotify.md).
-        self.on_unrecord: Callable[[str, list[int]], None] | None = None
         self.map_files = True  # data files may be mapped (see `disable_mapping`)
+        # The parts (see the module doc): each gets this core through `core.Core` and nothing else
+        # of the cache but what it names.
+        self.holds = Holds()
+        self.evictor = Evictor(self, self.holds, budget)
+        self.verifier = Verifier(self, self.holds, self.evictor.drop)
+        self.pins = Pins(self, self.holds, root=self.root, direct_image=self.chunk_format.direct_image,
+                         verify_all=self.verifier.verify_all_unverified, evict_if_over=self.evictor.kick_if_over)
+        self.forgetting = Forgetting(self, self.holds, map_budget)
 
     def close(self) -> None:
         """Close every data file and write the verified seal (`seal`): what this process
@@ -185,10 +161,27 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             return entry
         entry = self.new_entry(cmap, self.files.open(cmap.blob, cmap.size))
         self.entries[cmap.blob] = entry
-        self._enqueue([ci.PutMap(cmap.blob, cmap.encode())])
-        if self.map_budget:
-            self.forget_idle_maps(keep=cmap.blob)
+        self.enqueue([ci.PutMap(cmap.blob, cmap.encode())])
+        forgetting = self.forgetting
+        if forgetting.map_budget:
+            forgetting.forget_idle_maps(keep=cmap.blob)
         return entry
+
+    def remove_blob(self, blob: str) -> int:
+        """Trio thread, no await: take the blob out of the cache (its entry, data file and, at the
+        next batch, its index records and map; the caller checked nothing uses it). Returns the
+        bytes it held."""
+        e = self.entries.pop(blob)  # a request from now on makes a fresh entry (and a fresh data file)
+        held = self.held_disk_bytes(e)
+        e.close()
+        self.files.remove(blob)
+        self.usage -= held
+        self.enqueue([ci.DelBlob(blob)])  # after every record queued for it, before any new one
+        return held
+
+    def data_path(self, blob: str) -> Path:
+        """The blob's data file."""
+        return self.files.path(blob)
 
     @property
     def compressed(self) -> bool:
@@ -209,6 +202,26 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
         stored = entry.stored
         return sum(stored[i] for i, (p, u) in enumerate(zip(entry.present, entry.unverified, strict=True))
                    if p or u)
+
+    def held_bytes(self, blobs: Container[str]) -> int:
+        """Disk bytes held by the blobs among `blobs` (e.g. the pinned or protected ones)."""
+        return sum(self.held_disk_bytes(e) for b, e in self.entries.items() if b in blobs)
+
+    def release(self, entry: BlobEntry, idxs: Iterable[int]) -> int:
+        """Trio thread, no await: chunks `idxs` of the blob (present or unverified) become absent
+        (no reader starts on them) and leave usage; their records stay until the caller queues
+        their deletion. Returns the disk bytes they held."""
+        present, unverified = entry.present, entry.unverified
+        n = 0
+        for i in idxs:
+            if present[i] or unverified[i]:
+                present[i] = unverified[i] = 0
+                n += self.disk_bytes(entry, i)
+        self.usage -= n
+        return n
+
+    def count_corrupt(self, n: int) -> None:
+        self.corrupt_cached_chunks += n
 
     def new_entry(self, cmap: ChunkMap, fd: int) -> BlobEntry:
         entry = self.chunk_format.new_entry(cmap, fd)
@@ -244,15 +257,14 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
         crash before that leaves unrecorded bytes, which recovery punches)."""
         if not entry.present[i]:
             return
-        if entry.blob in self.protected and self.on_unrecord is not None:
-            self.on_unrecord(entry.blob, [i])
+        self.holds.unrecording(entry.blob, [i])
         entry.present[i] = 0
         self.usage -= self.disk_bytes(entry, i)
         self.corrupt_cached_chunks += 1
         if self.lru is not None:
             self.lru.discard((entry.blob, i))
         log.error("cache: %s; dropped, fetched again on the next read", why)
-        self._enqueue([ci.DelChunk(entry.blob, i)])
+        self.enqueue([ci.DelChunk(entry.blob, i)])
 
     def disable_mapping(self) -> None:
         """Serve every read with pread, never a mapping of the data files (a front end that
@@ -275,8 +287,9 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                 pins[i] = n
             else:
                 del pins[i]
-        if self._episode:
-            self._evict_kick.set()
+        evictor = self.evictor
+        if evictor.episode:
+            evictor.kick()
 
     # -- writers ---------------------------------------------------------------------------
     def in_flight(self, blob: str, i: int) -> Flight | None:
@@ -308,16 +321,36 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                 self.usage += self.disk_bytes(entry, i)
             entry.last_use[i] = now
             ops.append(ci.PutChunk(entry.blob, i, now, entry.stored[i] if entry.stored is not None else 0))
-        self._enqueue(ops)
-        if self.budget is not None and (self._episode or self.usage > self.budget.high):
-            self._evict_kick.set()
+        self.enqueue(ops)
+        budget, evictor = self.budget, self.evictor
+        if budget is not None and (evictor.episode or self.usage > budget.high):
+            evictor.kick()
 
-    def _enqueue(self, ops: list[ci.Op], punches: tuple[str, list[tuple[int, int]]] | None = None) -> None:
+    # -- the journal -------------------------------------------------------------------------
+    def enqueue(self, ops: list[ci.Op], punches: Sequence[Punch] = ()) -> None:
+        """Queue index ops and, after them, punches (never of a held blob) for the next batch."""
         self._pending.extend(ops)
-        if punches is not None:
-            assert punches[0] not in self.protected
-            self._punches.append(punches)
+        for punch in punches:
+            assert not self.holds.held(punch[0]), punch[0]
+            self._punches.append(punch)
         self._journal_kick.set()
+
+    def queue_protected(self, blobs: list[str]) -> None:
+        """The protected set (`pins.Holds.protected`) changed: write it with the next batch."""
+        self._protected_pending = blobs
+        self._journal_kick.set()
+
+    async def flush_op(self, op: ci.Op) -> bool:
+        """Queue one op and wait for its batch (with everything queued before it), shielded.
+        False if a batch failed meanwhile: the op is then withdrawn (not retried)."""
+        failures = self._journal_failures
+        self.enqueue([op])
+        with trio.CancelScope(shield=True):
+            await self.flush()
+        if self._journal_failures == failures:
+            return True
+        self._pending[:] = [o for o in self._pending if o is not op]
+        return False
 
     async def flush(self) -> None:
         """Return once everything queued before the call is committed to the index.
@@ -327,8 +360,7 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
         async with self._apply_lock:
             ops, punches = self._pending, self._punches
             self._pending, self._punches = [], []
-            protected = sorted(self.protected) if self._protected_dirty else None
-            self._protected_dirty = False
+            protected, self._protected_pending = self._protected_pending, None
             if not ops and not punches and protected is None:
                 return
             try:
@@ -351,8 +383,8 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                 # recovery punches them).
                 self._journal_failures += 1
                 self._pending[:0] = ops
-                if protected is not None:
-                    self._protected_dirty = True  # (written with the next batch)
+                if protected is not None and self._protected_pending is None:
+                    self._protected_pending = protected  # (written with the next batch, unless changed since)
                 log.exception("cache journal: a batch of %d op(s) failed (retried with the next batch; %d range(s) "
                               "left unpunched); the chunks stay served from memory", len(ops),
                               sum(len(r) for _, r in punches))
@@ -365,7 +397,7 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
                 e.use_dirty = False
                 ops.extend(ci.Touch(e.blob, i, e.last_use[i]) for i, p in enumerate(e.present) if p)
         if ops:
-            self._enqueue(ops)
+            self.enqueue(ops)
 
     # -- background tasks --------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -374,9 +406,8 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             nursery.start_soon(self._touch_loop)
             nursery.start_soon(self._release_loop)
             if self.budget is not None:
-                nursery.start_soon(self._evict_loop)
-                if self.usage > self.budget.high:
-                    self._evict_kick.set()
+                nursery.start_soon(self.evictor.run)
+                self.evictor.kick_if_over()
             task_status.started()
 
     async def _journal_loop(self) -> None:
@@ -390,7 +421,7 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             self._journal_kick = trio.Event()
             await self.flush()
 
-    def _apply_sync(self, ops: list[ci.Op], punches: list[tuple[str, list[tuple[int, int]]]],
+    def _apply_sync(self, ops: list[ci.Op], punches: list[Punch],
                     protected: list[str] | None = None) -> None:
         if protected is not None:  # (before any punch of the batch: none of them is of a protected blob)
             write_protected(self.root, protected)
@@ -422,21 +453,22 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
     # -- maintenance ---------------------------------------------------------------------------
     def gauges(self) -> dict[str, float]:
         """The cache's gauges for the metrics endpoint."""
+        ev, holds, pins = self.evictor, self.holds, self.pins
         g: dict[str, float] = {
             "cache_used_bytes": self.usage,
             "cache_blobs": len(self.entries),
             "cache_busy_chunks": len(self.busy),
-            "cache_evicted_chunks": self.evicted_chunks,
-            "cache_evicted_bytes": self.evicted_bytes,
+            "cache_evicted_chunks": ev.evicted_chunks,
+            "cache_evicted_bytes": ev.evicted_bytes,
             "cache_unverified_chunks": sum(e.unverified.count(1) for e in self.entries.values()),
-            "cache_verified_chunks": self.verified_chunks,
+            "cache_verified_chunks": self.verifier.verified_chunks,
             "cache_corrupt_cached_chunks": self.corrupt_cached_chunks,
-            "cache_write_failures": self.write_failures,
-            "cache_disk_full": self.disk_full,
-            "cache_protected_blobs": len(self.protected),
-            "cache_protected_bytes": self.protected_bytes(),
-            "cache_map_entries": self.map_entries(),
-            "cache_maps_forgotten": self.maps_forgotten,
+            "cache_write_failures": ev.write_failures,
+            "cache_disk_full": ev.disk_full,
+            "cache_protected_blobs": len(holds.protected),
+            "cache_protected_bytes": pins.protected_bytes(),
+            "cache_map_entries": self.forgetting.map_entries(),
+            "cache_maps_forgotten": self.forgetting.maps_forgotten,
         }
         if self.lru is not None:
             g["cache_decompressed_lru_bytes"] = self.lru.size
@@ -449,6 +481,7 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
         return g
 
     def ls(self) -> dict[str, object]:
+        ev, holds = self.evictor, self.holds
         blobs = []
         disk = 0
         unverified = 0
@@ -460,19 +493,19 @@ class NodeCache(Pins, Verifier, Evictor, Forgetting):
             unverified += held - e.cached_bytes()
             blobs.append({"blob": blob, "size": e.size, "chunks": len(e.present), "cached_chunks": n,
                           "cached_bytes": e.cached_bytes(), "stored_bytes": self.held_disk_bytes(e),
-                          "protected": blob in self.protected, "unverified_chunks": sum(e.unverified),
+                          "protected": blob in holds.protected, "unverified_chunks": sum(e.unverified),
                           "unverified_bytes": held - e.cached_bytes(), "disk_bytes": alloc, "open": e.open_count,
-                          "complete": held == e.size, "pinned_by": sorted(self.pins.get(blob, ()))})
+                          "complete": held == e.size, "pinned_by": sorted(holds.pinned.get(blob, ()))})
         pins = [{"blob": blob, "holder": h, "since": since, "path": str(self.files.path(blob).absolute())}
-                for blob, holders in sorted(self.pins.items()) for h, since in sorted(holders.items())]
+                for blob, holders in sorted(holds.pinned.items()) for h, since in sorted(holders.items())]
         return {"format": self.format, "used_bytes": self.usage, "disk_bytes": disk,
-                "pinned_bytes": self.pinned_bytes(), "pins": pins,
-                "protected_bytes": self.protected_bytes(), "protected": sorted(self.protected),
-                "unverified_bytes": unverified, "verified_chunks": self.verified_chunks,
-                "corrupt_cached_chunks": self.corrupt_cached_chunks, "write_failures": self.write_failures,
-                "disk_full": self.disk_full,
+                "pinned_bytes": self.pins.pinned_bytes(), "pins": pins,
+                "protected_bytes": self.pins.protected_bytes(), "protected": sorted(holds.protected),
+                "unverified_bytes": unverified, "verified_chunks": self.verifier.verified_chunks,
+                "corrupt_cached_chunks": self.corrupt_cached_chunks, "write_failures": ev.write_failures,
+                "disk_full": ev.disk_full,
                 "budget": self.budget.to_json() if self.budget else None,
-                "evicted_chunks": self.evicted_chunks, "evicted_bytes": self.evicted_bytes,
+                "evicted_chunks": ev.evicted_chunks, "evicted_bytes": ev.evicted_bytes,
                 "journal": {"batches": self.journal_batches, "chunk_records": self.journal_chunk_records,
                             "failures": self._journal_failures, "pending": len(self._pending)},
                 "blobs": blobs}

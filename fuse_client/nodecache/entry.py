@@ -47,7 +47,7 @@ class BlobEntry:
     verified (hashed against the chunk map) since this process opened the cache. `unverified[i]`
     says chunk i was committed before (recovery found its record and its bytes) but has not been
     re-hashed yet: it counts as cached (disk usage, eviction) but is never served until the
-    fetcher or a pin verifies it (`NodeCache.check_unverified`). A cache hit
+    fetcher or a pin verifies it (`Verifier.check_unverified`). A cache hit
     is this lookup plus a pread of the data file, or, for a long sequential stream, a slice of
     its read-only mapping (`mapped_range`): then the kernel copies the bytes from the page cache
     into its reply, and the daemon copies nothing. The pages mapped that way are unmapped again

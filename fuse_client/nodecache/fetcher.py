@@ -23,7 +23,7 @@
   GIL) and the pwrite into the cache run in worker threads; the commit runs on the trio thread.
 - Recovered chunks (committed before this process opened the cache, not re-hashed since: see
   `recovery.recover`) take the same path: the flight first re-hashes the local bytes
-  (`NodeCache.check_unverified`, a worker thread); a match is served without a store fetch, a
+  (`Verifier.check_unverified`, a worker thread); a match is served without a store fetch, a
   mismatch is dropped, counted and logged, and the chunk is fetched from the store.
 - The cache's own disk: a failed write (ENOSPC included) fails the flight with `CacheIOError`
   (EIO for the readers now, not retried by them: the next read tries again), is counted and,
@@ -312,7 +312,7 @@ class Fetcher:
                 prio = w.flight.priority
                 unverified = entry.unverified
                 if any(unverified[i] for i in positions):
-                    good, _ = await self.cache.check_unverified(entry, positions)
+                    good, _ = await self.cache.verifier.check_unverified(entry, positions)
                     if good:  # verified local bytes: no store fetch
                         rest = [i for i in positions if i not in good]
                         if rest:
@@ -338,7 +338,7 @@ class Fetcher:
     def _failed(self, blob: str, idx: int, digest: str, e: Exception) -> LayerstoreError:
         """Count and log one chunk's failure; the error its readers see."""
         if isinstance(e, CacheIOError):  # the cache's own disk failed: report, never serve
-            self.cache.write_failed(e.errno_value)
+            self.cache.evictor.write_failed(e.errno_value)
             self.stats.cache_write_failures += 1
             log.error("blob %s chunk %d: %s", blob, idx, e)
             return e

@@ -8,7 +8,7 @@ each was last used, and the chunk map of every blob the node has seen.
     db "meta"    b"format"                      -> b"1"
 
 A pin says that a holder (e.g. the runtime shim, for one direct EROFS mount) uses the blob's data
-file as an image: the daemon then never modifies that file (see `NodeCache.pin_blob`).
+file as an image: the daemon then never modifies that file (see `Pins.pin_blob`).
 
 A record in "chunks" is the commit point of a chunk: it is written only after the chunk's bytes
 are in the data file and synced, and it is deleted before those bytes are punched out. All writes

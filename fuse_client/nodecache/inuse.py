@@ -173,14 +173,14 @@ class NodeLease:
         """Trio thread: the blobs in use now (pinned, open, being protected, or seen lately)."""
         now = self.clock()
         cache = self.cache
-        blobs = set(cache.pins) | {b for b, e in cache.entries.items() if e.open_count} | self._settling
+        blobs = set(cache.holds.pinned) | {b for b, e in cache.entries.items() if e.open_count} | self._settling
         for b in blobs:
             self.seen[b] = now
         cutoff = now - self.linger
         return blobs | {b for b, t in self.seen.items() if t >= cutoff}
 
     def last_seen(self) -> dict[str, float]:
-        """For `NodeCache.gc_unused`: blob -> when last seen in use, inf for those in use now."""
+        """For `Forgetting.gc_unused`: blob -> when last seen in use, inf for those in use now."""
         now_in_use = self.in_use()
         return {b: (math.inf if b in now_in_use else t) for b, t in self.seen.items()}
 

@@ -106,7 +106,7 @@ class LazyCache:
 
     # -- durable pins ---------------------------------------------------------------------------
     async def pin_blob(self, blob: str, holder: str) -> Path:
-        """`NodeCache.pin_blob`, after fetching the chunk map of a blob the node has not seen
+        """`Pins.pin_blob`, after fetching the chunk map of a blob the node has not seen
         (`NotFound` if the store lacks it; else `BlobIncomplete` says how much is missing)."""
         if self.guard is not None:
             await self.guard(blob)
@@ -115,23 +115,23 @@ class LazyCache:
             entry = await self.fetcher.entry(blob)
         if entry.unverified_idxs():
             # A pin re-hashes every recovered chunk; it repairs what fails from the store when it
-            # can (else `NodeCache.pin_blob` refuses: BlobIncomplete).
-            bad = await self.cache.verify_all_unverified(entry)
+            # can (else `Pins.pin_blob` refuses: BlobIncomplete).
+            bad = await self.cache.verifier.verify_all_unverified(entry)
             if bad:
                 with contextlib.suppress(LayerstoreError):
                     await self.ensure(entry, bad)
-        return await self.cache.pin_blob(blob, holder)
+        return await self.cache.pins.pin_blob(blob, holder)
 
     async def verify_pinned(self) -> None:
         """Re-hash the recovered chunks of every pinned blob (their files may be mounted
         directly, with no FUSE hop to verify a read), in the background, one blob after the
         other; a chunk that fails is logged (ERROR), loses its record and is fetched from the
         store again, which rewrites the verified bytes in place (what the direct mounts read)."""
-        for blob in sorted(self.cache.pins):
+        for blob in sorted(self.cache.holds.pinned):
             entry = self.cache.get(blob)
             if entry is None or not entry.unverified_idxs():
                 continue
-            bad = await self.cache.verify_all_unverified(entry)
+            bad = await self.cache.verifier.verify_all_unverified(entry)
             if bad:
                 log.error("pinned blob %s: %d chunk(s) changed on disk since they were verified; fetching them again",
                           blob, len(bad))

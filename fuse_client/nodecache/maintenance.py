@@ -36,15 +36,18 @@ def ls(cache_dir: Path) -> dict[str, Any]:
 
 
 def verify(cache_dir: Path) -> dict[str, Any]:
-    return _offline(cache_dir, NodeCache.verify)
+    async def go(cache: NodeCache) -> dict[str, Any]:
+        return await cache.verifier.verify()
+
+    return _offline(cache_dir, go)
 
 
 def evict_offline(cache_dir: Path, *, blob: str | None = None, all_chunks: bool = False,
                   to_bytes: int | None = None) -> dict[str, Any]:
-    """`NodeCache.evict` without a daemon."""
+    """`Evictor.evict` without a daemon."""
 
     async def go(cache: NodeCache) -> dict[str, Any]:
-        return await cache.evict(blob=blob, all_chunks=all_chunks, to_bytes=to_bytes)
+        return await cache.evictor.evict(blob=blob, all_chunks=all_chunks, to_bytes=to_bytes)
 
     return _offline(cache_dir, go)
 
@@ -56,7 +59,7 @@ def pin_offline(cache_dir: Path, blob: str, holder: str) -> Path | None:
 
     async def go(cache: NodeCache) -> Path | None:
         try:
-            return await cache.pin_blob(blob, holder)
+            return await cache.pins.pin_blob(blob, holder)
         except BlobIncomplete:
             return None
 
@@ -70,7 +73,7 @@ def unpin_offline(cache_dir: Path, blob: str, holder: str) -> bool:
     blob, holder = digestmod.parse(blob), check_holder(holder)
 
     async def go(cache: NodeCache) -> bool:
-        return await cache.unpin_blob(blob, holder)
+        return await cache.pins.unpin_blob(blob, holder)
 
     if not is_cache_dir(cache_dir):
         return False
@@ -78,9 +81,9 @@ def unpin_offline(cache_dir: Path, blob: str, holder: str) -> bool:
 
 
 def gc_offline(cache_dir: Path, *, older_than: float, dry_run: bool = False) -> dict[str, Any]:
-    """`NodeCache.gc_unused` without a daemon (no open handles then; pins are durable and kept)."""
+    """`Forgetting.gc_unused` without a daemon (no open handles then; pins are durable and kept)."""
 
     async def go(cache: NodeCache) -> dict[str, Any]:
-        return await cache.gc_unused(older_than, dry_run=dry_run)
+        return await cache.forgetting.gc_unused(older_than, dry_run=dry_run)
 
     return _offline(cache_dir, go)

@@ -27,14 +27,14 @@ def recover(root: Path, files: BlobFiles, index: ci.CacheIndex, **kw: object) ->
     without a map are removed. Recorded chunks whose bytes are there are kept *unverified*:
     counted in usage (their stored length in a zstd cache: what they occupy on disk), evictable,
     but served only once re-hashed (`check_unverified`). The files of pinned and protected blobs
-    (`NodeCache.protect`: mounted directly) are never punched: their unrecorded bytes stay
+    (`Pins.protect`: mounted directly) are never punched: their unrecorded bytes stay
     (not served; a fetch writes over them) until a recovery finds the blob unprotected."""
     cache = NodeCache(root, files, index, **kw)  # type: ignore[arg-type]
     files.ensure_reserve()
     committed = index.committed()
     stored = index.stored_lengths() if cache.compressed else {}
-    pins = cache.pins = index.pins()
-    protected = cache.protected = read_protected(root)
+    pins = cache.holds.pinned = index.pins()
+    protected = cache.holds.protected = read_protected(root)
     sealed = seal.take(root)  # (removed now: a crash from here on leaves none)
     ops: list[ci.Op] = []
     dropped = punched = kept = trusted = 0

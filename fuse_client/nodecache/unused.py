@@ -2,7 +2,7 @@
 
 A blob is kept when anything on the node uses it (an open handle, a durable pin, a chunk in
 flight or held by a reader, or the daemon's in-use view), or when its last use is at or after the
-cutoff; every other blob is forgotten (see `NodeCache.gc_unused`, docs/gc.md, the node side)."""
+cutoff; every other blob is forgotten (see `Forgetting.gc_unused`, docs/gc.md, the node side)."""
 
 from __future__ import annotations
 

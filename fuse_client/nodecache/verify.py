@@ -1,6 +1,8 @@
 """Verification: recovered chunks re-hashed before they are served, and `cache verify`.
 
-A part of `NodeCache` (`cache`), mixed into it. A record says the bytes were verified once, not
+A part the core (`cache.NodeCache`) owns, built with the core's narrow seam (`core.Core`), the
+blobs' holds (`pins.Holds`: pinned and protected files are unrecorded, never punched) and the
+evictor's `drop`. It keeps one counter of its own (`verified_chunks`). A record says the bytes were verified once, not
 that they still are: after a restart recovery keeps recorded chunks as `unverified`, and nothing
 serves them until they are re-hashed against the chunk map here: by the fetcher on first demand
 (`check_unverified`), by `pin_blob` before a direct mount (`verify_all_unverified`), by `verify`.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import blake3
 import trio
@@ -20,8 +22,10 @@ from layerstore import digest as digestmod
 
 from . import frames
 from . import index as ci
+from .core import Core
 from .entry import BlobEntry, Flight
 from .limiter import DEMAND
+from .pins import Holds
 
 log = logging.getLogger("layerstore.fuse.cache")
 
@@ -29,6 +33,13 @@ VERIFY_BATCH_BYTES = 32 << 20  # recovered chunks re-hashed per worker-thread ca
 
 class Verifier:
     """Re-hashing cached chunks against their chunk map."""
+
+    def __init__(self, core: Core, holds: Holds,
+                 drop: Callable[[Sequence[tuple[str, int]]], Awaitable[tuple[int, int]]]) -> None:
+        self.core = core
+        self.holds = holds
+        self.drop = drop
+        self.verified_chunks = 0  # recovered chunks whose bytes matched their digest again
 
     async def check_unverified(self, entry: BlobEntry, positions: Sequence[int]) -> tuple[list[int], list[int]]:
         """Re-hash recovered chunks against the chunk map (worker thread); the caller holds a
@@ -52,21 +63,20 @@ class Verifier:
 
     async def _discard_unverified(self, entry: BlobEntry, idxs: Sequence[int]) -> None:
         chunks = entry.cmap.chunks
-        pinned = entry.blob in self.pins
+        pinned = entry.blob in self.holds.pinned
+        self.core.release(entry, idxs)
         for i in idxs:
-            entry.unverified[i] = 0
-            self.usage -= self.disk_bytes(entry, i)
             log.error("cache: blob %s chunk %d (%s): the cached bytes do not match the digest (changed since they "
                       "were verified); %s", entry.blob, i, chunks[i].digest,
                       "record dropped, not punched (the blob is pinned: its direct mounts read these bytes "
                       "until the chunk is fetched again)" if pinned else "dropped")
-        self.corrupt_cached_chunks += len(idxs)
+        self.core.count_corrupt(len(idxs))
         ops: list[ci.Op] = [ci.DelChunk(entry.blob, i) for i in idxs]
         # (a protected blob's bytes stay too: a fetch writes the verified bytes over them)
-        keep = pinned or entry.blob in self.protected
-        self._enqueue(ops, None if keep else (entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs]))
+        keep = self.holds.held(entry.blob)
+        self.core.enqueue(ops, () if keep else [(entry.blob, [(chunks[i].offset, chunks[i].length) for i in idxs])])
         with trio.CancelScope(shield=True):
-            await self.flush()  # punched before the caller writes anything there
+            await self.core.flush()  # punched before the caller writes anything there
 
     async def verify_unverified(self, entry: BlobEntry) -> tuple[list[int], list[int]]:
         """Re-hash the blob's recovered chunks that no flight holds, in batches of about
@@ -74,7 +84,7 @@ class Verifier:
         Returns (good, bad) over all batches."""
         good: list[int] = []
         bad: list[int] = []
-        busy, blob, chunks = self.busy, entry.blob, entry.cmap.chunks
+        busy, blob, chunks = self.core.busy, entry.blob, entry.cmap.chunks
         todo = [i for i in entry.unverified_idxs() if (blob, i) not in busy]
         while todo:
             batch: list[int] = []
@@ -106,7 +116,8 @@ class Verifier:
         bad: list[int] = []
         while True:
             bad += (await self.verify_unverified(entry))[1]
-            held = [self.busy[(entry.blob, i)] for i in entry.unverified_idxs() if (entry.blob, i) in self.busy]
+            busy = self.core.busy
+            held = [busy[(entry.blob, i)] for i in entry.unverified_idxs() if (entry.blob, i) in busy]
             if not held:
                 return bad
             await held[0].done.wait()
@@ -117,48 +128,45 @@ class Verifier:
         reported and loses its record (the FUSE path never serves it; a read there fetches it
         again and rewrites the verified bytes in place), but its bytes are not punched: a holder
         mounted the file."""
+        core, holds = self.core, self.holds
         checked = 0
         bad: list[dict[str, object]] = []
-        for blob, e in list(self.entries.items()):
+        for blob, e in list(core.entries.items()):
             idxs = [i for i, p in enumerate(e.present) if p]
             good_r, bad_r = await self.verify_unverified(e)
             checked += len(good_r) + len(bad_r)
-            bad += [{"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": blob in self.pins}
+            bad += [{"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": blob in holds.pinned}
                     for i in bad_r]
             if not idxs:
                 continue
-            self.pin(e, idxs)
+            core.pin(e, idxs)
             try:
                 wrong = await trio.to_thread.run_sync(_rehash, e, idxs)
             finally:
-                self.unpin(e, idxs)
+                core.unpin(e, idxs)
             checked += len(idxs)
             if not wrong:
                 continue
-            self.corrupt_cached_chunks += len(wrong)
-            pinned = blob in self.pins
-            keep = pinned or blob in self.protected
+            core.count_corrupt(len(wrong))
+            pinned = blob in holds.pinned
+            keep = holds.held(blob)
             for i in wrong:
                 log.error("cache verify: blob %s chunk %d (%s) does not match its digest; %s", blob, i,
                           e.cmap.chunks[i].digest, "dropped" if not keep else
                           f"unrecorded, not punched (the blob is {'pinned' if pinned else 'protected'})")
                 bad.append({"blob": blob, "chunk": i, "digest": e.cmap.chunks[i].digest, "pinned": pinned})
             if keep:
-                if blob in self.protected and self.on_unrecord is not None:
-                    self.on_unrecord(blob, list(wrong))
+                holds.unrecording(blob, list(wrong))
                 self._unrecord(e, wrong)
-                await self.flush()
+                await core.flush()
             else:
                 await self.drop([(blob, i) for i in wrong])
         return {"checked": checked, "bad": bad}
 
     def _unrecord(self, e: BlobEntry, idxs: Sequence[int]) -> None:
         """Mark chunks absent and queue the deletion of their records, without punching."""
-        for i in idxs:
-            if e.present[i] or e.unverified[i]:
-                e.present[i] = e.unverified[i] = 0
-                self.usage -= self.disk_bytes(e, i)
-        self._enqueue([ci.DelChunk(e.blob, i) for i in idxs])
+        self.core.release(e, idxs)
+        self.core.enqueue([ci.DelChunk(e.blob, i) for i in idxs])
 
 
 def _rehash(entry: BlobEntry, idxs: Sequence[int]) -> list[int]:

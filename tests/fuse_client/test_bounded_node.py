@@ -171,11 +171,11 @@ def test_the_node_forgets_idle_maps_past_its_map_budget(store: Store, tmp_path: 
             await lazy.entry(b.blob)
             await lazy.entry(c.blob)  # 120 entries: b (idle, least recent) goes, a is open
             assert cache.get(b.blob) is None and cache.get(a.blob) is ea and cache.get(c.blob) is not None
-            assert cache.map_entries() == 80
+            assert cache.forgetting.map_entries() == 80
             ea.open_count -= 1
             await lazy.entry(d.blob)  # a and c idle now: the least recently used of them goes
-            assert cache.map_entries() <= 100 and cache.get(d.blob) is not None
-            assert cache.maps_forgotten == 2
+            assert cache.forgetting.map_entries() <= 100 and cache.get(d.blob) is not None
+            assert cache.forgetting.maps_forgotten == 2
             eb = await lazy.entry(b.blob)  # fetched again
             await lazy.ensure(eb, list(range(40)))
             assert cache.gauges()["cache_map_entries"] <= 100

@@ -52,27 +52,39 @@ class Reader:
         pass
 
 
-class Cache:
+class Holds:
     on_unrecord = None
-    budget = None
-    usage = 0
 
     def __init__(self) -> None:
         self.protected: set[str] = set()
 
+
+class Pins:
+    def __init__(self, holds: Holds) -> None:
+        self.holds = holds
+
     async def protect(self, blob: str) -> None:
-        self.protected.add(blob)
+        self.holds.protected.add(blob)
 
     def unprotect(self, blob: str) -> None:
-        self.protected.discard(blob)
+        self.holds.protected.discard(blob)
 
     def settle_protected(self, keep: set[str]) -> list[str]:
-        gone = sorted(self.protected - keep)
-        self.protected &= keep
+        gone = sorted(self.holds.protected - keep)
+        self.holds.protected &= keep
         return gone
 
     def protected_bytes(self) -> int:
         return 0
+
+
+class Cache:
+    budget = None
+    usage = 0
+
+    def __init__(self) -> None:
+        self.holds = Holds()
+        self.pins = Pins(self.holds)
 
     def pin(self, entry: Entry, idxs: list[int]) -> None:
         pass
@@ -167,7 +179,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
     fe.premark(list(previous))
     lazy = Lazy()
     lazy.failing["b"] = 2
-    lazy.cache.protected = {"a", "b", "z"}  # (recovered: z was detached just before the crash)
+    lazy.cache.holds.protected = {"a", "b", "z"}  # (recovered: z was detached just before the crash)
     fd = os.open(cache / "b", os.O_RDONLY)
     st = os.fstat(fd)
     seen: dict[str, object] = {}
@@ -182,7 +194,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
             fe.take_events(slow)  # (what the event thread does with them: held until release)
             await fe.restore(previous)
             seen["unrestored"] = fe.stats_json()["unrestored"]
-            seen["protected"] = set(lazy.cache.protected)
+            seen["protected"] = set(lazy.cache.holds.protected)
             seen["persisted"] = handover.load_attachments(cache)  # (a's restore wrote the list: b kept)
             await fe.release()
             await trio.sleep(0.05)
@@ -196,7 +208,7 @@ def test_a_read_during_a_failed_restore_waits_then_completes(front) -> None:  # 
     assert seen["unrestored"] == ["b"]
     # b, still mounted and not taken back, stays protected from punches; z (detached) is evictable
     assert seen["protected"] == {"a", "b"}
-    assert lazy.cache.protected == {"a", "b"}
+    assert lazy.cache.holds.protected == {"a", "b"}
     assert seen["persisted"] == {"a": ["h1"], "b": ["h2"]}
     assert seen["answers_before"] == []  # neither denied nor allowed while b was not taken back
     assert pipe_answers(r) == [(fd, True, 0)]

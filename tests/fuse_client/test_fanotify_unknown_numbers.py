@@ -18,8 +18,12 @@ from testkit.fanotify_helpers import front_on_a_pipe, pipe_answers
 from fuse_client.fanotify import kernel
 
 
-class Cache:
+class Holds:
     on_unrecord = None
+
+
+class Cache:
+    holds = Holds()
 
 
 class Lazy:

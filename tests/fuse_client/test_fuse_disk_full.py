@@ -79,7 +79,7 @@ def test_a_full_disk_fails_cold_reads_keeps_cached_ones_the_index_and_eviction(s
                 with pytest.raises(pyfuse3.FUSEError) as ei:
                     await r.read(cold_fh, 3 * CHUNK, 100)
                 assert ei.value.errno == errno.EIO
-                assert r.stats.cache_write_failures >= 1 and r.cache.disk_full >= 1
+                assert r.stats.cache_write_failures >= 1 and r.cache.evictor.disk_full >= 1
                 assert r.stats.to_json()["cache_write_failures"] == r.stats.cache_write_failures
                 # What is cached is served (hits never wait, so the eviction the failure kicked
                 # cannot run between these reads).
@@ -91,7 +91,7 @@ def test_a_full_disk_fails_cold_reads_keeps_cached_ones_the_index_and_eviction(s
                     assert await r.read(fh, i * CHUNK, CHUNK) == want[i * CHUNK:(i + 1) * CHUNK]
                 # The failure kicked an eviction, which frees blocks on the full disk.
                 with trio.fail_after(30):
-                    while r.cache.evicted_chunks == 0:
+                    while r.cache.evictor.evicted_chunks == 0:
                         await trio.sleep(0.01)
                 assert r.cache.usage < usage
                 assert await r.read(cold_fh, 3 * CHUNK, 100) == cold_bytes[3 * CHUNK:3 * CHUNK + 100]

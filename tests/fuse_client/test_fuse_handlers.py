@@ -375,13 +375,13 @@ async def test_budget_eviction_lru_and_pins(store: Store, data: bytes, tmp_path:
         with trio.fail_after(10):
             while r.cache.usage > budget.low:
                 await trio.sleep(0.05)
-        assert r.cache.evicted_chunks > 0
+        assert r.cache.evictor.evicted_chunks > 0
         # The metadata chunk of this open blob outlived data chunks that were used after it.
         assert entry.present[0]
         # A pinned chunk is never evicted.
         r.cache.pin(entry, [19])
         await r.fs.read(fh, 19 * CHUNK, 10)
-        await r.cache.evict_to(0)
+        await r.cache.evictor.evict_to(0)
         assert entry.present[19] and r.cache.usage == r.cache.disk_bytes(entry, 19)  # (a zstd cache: its frame)
         r.cache.unpin(entry, [19])
         # Evicted ranges are holes again; the index agrees with memory.
@@ -416,7 +416,7 @@ async def test_restart_keeps_cache_and_serves_without_store(store: Store, backen
         # nothing re-hashed, nothing fetched (after a crash the first reads re-hash: test_fuse_integrity).
         assert await r.read_all(fh, len(data)) == data
         assert r.stats.blobs[cmap.blob].fetched_bytes == 0
-        assert r.stats.blobs[cmap.blob].misses == 0 and r.cache.verified_chunks == 0
+        assert r.stats.blobs[cmap.blob].misses == 0 and r.cache.verifier.verified_chunks == 0
 
 
 @pytest.mark.usefixtures("cache_format")

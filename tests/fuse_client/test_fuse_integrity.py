@@ -40,7 +40,7 @@ def _fill(store: Store, cache_dir: Path, blob: str, size: int, *, pin: str | Non
             fh = await r.open_blob(blob)
             await r.read_all(fh, size)
             if pin:
-                await r.cache.pin_blob(blob, pin)
+                await r.cache.pins.pin_blob(blob, pin)
 
     trio.run(go)
     _crashed(cache_dir)
@@ -79,7 +79,7 @@ def test_a_chunk_corrupted_on_disk_is_refetched_after_a_restart_never_served(
             # matched and was served without a fetch.
             fetched = backend.chunk_loads() - before
             assert sum(fetched.values()) == 1 and digestmod.hex_of(cmap.chunks[3].digest) in "".join(fetched)
-            assert r.cache.corrupt_cached_chunks == 1 and r.cache.verified_chunks == 1
+            assert r.cache.corrupt_cached_chunks == 1 and r.cache.verifier.verified_chunks == 1
             assert "do not match the digest" in caplog.text
             assert await r.read_all(fh, len(data)) == data
             assert r.stats.blobs[cmap.blob].fetched_bytes == CHUNK
@@ -130,7 +130,7 @@ def test_a_pin_after_a_restart_rehashes_and_repairs_or_refuses(store: Store, dat
             with pytest.raises(BlobIncomplete) as ei:
                 await r.lazy.pin_blob(cmap.blob, "shim:a")
             assert ei.value.missing_bytes == CHUNK
-            assert r.cache.corrupt_cached_chunks == 1 and r.cache.holders(cmap.blob) == []
+            assert r.cache.corrupt_cached_chunks == 1 and r.cache.pins.holders(cmap.blob) == []
             await r.lazy.prefetch(cmap.blob, all_chunks=True, wait=True)
             path = await r.lazy.pin_blob(cmap.blob, "shim:a")
             assert path.read_bytes() == data
@@ -155,9 +155,9 @@ def test_a_pinned_blob_is_reverified_and_repaired_after_a_restart(store: Store, 
             with caplog.at_level(logging.ERROR):
                 await r.lazy.verify_pinned()
             assert "changed on disk since they were verified" in caplog.text
-            assert r.cache.corrupt_cached_chunks == 1 and r.cache.verified_chunks == len(cmap.chunks) - 1
+            assert r.cache.corrupt_cached_chunks == 1 and r.cache.verifier.verified_chunks == len(cmap.chunks) - 1
             assert path.read_bytes() == data
-            assert r.cache.holders(cmap.blob) == ["shim:a"]
+            assert r.cache.pins.holders(cmap.blob) == ["shim:a"]
 
     trio.run(go)
 
@@ -187,7 +187,7 @@ def test_recovered_chunks_count_in_usage_ls_eviction_and_verify(store: Store, da
     async def go() -> None:
         async with rig(store, cache_dir) as r:  # unverified again after this reopen (after a crash)
             assert r.cache.usage == used
-            n, b = await r.cache.evict_to(0)
+            n, b = await r.cache.evictor.evict_to(0)
             assert (n, b) == (len(cmap.chunks) - 1, used)
             assert r.cache.usage == 0 and r.cache.ls()["unverified_bytes"] == 0
         # The partial block of the last chunk (ext4 may keep two blocks there after a small frame's write).

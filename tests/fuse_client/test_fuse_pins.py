@@ -56,36 +56,36 @@ async def test_pin_only_complete_blobs_and_it_is_durable(store: Store, data: byt
     cache_dir = tmp_path / "cache"
     async with rig(store, cache_dir) as r:
         with pytest.raises(BlobIncomplete) as ei:
-            await r.cache.pin_blob(cmap.blob, "shim:a")  # not even its map is here
+            await r.cache.pins.pin_blob(cmap.blob, "shim:a")  # not even its map is here
         assert ei.value.missing_bytes is None
         fh = await r.open_blob(cmap.blob)
         await r.fs.read(fh, 3 * CHUNK, 10)
         with pytest.raises(BlobIncomplete) as ei:
-            await r.cache.pin_blob(cmap.blob, "shim:a")
+            await r.cache.pins.pin_blob(cmap.blob, "shim:a")
         assert ei.value.missing_bytes == len(data) - 2 * CHUNK  # chunk 0 (metadata) and 3 are here
-        assert r.cache.pins == {} and r.cache.index.pins() == {}
+        assert r.cache.holds.pinned == {} and r.cache.index.pins() == {}
         await r.read_all(fh, len(data))
-        path = await r.cache.pin_blob(cmap.blob, "shim:a")
+        path = await r.cache.pins.pin_blob(cmap.blob, "shim:a")
         # Committed on return: the pin and every chunk record (the data synced before them).
         assert path.is_absolute() and path.read_bytes() == data
         assert set(r.cache.index.pins()[cmap.blob]) == {"shim:a"}
         assert len(r.cache.index.committed_of(cmap.blob)) == len(cmap.chunks)
-        assert await r.cache.pin_blob(cmap.blob, "shim:a") == path  # idempotent
-        await r.cache.pin_blob(cmap.blob, "shim:b")
+        assert await r.cache.pins.pin_blob(cmap.blob, "shim:a") == path  # idempotent
+        await r.cache.pins.pin_blob(cmap.blob, "shim:b")
         ls = r.cache.ls()
         assert [(p["blob"], p["holder"]) for p in ls["pins"]] == [(cmap.blob, "shim:a"), (cmap.blob, "shim:b")]
         assert ls["pins"][0]["path"] == str(path)
         assert ls["blobs"][0]["complete"] and ls["blobs"][0]["pinned_by"] == ["shim:a", "shim:b"]
         assert ls["pinned_bytes"] == len(data)
         with pytest.raises(BadInput):
-            await r.cache.pin_blob(cmap.blob, "")
-        assert await r.cache.unpin_blob(cmap.blob, "shim:b")
-        assert not await r.cache.unpin_blob(cmap.blob, "shim:b")  # idempotent
+            await r.cache.pins.pin_blob(cmap.blob, "")
+        assert await r.cache.pins.unpin_blob(cmap.blob, "shim:b")
+        assert not await r.cache.pins.unpin_blob(cmap.blob, "shim:b")  # idempotent
     # A restart (the same as after kill -9: nothing but the index is read) keeps the pin.
     async with rig(store, cache_dir) as r:
-        assert set(r.cache.pins) == {cmap.blob} and set(r.cache.pins[cmap.blob]) == {"shim:a"}
+        assert set(r.cache.holds.pinned) == {cmap.blob} and set(r.cache.holds.pinned[cmap.blob]) == {"shim:a"}
         with pytest.raises(BlobPinned, match="shim:a"):
-            await r.cache.drop_blob(cmap.blob)
+            await r.cache.evictor.drop_blob(cmap.blob)
 
 
 @pytest.mark.trio
@@ -96,14 +96,14 @@ async def test_eviction_skips_pinned_blobs_and_says_so(store: Store, data: bytes
     budget = Budget(len(data) + 4 * CHUNK, 0.9, 0.8)
     async with rig(store, tmp_path / "cache", budget=budget) as r:
         await _fill(r, pinned.blob, len(data))
-        path = await r.cache.pin_blob(pinned.blob, "h")
+        path = await r.cache.pins.pin_blob(pinned.blob, "h")
         disk = os.stat(path).st_blocks
         with caplog.at_level(logging.WARNING, logger="layerstore.fuse.cache"):
             await _fill(r, other.blob, len(data))  # over budget: only `other` can give way
             with trio.fail_after(10):
-                while r.cache.evicted_chunks == 0 or r.cache._episode:
+                while r.cache.evictor.evicted_chunks == 0 or r.cache.evictor.episode:
                     await trio.sleep(0.05)
-            await r.cache.evict_to(0)
+            await r.cache.evictor.evict_to(0)
         assert "pinned blob" in caplog.text
         e = r.cache.get(pinned.blob)
         assert e is not None and all(e.present) and os.stat(path).st_blocks == disk
@@ -111,12 +111,12 @@ async def test_eviction_skips_pinned_blobs_and_says_so(store: Store, data: bytes
         assert r.cache.usage == len(data)  # the pinned bytes still count against the budget
         assert not any(r.cache.get(other.blob).present)  # type: ignore[union-attr]
         with pytest.raises(BlobPinned):
-            await r.cache.evict(blob=pinned.blob)
-        res = await r.cache.evict(all_chunks=True)
+            await r.cache.evictor.evict(blob=pinned.blob)
+        res = await r.cache.evictor.evict(all_chunks=True)
         assert res["pinned_bytes"] == len(data) and res["used_bytes"] == len(data)
         # Unpinned, it is an ordinary blob again.
-        await r.cache.unpin_blob(pinned.blob, "h")
-        assert await r.cache.drop_blob(pinned.blob) == (len(pinned.chunks), len(data))
+        await r.cache.pins.unpin_blob(pinned.blob, "h")
+        assert await r.cache.evictor.drop_blob(pinned.blob) == (len(pinned.chunks), len(data))
 
 
 @pytest.mark.trio
@@ -125,11 +125,11 @@ async def test_verify_reports_a_bad_chunk_of_a_pinned_blob_without_punching(stor
     cmap = put_blob(store, data)
     async with rig(store, tmp_path / "cache") as r:
         fh = await _fill(r, cmap.blob, len(data))
-        path = await r.cache.pin_blob(cmap.blob, "h")
+        path = await r.cache.pins.pin_blob(cmap.blob, "h")
         with open(path, "r+b") as f:
             f.seek(5 * CHUNK + 3)
             f.write(b"\xff\xfe")
-        res = await r.cache.verify()
+        res = await r.cache.verifier.verify()
         assert res["bad"] == [{"blob": cmap.blob, "chunk": 5, "digest": cmap.chunks[5].digest, "pinned": True}]
         # Not punched: the damaged bytes are still there, but no longer recorded nor served.
         assert os.pread(r.cache.get(cmap.blob).fd, 2, 5 * CHUNK + 3) == b"\xff\xfe"  # type: ignore[union-attr]
@@ -137,7 +137,7 @@ async def test_verify_reports_a_bad_chunk_of_a_pinned_blob_without_punching(stor
         # A FUSE read fetches the chunk again and rewrites the verified bytes in place.
         assert await r.read(fh, 5 * CHUNK, CHUNK) == data[5 * CHUNK:6 * CHUNK]
         assert path.read_bytes() == data
-        assert (await r.cache.verify())["bad"] == []
+        assert (await r.cache.verifier.verify())["bad"] == []
 
 
 def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_path: Path) -> None:
@@ -147,7 +147,7 @@ def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_pat
     async def fill() -> None:
         async with rig(store, cache_dir) as r:
             await _fill(r, cmap.blob, len(data))
-            await r.cache.pin_blob(cmap.blob, "h")
+            await r.cache.pins.pin_blob(cmap.blob, "h")
 
     trio.run(fill)
     (cache_dir / SEAL_NAME).unlink()  # a crash: no verified seal
@@ -162,7 +162,7 @@ def test_recovery_never_punches_a_pinned_blob(store: Store, data: bytes, tmp_pat
         assert entry is not None and not entry.present[2] and not entry.unverified[2]
         assert len(entry.unverified_idxs()) == len(cmap.chunks) - 1
         assert files.path(cmap.blob).read_bytes() == data  # not punched
-        assert set(cache.pins) == {cmap.blob}
+        assert set(cache.holds.pinned) == {cmap.blob}
 
 
 @pytest.mark.root

@@ -64,7 +64,7 @@ def test_hit_path_handler_time_after_a_restart(store: Store, tmp_path: Path,
                 figures.append(f"{block // 1024} KiB hit: handler {handler * 1e6:.1f} us, "
                                f"pread of the same range {pread * 1e6:.1f} us")
             st = r.stats.blobs[cmap.blob]
-            assert st.misses == 0 and st.fetched_bytes == 0 and r.cache.verified_chunks == 0
+            assert st.misses == 0 and st.fetched_bytes == 0 and r.cache.verifier.verified_chunks == 0
 
     trio.run(fill)
     trio.run(restarted)

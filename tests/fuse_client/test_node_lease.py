@@ -112,7 +112,7 @@ async def test_the_lease_rotates_to_exactly_the_blobs_in_use(store: Store, backe
         assert held_blobs(backend) == {a, b} and r.inuse.rotations == 1
         assert r.inuse.vouched == {a, b}
         await r.fs.release(fa)
-        assert await r.cache.unpin_blob(b, "shim:/node/layers/b")
+        assert await r.cache.pins.unpin_blob(b, "shim:/node/layers/b")
         await r.inuse.rotate()  # a and b were in use until now: they linger
         assert held_blobs(backend) == {a, b}
         clock.now += 31
@@ -218,7 +218,7 @@ async def test_pins_from_before_a_restart_are_held_at_start(store: Store, backen
         with trio.fail_after(10):  # the first rotation, at start
             while held_blobs(backend) != {a}:
                 await trio.sleep(0.02)
-        assert await r.cache.unpin_blob(a, "shim:/node/layers/a")
+        assert await r.cache.pins.unpin_blob(a, "shim:/node/layers/a")
 
 
 def test_the_rotation_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,7 +264,7 @@ async def test_holds_and_rotations_interleaved_keep_every_vouched_blob_held(stor
             held = held_blobs(backend)
             missing = (r.inuse.vouched | r.inuse.held) - held
             assert not missing, f"relied on but not in the lease: {missing}"
-            in_use = set(r.cache.pins) | {b for b, e in r.cache.entries.items() if e.open_count}
+            in_use = set(r.cache.holds.pinned) | {b for b, e in r.cache.entries.items() if e.open_count}
             assert in_use <= r.inuse.vouched | set(r.inuse.seen)
 
         async def worker(seed: int) -> None:

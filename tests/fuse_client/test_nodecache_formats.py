@@ -96,7 +96,7 @@ def test_a_frame_not_smaller_than_its_chunk_is_stored_raw(store: Store, tmp_path
         async with rig(store, tmp_path / "cache") as r:
             fh = await r.open_blob(cmap.blob)
             assert await r.read_all(fh, len(data)) == data
-            assert r.stats.blobs[cmap.blob].fetched_bytes == 0 and r.cache.verified_chunks == 2
+            assert r.stats.blobs[cmap.blob].fetched_bytes == 0 and r.cache.verifier.verified_chunks == 2
 
     trio.run(fill)
     trio.run(again)
@@ -194,7 +194,7 @@ def test_kill_9_while_a_zstd_cache_is_filled_recovers(store: Store, backend: Cou
             fetched = r.stats.blobs[cmap.blob].fetched_bytes
             assert 0 < fetched < len(data)  # what was committed before the kill is not fetched again
             # (`verify` re-hashed every recorded chunk and closed cleanly: its verified seal vouches for them)
-            assert r.cache.verified_chunks == 0 and fetched + r.cache.ls()["blobs"][0]["cached_bytes"] > 0
+            assert r.cache.verifier.verified_chunks == 0 and fetched + r.cache.ls()["blobs"][0]["cached_bytes"] > 0
 
     trio.run(go)
     assert sum(backend.chunk_loads().values()) > loads
@@ -214,7 +214,7 @@ def test_a_zstd_cache_has_no_direct_mounts(store: Store, tmp_path: Path) -> None
             assert await r.read_all(fh, len(data)) == data
             with pytest.raises(NoPlainImage, match="compressed"):
                 await r.lazy.pin_blob(cmap.blob, "shim:test")
-            assert r.cache.holders(cmap.blob) == []
+            assert r.cache.pins.holders(cmap.blob) == []
 
     trio.run(go)
     with pytest.raises(NoPlainImage):

@@ -1,4 +1,4 @@
-"""Protected blobs (`NodeCache.protect`, docs/fanotify.md "Eviction of attached blobs"): the data
+"""Protected blobs (`Pins.protect`, docs/fanotify.md "Eviction of attached blobs"): the data
 file of a blob mounted directly by the fanotify front end is never punched (budget, explicit and
 disk-full eviction, `verify`, `gc`, recovery), other blobs are evicted instead; an eviction of it
 already under way finishes before `protect` returns; the protection is durable; unprotected, the
@@ -77,21 +77,21 @@ async def test_a_protected_blob_is_never_punched_and_other_blobs_are_evicted(
     async with running_lazy_cache(store, tmp_path / "cache") as lazy:
         cache: NodeCache = lazy.cache
         ea, eb = await filled(lazy, a), await filled(lazy, b)
-        await cache.protect(a.blob)
+        await cache.pins.protect(a.blob)
         punches = Punches(cache)
         unrecorded: list[tuple[str, list[int]]] = []
-        cache.on_unrecord = lambda blob, idxs: unrecorded.append((blob, idxs))
+        cache.holds.on_unrecord = lambda blob, idxs: unrecorded.append((blob, idxs))
         full = files.allocated_bytes(a.blob)
         assert cache.usage == 2 * N * CHUNK
 
-        n, nbytes = await cache.evict_to(N * CHUNK + N * CHUNK // 2)  # the budget's kind of pass: b's chunks go
+        n, nbytes = await cache.evictor.evict_to(N * CHUNK + N * CHUNK // 2)  # the budget's kind of pass: b's chunks go
         assert (n, nbytes) == (N // 2, N * CHUNK // 2)
         assert all(ea.present) and sum(eb.present) == N // 2
-        res = await cache.evict(all_chunks=True)
+        res = await cache.evictor.evict(all_chunks=True)
         assert res["evicted_chunks"] == N // 2 and res["used_bytes"] == N * CHUNK == res["protected_bytes"]
-        res = await cache.evict(blob=a.blob)
+        res = await cache.evictor.evict(blob=a.blob)
         assert res["evicted_chunks"] == 0 and "protected" in res["skipped"]
-        await cache.evict_to(0)
+        await cache.evictor.evict_to(0)
         assert cache.usage == N * CHUNK and all(ea.present) and not any(eb.present)
         # said once, not per pass (two passes fell short of their target above)
         held = [r for r in caplog.records if "mounted directly" in r.getMessage()]
@@ -104,17 +104,17 @@ async def test_a_protected_blob_is_never_punched_and_other_blobs_are_evicted(
         fd = os.open(files.path(a.blob), os.O_WRONLY)
         os.pwrite(fd, b"\xff" * 16, ref.offset)
         os.close(fd)
-        rep = await cache.verify()
+        rep = await cache.verifier.verify()
         assert [(x["blob"], x["chunk"]) for x in rep["bad"]] == [(a.blob, 3)]
         assert unrecorded == [(a.blob, [3])] and not ea.present[3]
-        assert cache.forget_blob(a.blob) is None  # gc leaves it too
+        assert cache.forgetting.forget_blob(a.blob) is None  # gc leaves it too
         await cache.flush()
         assert a.blob not in punches.blobs() and files.allocated_bytes(a.blob) == full
         assert b.blob in punches.blobs()
 
         # unprotected (detached): evictable again, and punched
-        cache.unprotect(a.blob)
-        await cache.evict_to(0)
+        cache.pins.unprotect(a.blob)
+        await cache.evictor.evict_to(0)
         assert cache.usage == 0 and not any(ea.present)
         assert a.blob in punches.blobs() and files.allocated_bytes(a.blob) < full
     assert read_protected(tmp_path / "cache") == set()
@@ -130,20 +130,20 @@ async def test_protect_during_an_eviction_returns_after_its_last_punch(store: St
         entry = await filled(lazy, a)
         punches = Punches(cache, slow=0.3)
         async with trio.open_nursery() as n:
-            n.start_soon(cache.drop, [(a.blob, i) for i in range(N // 2)])
+            n.start_soon(cache.evictor.drop, [(a.blob, i) for i in range(N // 2)])
             while not punches.started.is_set():  # the eviction is applying its batch now
                 await trio.sleep(0.005)
-            await cache.protect(a.blob)
+            await cache.pins.protect(a.blob)
             returned = time.monotonic()
             assert [b for b, _ in punches.done] == [a.blob] and punches.done[0][1] <= returned
             # from here on: nothing of it is punched
-            assert await cache.drop([(a.blob, i) for i in range(N)]) == (0, 0)
-            await cache.evict_to(0)
+            assert await cache.evictor.drop([(a.blob, i) for i in range(N)]) == (0, 0)
+            await cache.evictor.evict_to(0)
         assert punches.blobs() == {a.blob} and len(punches.done) == 1
         assert sum(entry.present) == N - N // 2
         # chunks the eviction took are fetched again (a fill after the attach), and stay
         await lazy.ensure(entry, list(range(N)))
-        await cache.evict_to(0)
+        await cache.evictor.evict_to(0)
         assert all(entry.present) and len(punches.done) == 1
 
 
@@ -153,7 +153,7 @@ async def test_protect_before_an_eviction_chose_its_victims_skips_the_blob(store
     async with running_lazy_cache(store, tmp_path / "cache", budget=Budget(N * CHUNK)) as lazy:
         cache: NodeCache = lazy.cache
         await lazy.entry(a.blob)
-        await cache.protect(a.blob)  # (attached while cold: its fills alone pass the high watermark)
+        await cache.pins.protect(a.blob)  # (attached while cold: its fills alone pass the high watermark)
         punches = Punches(cache)
         ea = await filled(lazy, a)
         eb = await filled(lazy, b)  # over the high watermark: the budget's loop evicts, b only
@@ -179,7 +179,7 @@ def test_protection_is_durable_and_recovery_leaves_a_protected_file_alone(store:
             for cmap in (a, b):
                 entry = await lazy.entry(cmap.blob)
                 await lazy.ensure(entry, [0])
-            await lazy.cache.protect(a.blob)
+            await lazy.cache.pins.protect(a.blob)
 
     trio.run(first)
     assert read_protected(root) == {a.blob}
@@ -192,10 +192,10 @@ def test_protection_is_durable_and_recovery_leaves_a_protected_file_alone(store:
     async def second() -> None:
         async with running_lazy_cache(store, root) as lazy:
             cache: NodeCache = lazy.cache
-            seen["protected"] = set(cache.protected)
-            await cache.evict_to(0)
+            seen["protected"] = set(cache.holds.protected)
+            await cache.evictor.evict_to(0)
             seen["usage"] = cache.usage
-            cache.unprotect(a.blob)
+            cache.pins.unprotect(a.blob)
 
     trio.run(second)
     assert seen == {"protected": {a.blob}, "usage": CHUNK}
@@ -205,7 +205,7 @@ def test_protection_is_durable_and_recovery_leaves_a_protected_file_alone(store:
 
     async def third() -> None:
         async with running_lazy_cache(store, root) as lazy:
-            seen["protected"] = set(lazy.cache.protected)
+            seen["protected"] = set(lazy.cache.holds.protected)
 
     trio.run(third)
     assert seen["protected"] == set()
@@ -241,7 +241,7 @@ def test_a_zstd_cache_counts_stored_bytes_in_usage_budget_and_eviction(
             assert cache.usage == stored
             assert cache.ls()["blobs"][0]["stored_bytes"] + cache.ls()["blobs"][1]["stored_bytes"] == stored
             target = cache.usage - sum(eb.stored[:3]) - 1  # three of b's frames (b is used last)
-            n, nbytes = await cache.evict_to(target)
+            n, nbytes = await cache.evictor.evict_to(target)
             assert cache.usage <= target and nbytes == stored - cache.usage
             seen["usage"] = cache.usage
 
@@ -256,7 +256,7 @@ def test_a_zstd_cache_counts_stored_bytes_in_usage_budget_and_eviction(
             seen["recovered"] = cache.usage
             seen["plain"] = sum(e.held_bytes() for e in cache.entries.values())
             await trio.sleep(0.3)  # (the budget's loop would run now if usage were above its high watermark)
-            seen["evicted"] = cache.evicted_chunks
+            seen["evicted"] = cache.evictor.evicted_chunks
 
     trio.run(second)
     assert seen["recovered"] == usage <= budget.high
@@ -287,7 +287,7 @@ def test_blobs_recorded_before_open_are_protected_from_recovery(store: Store, tm
 
     async def reopen() -> None:
         async with running_lazy_cache(store, root) as lazy:
-            seen["protected"] = set(lazy.cache.protected)
+            seen["protected"] = set(lazy.cache.holds.protected)
             entry = lazy.cache.get(a.blob)
             seen["present"] = entry is not None and (entry.unverified[0], entry.unverified[5])
 

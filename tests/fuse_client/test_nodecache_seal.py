@@ -57,10 +57,10 @@ def test_a_clean_close_lets_the_next_open_serve_unchanged_files_inline(
             with contextlib.closing(reader):  # every read of the sealed blob is an inline hit
                 got = [reader.read_cached(off, CHUNK) for off in range(0, len(a), CHUNK)]
                 assert all(g is not None for g in got) and b"".join(bytes(g) for g in got if g is not None) == a
-            assert r.cache.verified_chunks == 0  # nothing was re-hashed ...
+            assert r.cache.verifier.verified_chunks == 0  # nothing was re-hashed ...
             fh = await r.open_blob(mb.blob)
             assert await r.read_all(fh, len(b)) == b  # ... but the changed file's chunks, on their first read
-            assert r.cache.verified_chunks == len(mb.chunks) - 1 and r.cache.corrupt_cached_chunks == 1
+            assert r.cache.verifier.verified_chunks == len(mb.chunks) - 1 and r.cache.corrupt_cached_chunks == 1
             assert sum((backend.chunk_loads() - before).values()) == 1  # only b's changed chunk was fetched
 
     trio.run(go)

@@ -1,4 +1,4 @@
-"""`layerctl cache gc` and `NodeCache.gc_unused`: cached blobs nothing uses and nobody used for a
+"""`layerctl cache gc` and `Forgetting.gc_unused`: cached blobs nothing uses and nobody used for a
 while are forgotten (chunks, map, index records, data file); pinned, open, in-flight and in-use
 blobs never are. Without a kernel (the FUSE operations called directly), offline (the CLI with
 no daemon), and through a real daemon's control socket (root)."""
@@ -96,16 +96,16 @@ async def test_gc_forgets_only_blobs_nothing_uses(store: Store, tmp_path: Path) 
         r.inuse.seen.clear()  # (the daemon's own view: only what is open or pinned now)
 
         used = r.cache.usage
-        dry = await r.cache.gc_unused(HOUR, dry_run=True)
+        dry = await r.cache.forgetting.gc_unused(HOUR, dry_run=True)
         assert [x["blob"] for x in dry["dropped"]] == [c] and dry["dry_run"]
         assert set(r.cache.entries) == {a, b, c, d, e} and r.cache.usage == used  # nothing changed
-        res = await r.cache.gc_unused(HOUR)
+        res = await r.cache.forgetting.gc_unused(HOUR)
         assert [x["blob"] for x in res["dropped"]] == [c]
         assert res["dropped_bytes"] == len(dc) and res["kept_in_use"] == 3 and res["kept_recent"] == 1
         assert c not in r.cache.entries and not files.exists(c) and r.cache.usage == used - len(dc)
         assert c not in {m for m, _ in r.cache.index.maps()}  # committed before gc_unused returned
         # Even with no threshold, the open, the pinned and the held one stay.
-        res = await r.cache.gc_unused(0.0)
+        res = await r.cache.forgetting.gc_unused(0.0)
         assert {x["blob"] for x in res["dropped"]} == {d}
         assert set(r.cache.entries) == {a, b, e}
         r.cache.unpin(r.cache.entries[e], [0])
@@ -115,9 +115,9 @@ async def test_gc_forgets_only_blobs_nothing_uses(store: Store, tmp_path: Path) 
         assert await r.read_all(fc, len(dc)) == dc
         await r.fs.release(fc)
         await r.fs.release(handles[a])
-        assert await r.cache.unpin_blob(b, "shim:/node/layers/b")
+        assert await r.cache.pins.unpin_blob(b, "shim:/node/layers/b")
         # b's last use is its unpin (a direct mount reads without a FUSE hop): recent
-        res = await r.cache.gc_unused(HOUR)
+        res = await r.cache.forgetting.gc_unused(HOUR)
         assert b not in {x["blob"] for x in res["dropped"]}
     assert _index_maps(cache_dir) == {a, b, c, e} - {x["blob"] for x in res["dropped"]}
 
@@ -133,11 +133,11 @@ async def test_the_daemons_view_keeps_a_blob_being_mounted(store: Store, tmp_pat
         await r.fs.release(fh)
         clock.offset = 2 * HOUR
         await r.lookup(a)  # the shim asked about it: a mount is on its way
-        res = await r.cache.gc_unused(0.0)
+        res = await r.cache.forgetting.gc_unused(0.0)
         assert res["dropped"] == [] and res["kept_in_use"] == 1
         clock.offset += 61  # the request lingers one rotation interval, then counts as its last use
-        assert (await r.cache.gc_unused(120.0))["dropped"] == []
-        assert [x["blob"] for x in (await r.cache.gc_unused(30.0))["dropped"]] == [a]
+        assert (await r.cache.forgetting.gc_unused(120.0))["dropped"] == []
+        assert [x["blob"] for x in (await r.cache.forgetting.gc_unused(30.0))["dropped"]] == [a]
 
 
 def _filled_cache(store: Store, tmp_path: Path, pin: str | None = None) -> tuple[Path, list[tuple[str, bytes]]]:

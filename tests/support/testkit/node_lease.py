@@ -136,7 +136,7 @@ async def lease_rig(store: Store, cache_dir: Path, *, interval: float = 3600.0, 
             await nursery.start(cache.run)
             inuse = NodeLease(cache, store.backend, name=f"test:{cache_dir}", interval=interval, linger=linger,
                               clock=clock)
-            cache.in_use = inuse.last_seen
+            cache.forgetting.in_use = inuse.last_seen
             await nursery.start(inuse.run)
             lazy = LazyCache(cache, store, nursery=nursery, deadline=5.0, guard=inuse.guard)
             try:
