@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-# A cache gauge whose name is one of the counters above: renamed, since two families of one name
-# make Prometheus reject the whole scrape ("second TYPE line").
+# A cache gauge whose name is one of the counters above: renamed. Two families of one name are an
+# invalid exposition (`promtool check metrics`: "second HELP line"; Prometheus 2.42 takes the
+# scrape, but one name would mean two figures).
 GAUGE_RENAMES = {"cache_write_failures": "cache_data_write_failures"}
 FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
