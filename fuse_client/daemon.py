@@ -43,7 +43,7 @@ from layerstore import linux
 from layerstore.backends import Backend
 from layerstore.errors import ConfigError, LayerstoreError
 from layerstore.fileio import private_dir
-from layerstore.metrics_listen import MetricsListener, wanted
+from layerstore.metrics_listen import NODE_ENV, MetricsListener, wanted
 
 from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
@@ -157,7 +157,7 @@ class DaemonConfig:
     data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else auto
     cache_format: str | None = None  # of a new cache: "plain" | "zstd"; None: $LAYERSTORE_CACHE_FORMAT, else plain
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
-    metrics_listen: str | None = None  # HOST:PORT for Prometheus; None: $LAYERSTORE_METRICS_LISTEN, else none
+    metrics_listen: str | None = None  # HOST:PORT for Prometheus; None: $LAYERSTORE_NODE_METRICS_LISTEN, else none
 
     def budget(self) -> Budget:
         """--cache-size, else `Budget.default_for` the filesystem the cache directory is on (or
@@ -304,7 +304,7 @@ class Daemon:
         """The TCP `/metrics` listener if one is asked for (docs/metrics.md). Its thread asks this
         loop for the text: the counters are written here without locks, so they are read here too
         (one short callback per scrape, queued behind whatever the loop is doing)."""
-        address = wanted(self.config.metrics_listen)
+        address = wanted(self.config.metrics_listen, NODE_ENV)
         if address is None:
             return
         token = trio.lowlevel.current_trio_token()
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mountpoint", required=True, type=Path)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     ap.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
-                    help="serve Prometheus text at http://HOST:PORT/metrics (default $LAYERSTORE_METRICS_LISTEN)")
+                    help="serve Prometheus text at http://HOST:PORT/metrics (default $LAYERSTORE_NODE_METRICS_LISTEN)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,7 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .errors import ConfigError
 
 log = logging.getLogger("layerstore.metrics")
-ENV = "LAYERSTORE_METRICS_LISTEN"  # HOST:PORT or PORT; the flag `--metrics-listen` wins
+# HOST:PORT or PORT, one variable per kind of process: the snapshotter starts node daemons (through
+# the shim), which inherit its environment; one shared name would have them bind the same port.
+NODE_ENV = "LAYERSTORE_NODE_METRICS_LISTEN"
+SNAPSHOTTER_ENV = "LAYERSTORE_SNAPSHOTTER_METRICS_LISTEN"
 DEFAULT_HOST = "127.0.0.1"
 
 
@@ -44,9 +47,9 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, number
 
 
-def wanted(flag: str | None) -> str | None:
-    """The address asked for: the flag, else $LAYERSTORE_METRICS_LISTEN, else none (no listener)."""
-    return flag or os.environ.get(ENV) or None
+def wanted(flag: str | None, env: str) -> str | None:
+    """The address asked for: the flag, else the environment variable `env`, else none (no listener)."""
+    return flag or os.environ.get(env) or None
 
 
 class MetricsListener:

@@ -19,7 +19,7 @@ import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, PermissionDenied
-from layerstore.metrics_listen import MetricsListener, wanted
+from layerstore.metrics_listen import SNAPSHOTTER_ENV, MetricsListener, wanted
 
 from .errors import SnapshotExists, SnapshotPrecondition
 from .metadata import ACTIVE, COMMITTED, VIEW, Snapshot
@@ -161,15 +161,12 @@ def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32,
 
 def serve(sn: Snapshotter, address: str | os.PathLike[str], metrics_listen: str | None = None) -> None:
     """Serve until SIGTERM or SIGINT; then stop taking calls, finish those in flight, close.
-    `metrics_listen` (else $LAYERSTORE_METRICS_LISTEN): HOST:PORT of a Prometheus `/metrics`."""
+    `metrics_listen` (else $LAYERSTORE_SNAPSHOTTER_METRICS_LISTEN): HOST:PORT of a Prometheus
+    `/metrics` (docs/metrics.md); bound before the gRPC socket, so a taken port fails the start."""
     metrics = SnapshotterMetrics(layers_held=lambda: layers_held(sn))
-    address_m = wanted(metrics_listen)
-    listener = MetricsListener(address_m, metrics.prometheus).start() if address_m else None
-    try:
-        _serve(sn, address, metrics)
-    finally:
-        if listener is not None:
-            listener.close()
+    at = wanted(metrics_listen, SNAPSHOTTER_ENV)
+    with MetricsListener(at, metrics.prometheus) if at else contextlib.nullcontext():
+        _serve(sn, address, metrics)  # (a scrape after `sn.close()` and before the listener closes: one 500)
 
 
 def _serve(sn: Snapshotter, address: str | os.PathLike[str], metrics: SnapshotterMetrics) -> None:

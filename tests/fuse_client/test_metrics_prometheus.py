@@ -27,7 +27,7 @@ from testkit.fuse_helpers import DaemonProcess, build_and_push, make_tree
 from testkit.prometheus import Prometheus, prometheus_missing, running_prometheus
 from testkit.store_service import free_port, running_service
 
-from layerstore.metrics_listen import ENV, MetricsListener, parse_address
+from layerstore.metrics_listen import NODE_ENV, SNAPSHOTTER_ENV, MetricsListener, parse_address
 from layerstore.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,10 +112,11 @@ def test_listener_addresses_default_to_loopback() -> None:
 def test_the_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from layerstore.metrics_listen import wanted
 
-    monkeypatch.delenv(ENV, raising=False)
-    assert wanted(None) is None
-    monkeypatch.setenv(ENV, "127.0.0.1:9411")
-    assert wanted(None) == "127.0.0.1:9411" and wanted("9500") == "9500"
+    monkeypatch.delenv(NODE_ENV, raising=False)
+    assert wanted(None, NODE_ENV) is None
+    monkeypatch.setenv(NODE_ENV, "127.0.0.1:9411")
+    assert wanted(None, NODE_ENV) == "127.0.0.1:9411" and wanted("9500", NODE_ENV) == "9500"
+    assert wanted(None, SNAPSHOTTER_ENV) is None  # (a snapshotter's daemons inherit its environment)
 
 
 def test_a_taken_port_is_a_config_error() -> None:
@@ -164,7 +165,7 @@ def prometheus_run(tmp_path: Path) -> Iterator[Callable[..., contextlib.Abstract
 @contextlib.contextmanager
 def running_snapshotter(node: Path, store_url: str, metrics: str, log: Path) -> Iterator[Path]:
     sock = node.parent / "snapshotter.sock"
-    env = {**os.environ, ENV: metrics}
+    env = {**os.environ, SNAPSHOTTER_ENV: metrics}
     env.pop("LAYERSTORE_STORE", None)
     with open(log, "ab") as out:
         proc = subprocess.Popen([LAYERCTL, "snapshotter", "--address", str(sock), "--node-dir", str(node),
@@ -232,21 +233,26 @@ def test_prometheus_scrapes_daemon_service_and_snapshotter(
     ports = {job: free_port() for job in ("node", "snapshotter")}
     cache = tmp_path / "cache"
     with running_service(store_dir, tmp_path / "svc") as svc, \
-            DaemonProcess(svc.url, cache, tmp_path / "mnt", env={ENV: f"127.0.0.1:{ports['node']}"}) as d, \
+            DaemonProcess(svc.url, cache, tmp_path / "mnt", env={NODE_ENV: f"127.0.0.1:{ports['node']}"}) as d, \
             running_snapshotter(node, svc.url, f"127.0.0.1:{ports['snapshotter']}", tmp_path / "sn.log") as sock:
         service_target = svc.url.removeprefix("http://")
         prom = prometheus_run({"node": f"127.0.0.1:{ports['node']}", "service": service_target,
                                "snapshotter": f"127.0.0.1:{ports['snapshotter']}"}, [RULES])
         prom.wait_up({"node", "service", "snapshotter"})
-        time.sleep(2)  # (a scrape before the burst: the rate has a zero to rise from)
-
         with mounted_erofs(d.blob(layer.blob)) as mnt:  # a real read through FUSE
             for f in sorted(mnt.rglob("*")):
                 if f.is_file():
                     f.read_bytes()
+        # A scrape of the blob's series before more fetches: a series' first sample is not a rise
+        # (rate() needs two samples of it), so the re-read below is what the recorded rate sees.
+        first = layerctl_json("stats", "--cache", str(cache))["blobs"][layer.blob]["fetched_bytes"]  # type: ignore[index]
+        converge(lambda: [] if prom.value(f'layerstore_fuse_fetched_bytes_total{{blob="{layer.blob}"}}') == first
+                 else ["the first read was not scraped"])
         evicted = layerctl_json("cache", "evict", "--cache", str(cache), "--all")
         with mounted_erofs(d.blob(layer.blob)) as mnt:  # cold again: misses and fetches
-            (mnt / "d1").exists()
+            for f in sorted(mnt.rglob("*"))[:10]:
+                if f.is_file():
+                    f.read_bytes()
         snapshot_calls(sock)
 
         # The node: what `layerctl stats` says, per blob and in total, is what PromQL says.
