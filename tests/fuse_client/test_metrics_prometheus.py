@@ -119,6 +119,17 @@ def test_the_flag_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert wanted(None, SNAPSHOTTER_ENV) is None  # (a snapshotter's daemons inherit its environment)
 
 
+def test_the_daemon_module_takes_the_flag(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import fuse_client.daemon as daemonmod
+
+    seen = []
+    monkeypatch.setattr(daemonmod, "serve", lambda cfg, store: seen.append(cfg))
+    argv = ["--cache", str(tmp_path / "c"), "--mountpoint", str(tmp_path / "m")]
+    assert daemonmod.main([*argv, "--metrics-listen", "127.0.0.1:9411"]) == 0
+    assert daemonmod.main(argv) == 0
+    assert [c.metrics_listen for c in seen] == ["127.0.0.1:9411", None]
+
+
 def test_a_taken_port_is_a_config_error() -> None:
     from layerstore.errors import ConfigError
 
