@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -90,11 +91,7 @@ class MetricsListener:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (scrapes are not news)
                 pass
 
-        family = ThreadingHTTPServer.address_family
-        if ":" in self.host:
-            import socket
-
-            family = socket.AF_INET6
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
 
         class Server(ThreadingHTTPServer):
             address_family = family

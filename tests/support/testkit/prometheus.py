@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,7 @@ def prometheus_missing() -> str:
     return "" if shutil.which(BINARY) else "needs Debian's prometheus (.ci/install-deps.sh)"
 
 
-def write_config(path: Path, targets: dict[str, str], rules: list[Path] = ()) -> None:  # type: ignore[assignment]
+def write_config(path: Path, targets: dict[str, str], rules: Sequence[Path] = ()) -> None:
     """job name -> HOST:PORT, each scraped every second at /metrics. (JSON is YAML.)"""
     cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
            "rule_files": [str(r) for r in rules],
@@ -114,12 +114,12 @@ def _wait_ready(prom: Prometheus, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def running_prometheus(workdir: Path, targets: dict[str, str], rules: list[Path] = (),  # type: ignore[assignment]
+def running_prometheus(workdir: Path, targets: dict[str, str], rules: Sequence[Path] = (),
                        ready_timeout: float = 60.0) -> Iterator[Prometheus]:
     """Prometheus scraping `targets` (job -> HOST:PORT), its storage under `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
-    write_config(config, targets, list(rules))
+    write_config(config, targets, rules)
     port = free_port()
     log = workdir / "prometheus.log"
     with open(log, "ab") as out:
