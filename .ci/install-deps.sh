@@ -14,6 +14,7 @@ PACKAGES=(
     containerd docker-registry
     qemu-system-x86 qemu-utils cpio kmod
     chromium
+    prometheus
 )
 
 missing=()

@@ -43,6 +43,7 @@ from layerstore import linux
 from layerstore.backends import Backend
 from layerstore.errors import ConfigError, LayerstoreError
 from layerstore.fileio import private_dir
+from layerstore.metrics_listen import NODE_ENV, MetricsListener, wanted
 
 from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
@@ -158,6 +159,7 @@ class DaemonConfig:
     data_path: str | None = None  # "fanotify" | "fuse" | "auto"; None: $LAYERSTORE_DATA_PATH, else auto
     cache_format: str | None = None  # of a new cache: "plain" | "zstd"; None: $LAYERSTORE_CACHE_FORMAT, else plain
     lease_interval: float | None = None  # node lease rotation (s); None: $LAYERSTORE_NODE_LEASE_INTERVAL or 60
+    metrics_listen: str | None = None  # HOST:PORT for Prometheus; None: $LAYERSTORE_NODE_METRICS_LISTEN, else none
 
     def budget(self) -> Budget:
         """--cache-size, else `Budget.default_for` the filesystem the cache directory is on (or
@@ -282,6 +284,7 @@ class Daemon:
                     await front.release()  # the predecessor's leftovers answered; new events served
                     service.start_soon(self._holder_watch, front)
                 api = ControlAPI(lazy, front, data_path_reason=self.data_path_reason)
+                self._metrics_listener(stack, lazy.stats)
                 control = ControlServer(socket_path(cache_dir), api, group=cfg.control_gid())
                 try:
                     await self._serve_mounted(FuseMount(ops, mountpoint, cfg.fuse_options()), control, task_status)
@@ -302,6 +305,20 @@ class Daemon:
                             log.warning("node lease: not released (%s); it expires on its own", e)
                     service.cancel_scope.cancel()
         log.info("daemon stopped")
+
+    def _metrics_listener(self, stack: contextlib.ExitStack, stats: Stats) -> None:
+        """The TCP `/metrics` listener if one is asked for (docs/metrics.md). Its thread asks this
+        loop for the text: the counters are written here without locks, so they are read here too
+        (one short callback per scrape, queued behind whatever the loop is doing)."""
+        address = wanted(self.config.metrics_listen, NODE_ENV)
+        if address is None:
+            return
+        token = trio.lowlevel.current_trio_token()
+
+        def render() -> bytes:
+            return trio.from_thread.run_sync(stats.prometheus, trio_token=token)
+
+        stack.enter_context(MetricsListener(address, render))
 
     async def _fanotify_start(self, cache_dir: Path, stack: contextlib.ExitStack) -> FanotifyFrontEnd | None:
         """The fanotify front end if that is the data path; with the holder's group if a holder
@@ -416,11 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", required=True, type=Path)
     ap.add_argument("--mountpoint", required=True, type=Path)
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
+                    help="serve Prometheus text at http://HOST:PORT/metrics (default $LAYERSTORE_NODE_METRICS_LISTEN)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(DaemonConfig(cache_dir=args.cache, mountpoint=args.mountpoint), args.store)
+        serve(DaemonConfig(cache_dir=args.cache, mountpoint=args.mountpoint, metrics_listen=args.metrics_listen),
+              args.store)
     except LayerstoreError as e:
         print(f"fuse_client.daemon: error: {e}", file=sys.stderr)
         return e.exit_code

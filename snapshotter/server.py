@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -18,9 +19,11 @@ import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
 from layerstore.errors import BadInput, ConfigError, LayerstoreError, NotFound, PermissionDenied
+from layerstore.metrics_listen import SNAPSHOTTER_ENV, MetricsListener, wanted
 
 from .errors import SnapshotExists, SnapshotPrecondition
 from .metadata import ACTIVE, COMMITTED, VIEW, Snapshot
+from .metrics import SnapshotterMetrics
 from .snapshots import Mount, Snapshotter
 from .stubs import snapshots_pb2 as pb
 from .stubs import snapshots_pb2_grpc as pbg
@@ -62,12 +65,16 @@ def mounts_of(mounts: list[Mount]) -> list[types_pb2.Mount]:
 
 
 class SnapshotsService(pbg.SnapshotsServicer):
-    def __init__(self, sn: Snapshotter) -> None:
+    def __init__(self, sn: Snapshotter, metrics: SnapshotterMetrics | None = None) -> None:
         self.sn = sn
+        self.metrics = metrics or SnapshotterMetrics()
 
-    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], T], method: str) -> T:
+        start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
         try:
-            return fn()
+            result = fn()
+            code = grpc.StatusCode.OK
+            return result
         except LayerstoreError as e:
             code = status_of(e)
             if code != grpc.StatusCode.ALREADY_EXISTS:
@@ -76,53 +83,61 @@ class SnapshotsService(pbg.SnapshotsServicer):
         except OSError as e:
             log.exception("snapshotter call failed")
             context.abort(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+        finally:
+            self.metrics.observe(method, code.name, time.perf_counter() - start)
         raise AssertionError("unreachable")
 
     def Prepare(self, request: Any, context: grpc.ServicerContext) -> Any:
-        m = self._call(context, lambda: self.sn.prepare(request.key, request.parent, dict(request.labels)))
+        m = self._call(context, lambda: self.sn.prepare(request.key, request.parent, dict(request.labels)), "Prepare")
         return pb.PrepareSnapshotResponse(mounts=mounts_of(m))
 
     def View(self, request: Any, context: grpc.ServicerContext) -> Any:
-        m = self._call(context, lambda: self.sn.view(request.key, request.parent, dict(request.labels)))
+        m = self._call(context, lambda: self.sn.view(request.key, request.parent, dict(request.labels)), "View")
         return pb.ViewSnapshotResponse(mounts=mounts_of(m))
 
     def Mounts(self, request: Any, context: grpc.ServicerContext) -> Any:
-        m = self._call(context, lambda: self.sn.mounts(request.key))
+        m = self._call(context, lambda: self.sn.mounts(request.key), "Mounts")
         return pb.MountsResponse(mounts=mounts_of(m))
 
     def Commit(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._call(context, lambda: self.sn.commit(request.name, request.key, dict(request.labels)))
+        self._call(context, lambda: self.sn.commit(request.name, request.key, dict(request.labels)), "Commit")
         return empty_pb2.Empty()
 
     def Remove(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._call(context, lambda: self.sn.remove(request.key))
+        self._call(context, lambda: self.sn.remove(request.key), "Remove")
         return empty_pb2.Empty()
 
     def Stat(self, request: Any, context: grpc.ServicerContext) -> Any:
-        snap = self._call(context, lambda: self.sn.stat(request.key))
+        snap = self._call(context, lambda: self.sn.stat(request.key), "Stat")
         return pb.StatSnapshotResponse(info=info_of(snap))
 
     def Update(self, request: Any, context: grpc.ServicerContext) -> Any:
         info = request.info
         paths = list(request.update_mask.paths)
-        snap = self._call(context, lambda: self.sn.update(info.name, dict(info.labels), paths))
+        snap = self._call(context, lambda: self.sn.update(info.name, dict(info.labels), paths), "Update")
         return pb.UpdateSnapshotResponse(info=info_of(snap))
 
     def List(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        snaps = self._call(context, lambda: self.sn.walk(list(request.filters)))
+        snaps = self._call(context, lambda: self.sn.walk(list(request.filters)), "List")
         for i in range(0, len(snaps), LIST_BATCH):
             yield pb.ListSnapshotsResponse(info=[info_of(s) for s in snaps[i:i + LIST_BATCH]])
 
     def Usage(self, request: Any, context: grpc.ServicerContext) -> Any:
-        size, inodes = self._call(context, lambda: self.sn.usage(request.key))
+        size, inodes = self._call(context, lambda: self.sn.usage(request.key), "Usage")
         return pb.UsageResponse(size=size, inodes=inodes)
 
     def Cleanup(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._call(context, self.sn.cleanup)
+        self._call(context, self.sn.cleanup, "Cleanup")
         return empty_pb2.Empty()
 
 
-def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32) -> grpc.Server:
+def layers_held(sn: Snapshotter) -> int:
+    """Lazy layers this snapshotter holds mounted now (a scrape-time gauge)."""
+    return len(sn.layers.held()) if sn.layers is not None else 0
+
+
+def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32,
+          metrics: SnapshotterMetrics | None = None) -> grpc.Server:
     """Serve on a unix socket (0600). The socket is bound under a temporary name and renamed over
     `address` once the server listens: a client never finds a socket that refuses connections, and
     a stale one is replaced in one step. `workers`: calls served at once (a Prepare waiting for a
@@ -133,7 +148,7 @@ def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32) -
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snapshotter"))
-    pbg.add_SnapshotsServicer_to_server(SnapshotsService(sn), server)
+    pbg.add_SnapshotsServicer_to_server(SnapshotsService(sn, metrics), server)
     old = os.umask(0o177)
     try:
         server.add_insecure_port(f"unix://{tmp}")
@@ -144,9 +159,18 @@ def start(sn: Snapshotter, address: str | os.PathLike[str], workers: int = 32) -
     return server
 
 
-def serve(sn: Snapshotter, address: str | os.PathLike[str]) -> None:
-    """Serve until SIGTERM or SIGINT; then stop taking calls, finish those in flight, close."""
-    server = start(sn, address)
+def serve(sn: Snapshotter, address: str | os.PathLike[str], metrics_listen: str | None = None) -> None:
+    """Serve until SIGTERM or SIGINT; then stop taking calls, finish those in flight, close.
+    `metrics_listen` (else $LAYERSTORE_SNAPSHOTTER_METRICS_LISTEN): HOST:PORT of a Prometheus
+    `/metrics` (docs/metrics.md); bound before the gRPC socket, so a taken port fails the start."""
+    metrics = SnapshotterMetrics(layers_held=lambda: layers_held(sn))
+    at = wanted(metrics_listen, SNAPSHOTTER_ENV)
+    with MetricsListener(at, metrics.prometheus) if at else contextlib.nullcontext():
+        _serve(sn, address, metrics)  # (a scrape after `sn.close()` and before the listener closes: one 500)
+
+
+def _serve(sn: Snapshotter, address: str | os.PathLike[str], metrics: SnapshotterMetrics) -> None:
+    server = start(sn, address, metrics=metrics)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

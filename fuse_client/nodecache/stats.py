@@ -12,6 +12,10 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+# A cache gauge whose name is one of the counters above: renamed. Two families of one name are an
+# invalid exposition (`promtool check metrics`: "second HELP line"; Prometheus 2.42 takes the
+# scrape, but one name would mean two figures).
+GAUGE_RENAMES = {"cache_write_failures": "cache_data_write_failures"}
 FETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -82,9 +86,10 @@ class _Collector:
             "misses": "Read requests that waited for a fetch",
             "fetches": "Chunks fetched from the store",
         }
+        blobs = list(st.blobs.items())
         for field, doc in per_blob.items():
             fam = CounterMetricFamily(f"layerstore_fuse_{field}", doc, labels=["blob"])
-            for blob, bs in st.blobs.items():
+            for blob, bs in blobs:
                 fam.add_metric([blob], getattr(bs, field))
             yield fam
         yield CounterMetricFamily("layerstore_fuse_corrupt_chunks", "Chunks that failed verification",
@@ -97,4 +102,5 @@ class _Collector:
         yield CounterMetricFamily("layerstore_fuse_metadata_pushed_bytes", "Bytes of metadata pushed into the "
                                   "kernel's page cache", value=st.metadata_pushed_bytes)
         for name, value in st.gauges().items():
+            name = GAUGE_RENAMES.get(name, name)
             yield GaugeMetricFamily(f"layerstore_fuse_{name}", name.replace("_", " "), value=value)
