@@ -26,6 +26,7 @@ from testkit.fanotify_helpers import (
     start_daemon_from_fd_store,
     stop_holder,
 )
+from testkit.fanotify_readers import verify_in_child
 from testkit.fuse_helpers import CountingBackend, DaemonProcess, force_unmount, make_tree, wait_until
 
 from erofs_builder.build import BuiltLayer
@@ -140,7 +141,7 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
 
         wait_until(restarted, 60, "the watch to make a new group and start a daemon")
         assert holder_marks(paths.cache) >= 1  # the attached file marked on the new group
-        assert read_uncached(target / "big0.bin") == (src / "big0.bin").read_bytes()
+        verify_in_child(target, src, [Path("big0.bin")])  # (a deadline: a stuck read fails the test)
         # An upgrade replaces the daemon behind the shim's back: the watch adopts the new one.
         wait_until(lambda: (cur := _record(state)) is not None and is_alive(cur), 60, "the new record")
         new_pid = upgrade(paths.cache, log=tmp_path / "upgraded.log")["new_pid"]
@@ -148,7 +149,7 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
         # An attached blob is never evicted (window 7): detached, evicted, attached again, and the
         # new daemon fills it.
         assert remount_cold(paths.cache, layer.blob, target) > 0
-        assert read_uncached(target / "big0.bin") == (src / "big0.bin").read_bytes()
+        verify_in_child(target, src, [Path("big0.bin")])  # (a deadline: a stuck read fails the test)
         assert request_json(paths.cache, "GET", "/stats")["fanotify"]["filled"] >= 1
         rec = _record(state)
     finally:
