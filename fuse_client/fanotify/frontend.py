@@ -192,17 +192,28 @@ class FanotifyFrontEnd:
     def _reserve_numbers(self, numbers: Iterable[int]) -> None:
         """Occupy the free fd numbers among `numbers` until the predecessor's unanswered events
         (journalled, or unknown: then a range) are answered: an answer is matched by number, so
-        no event of ours may get one of theirs meanwhile."""
+        no event of ours may get one of theirs meanwhile. The /dev/null fd copied onto them takes
+        the lowest free number itself, which is in the range: it stays open as that number's
+        reservation. (Before, it was closed at the end: that number, the very one the dead
+        daemon's first event of a read got when both had the same fds open, came free, the
+        successor's next event got it, and the kernel matched the successor's answer to the
+        older pending event: the successor's reader waited forever (CI hang, docs/fanotify.md).)"""
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        keep = False  # (the copied fd's own number is one of them: it stays, reserved)
         try:
             for n in numbers:
+                if n == null:
+                    keep = True
+                    self._reserved.append(n)
+                    continue
                 try:
                     os.fstat(n)
                 except OSError:
                     os.dup2(null, n, inheritable=False)
                     self._reserved.append(n)
         finally:
-            os.close(null)
+            if not keep:
+                os.close(null)
         if self._reserved:
             log.info("reserved %d fd number(s) of the previous daemon's events", len(self._reserved))
 

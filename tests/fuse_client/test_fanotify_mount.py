@@ -5,12 +5,10 @@ fetched again; on fanotify, kill -9 of the daemon while sandboxes read: reads wa
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import random
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from testkit.fanotify_helpers import (
     start_daemon,
     stop_holder,
 )
+from testkit.fanotify_readers import reading_in_child, verify_in_child
 from testkit.fuse_helpers import CountingBackend, make_tree
 
 from erofs_builder.build import BuiltLayer
@@ -164,43 +163,6 @@ def test_an_evicted_range_raises_events_again(backend: CountingBackend, src: Pat
             assert st["fanotify"]["filled"] > filled
 
 
-@contextlib.contextmanager
-def _reading(mnt: Path, src: Path, files: list[Path], errors: list[BaseException], reads: list[int],
-             n: int = 16) -> Iterator[None]:
-    """n threads reading random files of `mnt` and comparing them with `src` while the block runs
-    (reads[k] counts reader k's right reads; a failure or wrong bytes goes to `errors`)."""
-    want = {rel: (src / rel).read_bytes() for rel in files}
-    stop = threading.Event()
-
-    def reader(k: int) -> None:
-        rng = random.Random(k)
-        try:
-            while not stop.is_set():
-                rel = rng.choice(files)
-                got = read_uncached(mnt / rel)
-                if got != want[rel]:
-                    raise AssertionError(f"wrong bytes in {rel} ({len(got)} vs {len(want[rel])})")
-                reads[k] += 1
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=reader, args=(k,), daemon=True) for k in range(n)]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-
-
-def _wait_reads(reads: list[int], n: int, errors: list[BaseException]) -> None:
-    before = sum(reads)
-    while sum(reads) < before + n and not errors:
-        threading.Event().wait(0.01)
-
-
 @needs_fanotify
 def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src: Path, layer: BuiltLayer,
                                                    tmp_path: Path) -> None:
@@ -209,24 +171,25 @@ def test_kill9_of_the_daemon_while_16_readers_read(backend: CountingBackend, src
     cycle starts on a cold mount (detached, evicted, attached again: an attached blob is never
     evicted) so that the readers need fills across the kill."""
     files = _files(src)
-    errors: list[BaseException] = []
-    reads = [0] * 16
+    errors: list[str] = []
     with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp_path) as mnt:
         generation = handover.holder_generation(tmp_path / "cache")
         for cycle in range(2):  # (bench/daemon_restart.py: 100)
             if cycle:
                 assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
-            with _reading(mnt, src, files, errors, reads):
-                _wait_reads(reads, 16, errors)
+            # (readers and verification in child processes with a deadline: a read that never
+            # returns fails the test with the stuck stacks instead of hanging the suite)
+            with reading_in_child(mnt, src, files) as readers:
+                readers.wait_reads(16)
                 ds[-1].kill9()
                 ds.append(start_daemon(backend.url, tmp_path / "cache", tmp_path / "mnt", "fanotify"))
-                _wait_reads(reads, 32, errors)
+                readers.wait_reads(32)
                 # Every file once more, whole, through the new daemon: what the dead one left unfilled
                 # is filled now. (Whether the readers themselves still needed fills after the kill
                 # depends on the machine's speed: bench/daemon_restart.py counts the successors' fills.)
-                for rel in files:
-                    assert read_uncached(mnt / rel) == (src / rel).read_bytes(), rel
+                verify_in_child(mnt, src, files)
+            errors += readers.errors
         assert not errors, errors[:3]
         assert handover.holder_generation(tmp_path / "cache") == generation  # the same group throughout
         assert ds[-1].stats()["fanotify"]["attached"][layer.blob]["holders"] == ["test"]
@@ -251,7 +214,7 @@ def test_holder_and_daemon_killed_new_group_new_generation_right_bytes(backend: 
         ds.append(start_daemon(backend.url, cache, tmp_path / "mnt", "fanotify"))
         new = handover.holder_generation(cache)
         assert new and new != old
-        assert read_uncached(mnt / "big0.bin") == (src / "big0.bin").read_bytes()
+        verify_in_child(mnt, src, [Path("big0.bin")])
     stop_holder(tmp_path / "cache")
 
 
@@ -265,8 +228,7 @@ def test_daemon_upgrade_while_16_readers_read(backend: CountingBackend, src: Pat
     from fuse_client.fanotify.upgrade import upgrade
 
     files = _files(src)
-    errors: list[BaseException] = []
-    reads = [0] * 16
+    errors: list[str] = []
     new_pid = None
     with node_daemon(backend.url, tmp_path, "fanotify") as ds, mounted_layer(ds[-1], layer.blob, "fanotify",
                                                                             tmp_path) as mnt:
@@ -274,12 +236,13 @@ def test_daemon_upgrade_while_16_readers_read(backend: CountingBackend, src: Pat
             for cycle in range(2):
                 if cycle:
                     assert remount_cold(tmp_path / "cache", layer.blob, mnt) > 0
-                with _reading(mnt, src, files, errors, reads):
+                with reading_in_child(mnt, src, files) as readers:  # (a deadline: see the kill -9 test)
                     if not cycle:
                         res = upgrade(tmp_path / "cache", log=tmp_path / "upgraded.log")
                         new_pid = res["new_pid"]
                         assert res["old_pid"] == ds[-1].pid and res["data_path"] == "fanotify"
-                    _wait_reads(reads, 32, errors)
+                    readers.wait_reads(32)
+                errors += readers.errors
             fan = request_json(tmp_path / "cache", "GET", "/stats")["fanotify"]
             assert fan["filled"] >= 1  # (the new daemon filled the cold mount)
         finally:

@@ -9,6 +9,7 @@ in for it and the answers written to it are read back."""
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import trio
 from testkit.fanotify_helpers import front_on_a_pipe, pipe_answers
 
 from fuse_client.fanotify import kernel
+from fuse_client.fanotify.frontend import RESERVE_MARGIN
 
 
 class Holds:
@@ -67,3 +69,31 @@ def test_unknown_events_under_numbers_open_at_the_takeover_are_answered(tmp_path
     assert w in allowed  # (the group's own number can be no event of ours either)
     assert data not in allowed  # may be an event of ours on a marked file: left to its handler
     assert set(range(3, 41)) - {data} <= allowed
+
+
+def test_no_number_of_the_unknown_range_is_left_free_for_an_event_of_ours(tmp_path: Path) -> None:
+    """The CI hang (test_kill9_of_the_daemon_while_16_readers_read, 1 run in 3 under load): the
+    dead daemon's unknown event had fd number 11, the number the successor's reservation gave
+    its own /dev/null fd and freed again; the successor's first event got 11 and its answer went
+    to the older pending event with that number (the kernel answers the first match): its own
+    reader waited forever. Every number of the range must stay taken until the answers."""
+    with front_on_a_pipe(tmp_path) as (fe, _r):
+        cap = min(40 + RESERVE_MARGIN, fe.journal.slots - 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256)
+        lowest = os.open(os.devnull, os.O_RDONLY)  # the number the next fd opened here gets
+        os.close(lowest)
+        fe.journal.begin_batch(40)  # the last daemon died reading a batch: unknown events
+        fe.open_group(fe.group, "g", False)
+        try:
+            nxt = os.open(os.devnull, os.O_RDONLY)  # what the kernel would give an event of ours
+            os.close(nxt)
+            free = []
+            for n in range(3, cap + 1):
+                try:
+                    os.fstat(n)
+                except OSError:
+                    free.append(n)
+        finally:
+            fe._free_reserved()
+    assert lowest <= cap
+    assert not free, free[:5]
+    assert nxt > cap
