@@ -190,7 +190,8 @@ def place(env: Mapping[str, str]) -> str:
         log.error("keeper: cannot set oom_score_adj to %d: %s: the OOM killer may choose it", cgroup.OOM_SCORE_ADJ_MIN,
                   e.strerror)
     adj = cgroup.oom_score_adj()
-    got.append(f"oom_score_adj {adj}" + ("" if adj == cgroup.OOM_SCORE_ADJ_MIN else " (NOT protected from the OOM killer)"))
+    unsafe = "" if adj == cgroup.OOM_SCORE_ADJ_MIN else " (NOT protected from the OOM killer)"
+    got.append(f"oom_score_adj {adj}{unsafe}")
     own = cgroup.cgroup_of()
     rel = env.get(CGROUP_ENV) or (cgroup.sibling(own, CGROUP_NAME) if own is not None else None)
     if rel is None:
