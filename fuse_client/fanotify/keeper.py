@@ -38,7 +38,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -143,6 +142,7 @@ def stop(cache_dir: Path, timeout: float = 5.0) -> None:
     if running(cache_dir) == pid:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    _reaped(pid)
 
 
 def ensure(cache_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
@@ -155,26 +155,42 @@ def ensure(cache_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
     if pid is not None:
         return pid
     cache_dir = private_dir(os.path.abspath(cache_dir), parents=True)
-    try:
-        with open(cache_dir / LOG_NAME, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "fuse_client.fanotify.keeper", os.fspath(cache_dir)],
-                                    start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                    close_fds=True, env=dict(env))
+    argv = [sys.executable, "-m", "fuse_client.fanotify.keeper", os.fspath(cache_dir)]
+    out = os.open(cache_dir / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:  # (posix_spawn, not Popen: the keeper outlives whoever started it)
+        pid = os.posix_spawn(argv[0], argv, dict(env), setsid=True, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out, 1),
+            (os.POSIX_SPAWN_DUP2, out, 2),
+        ])
     except OSError as e:
         log.error("cannot start the fanotify keeper: %s", e)
         return None
+    finally:
+        os.close(out)
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
-        if running(cache_dir) == proc.pid:
-            return proc.pid
-        if proc.poll() is not None:
+        if running(cache_dir) == pid:
+            return pid
+        if _reaped(pid):
             break
         time.sleep(0.01)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while not _reaped(pid):
+            time.sleep(0.01)
     log.error("the fanotify keeper did not start (see %s)", cache_dir / LOG_NAME)
     return None
+
+
+def _reaped(pid: int) -> bool:
+    """Whether `pid` (a keeper this process started) has exited; reaps it."""
+    try:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return proc_start_time(pid) is None
+    return done == pid
 
 
 # -- the keeper process -----------------------------------------------------------------------
