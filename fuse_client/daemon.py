@@ -14,7 +14,8 @@ at every start; the node lease expires on its own.
 Data path (docs/fanotify.md, "Which data path"): `LAYERSTORE_DATA_PATH=auto` (the default) takes
 fanotify only where it is sound whatever dies: the kernel gives pre-content events *and* a service
 manager keeps a copy of the group (systemd's fd store: `$FDSTORE` > 0 beside `$NOTIFY_SOCKET`), so
-that no kill of our processes can leave holes readable as zeros; FUSE everywhere else (it fails
+that no kill of our processes can leave holes readable as zeros, or the operator opted in to our
+keeper process (`LAYERSTORE_FANOTIFY_KEEPER=1`: a kill that includes it can); FUSE everywhere else (it fails
 closed: a dead daemon is ENOTCONN). `fanotify` asks for it regardless (refused where the kernel
 lacks the events; without an fd store the every-process-killed window applies), `fuse` for FUSE.
 The choice and its reason are in `/stats` (`data_path`, `data_path_reason`). On the fanotify path the daemon
@@ -49,6 +50,7 @@ from .control.client import socket_path
 from .control.server import ControlAPI, ControlServer
 from .fanotify import fdstore
 from .fanotify import group as fan_group
+from .fanotify import keeper as fan_keeper
 from .fanotify import kernel as fan_kernel
 from .fanotify.frontend import FanotifyFrontEnd, load_attachments
 from .fanotify.upgrade import note_clean_stop
@@ -88,17 +90,21 @@ def choose_data_path(where: Path, wanted: str | None = None, fmt: str = "plain")
     return data_path_choice(where, wanted, fmt)[0]
 
 
-def group_keeper(env: Mapping[str, str]) -> str | None:
-    """Who keeps a copy of the fanotify group when every process of ours is killed, from the
-    environment the service manager gave us; None when nobody does. systemd (>= 254) sets
-    `$FDSTORE` to the unit's FileDescriptorStoreMax= and `$NOTIFY_SOCKET` where it accepts
-    FDSTORE=1 messages (fuse_client/contrib/layerstore-daemon.service sets both up)."""
+def group_keeper(env: Mapping[str, str], cache_dir: Path | None = None) -> str | None:
+    """Who keeps a copy of the fanotify group when the daemon and the holder are killed; None
+    when nobody does. systemd (>= 254) sets `$FDSTORE` to the unit's FileDescriptorStoreMax= and
+    `$NOTIFY_SOCKET` where it accepts FDSTORE=1 messages (fuse_client/contrib/layerstore-daemon.service
+    sets both up). Else the keeper of `cache_dir` (fanotify.keeper), if one runs: an opt-in, since
+    unlike PID 1 it can be killed with the rest (docs/fanotify.md, "The keeper")."""
     try:
         slots = int(env.get("FDSTORE", "0"))
     except ValueError:
         slots = 0
     if slots > 0 and fdstore.notify_address(env.get("NOTIFY_SOCKET", "")) is not None:
         return f"the service manager's fd store ({slots} slots)"
+    ident = None if cache_dir is None else fan_keeper.identity(cache_dir)
+    if ident is not None:
+        return f"the keeper process {ident[0]} ({ident[1]}; an opt-in: it can be killed with the rest)"
     return None
 
 
@@ -122,10 +128,13 @@ def data_path_choice(where: Path, wanted: str | None = None, fmt: str = "plain",
                     "the fanotify path mounts its data files as plain images", where, fmt)
         return "fuse", (f"{said}, but the node cache keeps chunks compressed (format {fmt}): "
                         "the fanotify path mounts its data files as plain images")
-    keeper = group_keeper(env)
+    keeper = group_keeper(env, where)
     if want == "auto" and keeper is None:
-        return "fuse", (f"{said}; no service manager keeps the fanotify group (no $FDSTORE and $NOTIFY_SOCKET), "
-                        "so a kill of every process of ours could leave holes readable as zeros: FUSE")
+        asked_keeper = (f" and no keeper runs ({fan_keeper.OPT_IN_ENV}=1 but it did not start: see "
+                        f"{fan_keeper.LOG_NAME})" if fan_keeper.wanted(env) else "")
+        return "fuse", (f"{said}; no service manager keeps the fanotify group (no $FDSTORE and $NOTIFY_SOCKET)"
+                        f"{asked_keeper}, so a kill of every process of ours could leave holes readable as zeros: "
+                        "FUSE")
     why = fan_kernel.probe(where)
     if why is None:
         if keeper is None:

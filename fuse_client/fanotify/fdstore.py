@@ -7,7 +7,12 @@ is PID 1: it cannot be killed, so the group, its marks and the readers waiting o
 process of ours. On the next start it hands the fd back (`$LISTEN_FDS` from fd 3,
 `$LISTEN_FDNAMES`, `$LISTEN_PID` = ours), which `take_over` uses when no holder answers.
 
-Pure parsing (`listened`) apart from the two calls that touch the socket or the environment.
+The keeper (`keeper`, a process of ours for nodes without such a manager) takes the same
+messages on its own notify socket: `store` and `forget` are the one implementation of the
+sender's side, `parse_message` of the receiver's.
+
+Pure parsing (`listened`, `parse_message`) apart from the calls that touch the socket or the
+environment.
 """
 
 from __future__ import annotations
@@ -63,6 +68,23 @@ def forget(group_id: str, *, env: dict[str, str] | None = None) -> None:
             s.sendto(f"FDSTOREREMOVE=1\nFDNAME={NAME_PREFIX}{group_id}\n".encode(), addr)
     except OSError as e:
         log.warning("cannot remove the fanotify group from the fd store: %s", e)
+
+
+def parse_message(msg: bytes) -> dict[str, str]:
+    """The `KEY=value` lines of an sd_notify datagram (pure)."""
+    return dict(line.split("=", 1) for line in msg.decode(errors="replace").splitlines() if "=" in line)
+
+
+def stored_name(fields: dict[str, str]) -> tuple[str, str] | None:
+    """("store" | "remove", group id) of a message about a fanotify group, else None (pure)."""
+    name = fields.get("FDNAME", "")
+    if not name.startswith(NAME_PREFIX) or len(name) == len(NAME_PREFIX):
+        return None
+    if fields.get("FDSTORE") == "1":
+        return "store", name[len(NAME_PREFIX):]
+    if fields.get("FDSTOREREMOVE") == "1":
+        return "remove", name[len(NAME_PREFIX):]
+    return None
 
 
 def listened(env: dict[str, str], pid: int) -> list[tuple[int, str]]:

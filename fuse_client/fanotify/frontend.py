@@ -268,6 +268,7 @@ class FanotifyFrontEnd:
         if self.group is None:
             return
         group_mod.ensure_holder(self.cache_dir, self.group, self.group_id)
+        group_mod.keep_copy(self.cache_dir, self.group, self.group_id)
         ident = handover.read_identity(self.cache_dir)
         if ident is None or (self._claim is not None and self._claim[1] == ident[0]):
             return

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import fdstore, handover, kernel
+from . import fdstore, handover, keeper, kernel
 from .journal import InflightJournal
 
 log = logging.getLogger("layerstore.fanotify")
@@ -65,8 +65,12 @@ def group_lock(cache_dir: Path) -> Iterator[None]:
 
 def take_over(cache_dir: Path) -> tuple[int, str, bool] | None:
     """(group fd, group id, False) from the live holder, else from the service manager's fd
-    store (then a holder is started again with a copy); None if neither has one."""
+    store or the keeper (then a holder is started again with a copy); None if none has one."""
     stored = fdstore.take_listened()
+    from_keeper = False
+    if stored is None:
+        stored = keeper.fetch(cache_dir)
+        from_keeper = stored is not None
     got = handover.fetch_group(cache_dir)
     if got is not None:
         fd, pid, group_id = got
@@ -75,7 +79,10 @@ def take_over(cache_dir: Path) -> tuple[int, str, bool] | None:
             # would make every access wait for an answer nobody gives. Unmark it and let it go.
             with contextlib.suppress(OSError):
                 kernel.flush_marks(stored[0])
-            fdstore.forget(stored[1])
+            if from_keeper:
+                keeper.forget(cache_dir, stored[1])
+            else:
+                fdstore.forget(stored[1])
             log.warning("dropped the stale fanotify group %s the service manager kept", stored[1])
         if stored is not None:
             os.close(stored[0])
@@ -92,19 +99,29 @@ def take_over(cache_dir: Path) -> tuple[int, str, bool] | None:
 
 
 def stored_group(cache_dir: Path) -> str | None:
-    """The id of the group the service manager's fd store keeps for this cache, if one does."""
+    """The id of the group the service manager's fd store keeps for this cache, else the one the
+    live keeper keeps (asked: a keeper started again keeps nothing until a daemon hands it one)."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         return str(json.loads((Path(cache_dir) / FDSTORE_NAME).read_text())["group"])
-    return None
+    return keeper.held(cache_dir)
 
 
 def hand_to_manager(cache_dir: Path, fd: int, group_id: str) -> None:
     """A copy of the group into the service manager's fd store, when there is one (remembered in
-    CACHE/fanotify.fdstore: the shim's supervision then leaves that group to the manager)."""
+    CACHE/fanotify.fdstore: the shim's supervision then leaves that group to the manager), else to
+    the keeper, when one runs (`keeper`: it says itself which group it keeps)."""
     if fdstore.store(fd, group_id):
         tmp = Path(cache_dir) / (FDSTORE_NAME + ".tmp")
         tmp.write_text(json.dumps({"group": group_id}))
         os.replace(tmp, Path(cache_dir) / FDSTORE_NAME)
+    elif keeper.store(cache_dir, fd, group_id):
+        log.info("fanotify group %s handed to the keeper", group_id)
+
+
+def keep_copy(cache_dir: Path, fd: int, group_id: str) -> None:
+    """A live keeper that does not keep this group (it was started again) gets a copy."""
+    if keeper.running(cache_dir) is not None and keeper.held(cache_dir) != group_id:
+        keeper.store(cache_dir, fd, group_id)
 
 
 def quit_holder(cache_dir: Path, group_id: str) -> None:
@@ -117,6 +134,7 @@ def quit_holder(cache_dir: Path, group_id: str) -> None:
         fdstore.forget(group_id)
         with contextlib.suppress(OSError):
             (Path(cache_dir) / FDSTORE_NAME).unlink()
+    keeper.forget(cache_dir, group_id)
 
 
 def new_group(cache_dir: Path, blobs_files: list[Path] | None = None) -> tuple[int, str, int]:

@@ -103,11 +103,13 @@ def recv_fd(conn: socket.socket) -> tuple[bytes, int | None]:
     return msg, fd
 
 
-def request(cache_dir: Path, what: bytes, *, timeout: float = 5.0) -> tuple[dict[str, object], int | None]:
-    """Ask the holder; (answer, fd or None). OSError if no holder answers."""
+def request(cache_dir: Path, what: bytes, *, timeout: float = 5.0,
+            path: Path | None = None) -> tuple[dict[str, object], int | None]:
+    """Ask the holder (or whoever listens on `path` with this protocol: the keeper); (answer, fd
+    or None). OSError if nobody answers."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
-        s.connect(os.fspath(socket_path(cache_dir)))
+        s.connect(os.fspath(path or socket_path(cache_dir)))
         s.sendall(what)
         msg, fd = recv_fd(s)
     if fd is not None:

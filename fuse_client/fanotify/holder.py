@@ -35,21 +35,22 @@ CHECK_INTERVAL = 2.0  # seconds between checks that the cache directory still ex
 IDLE_EXIT = float(os.environ.get("LAYERSTORE_FANOTIFY_HOLDER_IDLE", "30"))  # unclaimed and markless: exit
 
 
-def bind(cache_dir: Path) -> socket.socket:
-    """Listen on CACHE/fanotify.sock, mode 0600 from the start (bound in a private directory,
-    renamed into place: also replaces a stale socket)."""
-    path = handover.socket_path(cache_dir)
+def bind(cache_dir: Path, path: Path | None = None, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """Listen on CACHE/fanotify.sock (or `path`, a socket of `kind`: the keeper's), mode 0600 from
+    the start (bound in a private directory, renamed into place: also replaces a stale socket)."""
+    path = path or handover.socket_path(cache_dir)
     tmpdir = tempfile.mkdtemp(prefix=".fanotify-", dir=cache_dir)
     try:
         tmp = Path(tmpdir) / "s"
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s = socket.socket(socket.AF_UNIX, kind)
         s.bind(os.fspath(tmp))
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(tmpdir)
-    s.listen(16)
+    if kind == socket.SOCK_STREAM:
+        s.listen(16)
     return s
 
 

@@ -178,6 +178,7 @@ class DaemonSupervisor:
         """Start a daemon for `store` and wait until its mount answers. A dead mount left by a
         killed daemon is detached first (a new FUSE mount cannot go over it usefully)."""
         from fuse_client.control import socket_path  # (imports trio: only when a daemon starts)
+        from fuse_client.fanotify import keeper
 
         sock = socket_path(self.paths.cache)
         if len(os.fsencode(sock)) >= 108:
@@ -188,6 +189,7 @@ class DaemonSupervisor:
         self.clear_dead_mount()
         self.paths.fuse.mkdir(mode=0o700, exist_ok=True)
         self.paths.cache.mkdir(mode=0o700, exist_ok=True)
+        keeper.ensure(self.paths.cache)  # (opt-in, before the daemon chooses its data path: docs/fanotify.md)
         argv = self.command(store, self.paths.cache, self.paths.fuse)
         log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
