@@ -43,11 +43,11 @@ from testkit.shim_support import busybox_rootfs, cleanup_node, needs_busybox, ne
 from erofs_builder.sources.registry import RegistryClient
 from snapshotter.snapshots import LABEL_BLOB, REMOTE_PREFIX
 
+from ..runtime_shim.test_shim_debian import debian_tar
 from .test_containerd import SnapshotterProcess, retry
 
-pytestmark = [pytest.mark.root, pytest.mark.slow, needs_containerd, needs_registry, needs_busybox, needs_runc]
-MINBASE = Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "layerstore" / "tests" / \
-    "debian-bookworm-minbase.tar"  # (tests/runtime_shim/test_shim_debian.py builds and caches it)
+pytestmark = [pytest.mark.root, needs_containerd, needs_registry, needs_busybox, needs_runc,
+              pytest.mark.skipif(shutil.which("mmdebstrap") is None, reason="needs mmdebstrap (.ci/install-deps.sh)")]
 PYTHON = "/usr/bin/python3.11"
 TAR_LAYER = "application/vnd.oci.image.layer.v1.tar"
 
@@ -122,15 +122,14 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    if not MINBASE.is_file():
-        pytest.skip("needs the cached Debian minbase tar (tests/runtime_shim/test_shim_debian.py builds it)")
+    minbase = debian_tar()  # (built once per machine, shared with the shim's Debian tests)
     work = tmp_path_factory.mktemp("cri")
     node = work / "node"
     py_tar = tar_of(python_tree(work / "python"), work / "python.tar")
     store = str(work / "store")
     assert layerctl("store", "init", "--store", store).code == 0
     blobs: dict[str, int] = {}
-    for src, role in ((MINBASE, "base"), (py_tar, "toolkit")):
+    for src, role in ((minbase, "base"), (py_tar, "toolkit")):
         r = layerctl("build", str(src), "--push", "--role", role, "--store", store, "--json", timeout=600)
         assert r.code == 0, r.err
         blobs[r.json()["blob"]] = int(r.json()["size"])
@@ -147,7 +146,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             env_ref, oci_ref = reg.ref("envs/py", "1"), reg.ref("oci/py", "1")
             r = layerctl("ctr", "push", "--store", store, "py:1", env_ref, "--json")
             assert r.code == 0, r.err
-            push_tar_image(reg.host, "oci/py", "1", [MINBASE, py_tar])
+            push_tar_image(reg.host, "oci/py", "1", [minbase, py_tar])
             lazy = stack.enter_context(containerd(snapshotters={"layerstore": str(sock)},
                                                   cri=Cri(pause, (reg.host,))))
             plain = stack.enter_context(containerd(cri=Cri(pause, (reg.host,), snapshotter="overlayfs")))
