@@ -22,7 +22,11 @@ OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-POINTER_MEDIA_TYPE = "application/vnd.layerstore.erofs.layer.v1+json"
+# Under the OCI layer prefix: containerd (its unpacker, the CRI plugin's snapshot labels) treats only
+# "application/vnd.oci.image.layer.*" (and Docker's) descriptors as layers; a differ still refuses it
+# (no stream processor), so a pull that does not mount it remotely fails loudly.
+POINTER_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.layerstore.erofs+json"
+LEGACY_POINTER_MEDIA_TYPE = "application/vnd.layerstore.erofs.layer.v1+json"  # (images pushed before)
 ANNOTATION_BLOB = "dev.layerstore.blob"
 ANNOTATION_ROLE = "dev.layerstore.role"
 ANNOTATION_ENV = "dev.layerstore.environment"
@@ -151,3 +155,19 @@ def image_layers(manifest_body: bytes, config_body: bytes) -> tuple[dict[str, An
         if layer.blob:
             digestmod.parse(layer.blob)  # (BadDigest on a malformed annotation)
     return dict(manifest["config"]), layers
+
+
+def pointer_layers(manifest_body: bytes) -> tuple[str, dict[str, str]]:
+    """(the environment a layerstore image names, or ""; {layer descriptor digest: its layerstore
+    blob, "" for an ordinary layer}) from an image manifest."""
+    manifest = _obj(manifest_body, "manifest")
+    descs = manifest.get("layers")
+    if not isinstance(descs, list):
+        raise BadInput("the manifest has no layer list")
+    out: dict[str, str] = {}
+    for d in descs:
+        if not isinstance(d, dict) or not isinstance(d.get("digest"), str):
+            raise BadInput("a layer descriptor in the manifest is malformed")
+        blob = str((d.get("annotations") or {}).get(ANNOTATION_BLOB, ""))
+        out[d["digest"]] = digestmod.parse(blob) if blob else ""
+    return str((manifest.get("annotations") or {}).get(ANNOTATION_ENV, "")), out

@@ -1,5 +1,6 @@
 """Generate the containerd API stubs (snapshotter/api/*_pb2*.py) from our own .proto files in
-snapshotter/protos/ with grpcio-tools. Idempotent: nothing is done when the stubs' stamp holds the
+snapshotter/protos/ with grpcio-tools; `cri.proto` among them is the Kubernetes CRI subset
+(package runtime.v1) that containerd's CRI plugin serves. Idempotent: nothing is done when the stubs' stamp holds the
 sha256 of the .proto files and this module (contents, not mtimes: an installed wheel's files all
 carry the moment of installation, and its site-packages need not be writable); otherwise the whole
 set is generated into a temporary folder and renamed into place, so a concurrent reader sees either

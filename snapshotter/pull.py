@@ -23,16 +23,8 @@ from layerstore.errors import BadInput, LayerstoreError
 
 from .client import ContainerdClient, Descriptor
 from .errors import SnapshotExists
-from .image import (
-    ANNOTATION_ENV,
-    DOCKER_LIST,
-    MAX_CONFIG,
-    OCI_INDEX,
-    OCI_MANIFEST,
-    Layer,
-    image_layers,
-    pick_manifest,
-)
+from .image import ANNOTATION_ENV, MAX_CONFIG, OCI_MANIFEST, Layer, image_layers
+from .manifests import read_manifest
 from .snapshots import LABEL_BLOB, LABEL_ENV, LABEL_REF
 
 GC_SNAPSHOT = "containerd.io/gc.ref.snapshot."
@@ -67,12 +59,7 @@ def pull(ref: str, ctd: ContainerdClient, snapshotter: str = "layerstore", *, na
     r = Reference.parse(ref)
     with contextlib.ExitStack() as stack:
         reg = registry or stack.enter_context(RegistryClient(r.registry))
-        body, media, digest = reg.get_manifest(r.repository, r.reference)
-        if media in (OCI_INDEX, DOCKER_LIST):
-            desc = pick_manifest(body)
-            body, media, digest = reg.get_manifest(r.repository, str(desc["digest"]))
-        if media in (OCI_INDEX, DOCKER_LIST):
-            raise BadInput(f"{ref}: an index inside an index")
+        body, media, digest = read_manifest(reg, r)
         manifest = json.loads(body)
         environment = str((manifest.get("annotations") or {}).get(ANNOTATION_ENV, ""))
         cfg_desc = manifest.get("config") or {}

@@ -25,6 +25,7 @@ from layerstore.errors import BadInput
 from runtime_shim.nodestate.paths import check_overlay_safe
 
 from . import filters as filtermod
+from .cri import CriPointers
 from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition, SnapshotterBusy
 from .layers import RemoteLayers
 from .metadata import ACTIVE, COMMITTED, VIEW, Metadata, Snapshot, Txn
@@ -88,9 +89,11 @@ def usage(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 class Snapshotter:
     """One snapshot root. `layers`: where remote layers are mounted from (None: remote layers are
-    refused, every layer is local). Thread-safe: calls are serialised."""
+    refused, every layer is local); `cri`: tells the layerstore pointers among the layers
+    containerd's CRI plugin prepares. Thread-safe: calls are serialised."""
 
-    def __init__(self, root: str | os.PathLike[str], layers: RemoteLayers | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], layers: RemoteLayers | None = None,
+                 cri: CriPointers | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         check_overlay_safe(self.root, "snapshotter root")  # (its paths go into overlay options)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -104,6 +107,7 @@ class Snapshotter:
             raise SnapshotterBusy(f"another snapshotter serves {self.root}") from None
         self.meta = Metadata(self.root / "metadata")
         self.layers = layers
+        self.cri = cri if cri is not None else CriPointers()  # (layers the CRI plugin pulls: which are pointers)
         self.mu = threading.RLock()  # every record change; never held while a layer is mounted
         self._blob_mu = threading.Lock()
         self._blob_locks: dict[str, threading.Lock] = {}
@@ -130,9 +134,21 @@ class Snapshotter:
     # -- create ----------------------------------------------------------------------------------
     def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
         labels = dict(labels or {})
+        if labels.get(LABEL_REF) and not labels.get(LABEL_BLOB) and self.layers is not None:
+            labels.update(self._cri_labels(labels))  # (outside every lock: may read a manifest)
         if labels.get(LABEL_REF) and labels.get(LABEL_BLOB):
             self._prepare_remote(key, parent, labels)  # raises SnapshotExists once it exists
         return self._create(ACTIVE, key, parent, labels)
+
+    def _cri_labels(self, labels: dict[str, str]) -> dict[str, str]:
+        """A layer the CRI plugin pulls: our remote-layer labels if it is a layerstore pointer."""
+        pointer = self.cri.lookup(labels)
+        if pointer is None or not pointer.blob:
+            return {}
+        out = {LABEL_BLOB: pointer.blob}
+        if pointer.environment:
+            out[LABEL_ENV] = pointer.environment
+        return out
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
         return self._create(VIEW, key, parent, dict(labels or {}))

@@ -28,3 +28,13 @@ def test_systemd_unit_runs_a_command_layerctl_takes() -> None:
     for opt in (a for a in argv[2:] if a.startswith("--")):
         assert opt in help_text
     assert "KillMode=process" in lines  # a restart must not take the node daemon down with it
+
+
+def test_cri_config_passes_the_snapshot_labels_to_layerstore() -> None:
+    from layerctl.cmd_snapshotter import DEFAULT_ADDRESS
+
+    cfg = tomllib.loads((CONTRIB / "containerd-cri.toml").read_text())
+    assert cfg["proxy_plugins"]["layerstore"] == {"type": "snapshot", "address": DEFAULT_ADDRESS}
+    ctd = cfg["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert ctd["snapshotter"] == "layerstore"
+    assert ctd["disable_snapshot_annotations"] is False  # (containerd 1.6's default drops the CRI labels)

@@ -1,7 +1,8 @@
 """A real containerd (Debian's 1.6) for tests: its own root, state, sockets and namespace, the cri
-plugin disabled, optional `proxy_plugins` snapshotters; stopped by PID and cleaned up even when a
-test fails (tasks killed and deleted, leftover shims of THIS containerd killed by PID, mounts under
-its directories detached, the empty cgroups containerd leaves removed).
+plugin disabled (or enabled with `cri=Cri(...)`: testkit.cri speaks to it), optional
+`proxy_plugins` snapshotters; stopped by PID and cleaned up even when a test fails (tasks killed
+and deleted, leftover shims of THIS containerd killed by PID, mounts under its directories
+detached, the empty cgroups containerd leaves removed).
 
     with containerd(Path("/run/ls-ctd-x"), snapshotters={"layerstore": "/run/x/snap.sock"}) as ctd:
         ctd.ctr("images", "ls")                       # ctr with --address and --namespace
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,9 @@ CONTAINERD = shutil.which("containerd") or "/usr/bin/containerd"
 CTR = shutil.which("ctr") or "/usr/bin/ctr"
 START_TIMEOUT = 20.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+CRI_PLUGIN = "io.containerd.grpc.v1.cri"
+CRI_NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
+CNI_BIN = "/usr/lib/cni"  # Debian's containernetworking-plugins
 needs_containerd = pytest.mark.containerd  # skipped by tests/conftest.py where containerd_missing() says why
 
 
@@ -40,15 +45,50 @@ def containerd_missing() -> str:
     return "" if ok else "needs containerd and ctr (.ci/install-deps.sh)"
 
 
-def config_toml(root: Path, snapshotters: dict[str, str]) -> str:
+@dataclass(frozen=True)
+class Cri:
+    """The CRI plugin's settings for a test containerd: the shipped config's CRI section
+    (snapshotter/contrib/containerd-cri.toml: snapshotter, snapshot annotations, runtime) with the
+    pause image, the plain-HTTP registries and the CNI directories of the test."""
+    sandbox_image: str
+    plain_http: tuple[str, ...] = ()  # registry hosts reached over HTTP
+    snapshotter: str = ""  # instead of the shipped one (e.g. "overlayfs", for the ordinary path)
+    contrib: Path = Path(__file__).resolve().parents[3] / "snapshotter" / "contrib" / "containerd-cri.toml"
+
+    def section(self, root: Path) -> list[str]:
+        with open(self.contrib, "rb") as f:
+            shipped = tomllib.load(f)["plugins"][CRI_PLUGIN]
+        c = shipped["containerd"]
+        cri = f'[plugins."{CRI_PLUGIN}"]'
+        lines = [cri, f'  sandbox_image = "{self.sandbox_image}"',
+                 # a private stream server port: several test containerds may run at once
+                 '  stream_server_address = "127.0.0.1"', '  stream_server_port = "0"',
+                 # this machine may not lower oom_score_adj (pods ask for -998): cap at our own
+                 "  restrict_oom_score_adj = true",
+                 f'[plugins."{CRI_PLUGIN}".containerd]', f'  snapshotter = "{self.snapshotter or c["snapshotter"]}"',
+                 f'  disable_snapshot_annotations = {str(c["disable_snapshot_annotations"]).lower()}',
+                 f'  discard_unpacked_layers = {str(c["discard_unpacked_layers"]).lower()}',
+                 f'  default_runtime_name = "{c["default_runtime_name"]}"']
+        for name, rt in c["runtimes"].items():
+            lines += [f'[plugins."{CRI_PLUGIN}".containerd.runtimes.{name}]',
+                      f'  runtime_type = "{rt["runtime_type"]}"']
+        lines += [f'[plugins."{CRI_PLUGIN}".cni]', f'  bin_dir = "{CNI_BIN}"', f'  conf_dir = "{root / "cni"}"']
+        for host in self.plain_http:
+            lines += [f'[plugins."{CRI_PLUGIN}".registry.mirrors."{host}"]', f'  endpoint = ["http://{host}"]']
+        return [*lines, ""]
+
+
+def config_toml(root: Path, snapshotters: dict[str, str], cri: Cri | None = None) -> str:
     lines = ["version = 2", f'root = "{root / "root"}"', f'state = "{root / "state"}"',
-             'disabled_plugins = ["io.containerd.grpc.v1.cri"]', "",
+             *([] if cri else [f'disabled_plugins = ["{CRI_PLUGIN}"]']), "",
              "[grpc]", f'  address = "{root / "containerd.sock"}"', "",
              "[ttrpc]", f'  address = "{root / "containerd.sock.ttrpc"}"', "",
              "[debug]", '  level = "info"', "",
              '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{root / "opt"}"', ""]
     for name, address in snapshotters.items():
         lines += [f"[proxy_plugins.{name}]", '  type = "snapshot"', f'  address = "{address}"', ""]
+    if cri:
+        lines += cri.section(root)
     return "\n".join(lines)
 
 
@@ -64,6 +104,11 @@ class Containerd:
     @property
     def address(self) -> str:
         return str(self.root / "containerd.sock")
+
+    @property
+    def cri_address(self) -> str:
+        """The CRI plugin's socket (containerd's gRPC socket: it serves runtime.v1 as well)."""
+        return self.address
 
     @property
     def pid(self) -> int:
@@ -184,15 +229,19 @@ def remove_cgroups(namespace: str) -> None:
 
 @contextlib.contextmanager
 def containerd(root: Path | None = None, *, snapshotters: dict[str, str] | None = None,
-               namespace: str | None = None) -> Iterator[Containerd]:
-    """A running containerd under `root` (default: a fresh short directory under /run)."""
+               namespace: str | None = None, cri: Cri | None = None) -> Iterator[Containerd]:
+    """A running containerd under `root` (default: a fresh short directory under /run); with `cri`,
+    its CRI plugin enabled (pods and containers in namespace k8s.io, removed at the end too)."""
     own_root = root is None
     root = root or Path(f"/run/ls-ctd-{secrets.token_hex(4)}")
     root.mkdir(mode=0o711, parents=True, exist_ok=True)
     (root / "opt").mkdir(exist_ok=True)
-    (root / "config.toml").write_text(config_toml(root, snapshotters or {}))
+    (root / "cni").mkdir(exist_ok=True)
+    (root / "config.toml").write_text(config_toml(root, snapshotters or {}, cri))
     ctd = Containerd(root, namespace or f"lstest-{secrets.token_hex(3)}", dict(snapshotters or {}))
     ctd.namespaces.add(ctd.namespace)
+    if cri:
+        ctd.namespaces.add(CRI_NAMESPACE)
     try:
         ctd.start()
         yield ctd
