@@ -182,8 +182,8 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
     next shim call starts a daemon, which takes the group back from the keeper (the same group:
     the same generation, no remount) and the read completes with the right bytes. Nothing of ours
     is left after the cleanup."""
-    from runtime_shim.node.paths import NodePaths
-    from runtime_shim.node.state import NodeState
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
     from runtime_shim.supervise.daemon import DaemonSupervisor
 
     monkeypatch.setenv("LAYERSTORE_DATA_PATH", "auto")  # (asked for: the shim then starts its watch)
