@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -42,18 +43,18 @@ def unanswered(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_stuck_readers_fail_with_their_stacks_and_the_mount_detached(unanswered) -> None:  # type: ignore[no-untyped-def]
     mnt, src, files = unanswered
-    with pytest.raises(StuckReads) as info, reading_in_child(mnt, src, files, n=4, deadline=2) as readers:
+    with pytest.raises(StuckReads) as info, reading_in_child(mnt, src, files, n=4, deadline=8) as readers:
         readers.wait_reads(1)
     msg = str(info.value)
     assert "\n" not in msg
-    assert "4x fanotify_handle_event" in msg, msg
+    assert re.search(r"\b[1-4]x fanotify_handle_event<-", msg), msg  # (all 4 unless the machine is slow)
     assert str(mnt) in msg and not os.path.ismount(mnt)
 
 
 def test_a_stuck_verification_fails_with_its_stack(unanswered) -> None:  # type: ignore[no-untyped-def]
     mnt, src, files = unanswered
-    with pytest.raises(StuckReads, match=r"verification reads stuck after 2 s .*1x fanotify_handle_event"):
-        verify_in_child(mnt, src, files, deadline=2)
+    with pytest.raises(StuckReads, match=r"verification reads stuck after 8 s .*: 1x fanotify_handle_event<-"):
+        verify_in_child(mnt, src, files, deadline=8)
     assert not os.path.ismount(mnt)
 
 
