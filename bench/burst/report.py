@@ -204,21 +204,23 @@ def _pull_lines(pull: dict[str, Any]) -> list[str]:
         return []
     lines = ["", f"PullImage alone on a node whose services run, every pull cold (image removed and, for "
              f"layerstore, the node cache emptied in between; {pull.get('rounds')} round(s) per image):", "",
-             "| contender | pulls | median (s) | min (s) | max (s) | registry (MB) | store (MB) | load before |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| contender | pulls | median (s) | min (s) | max (s) | round 1 (s) | registry (MB) | store (MB) "
+             "| load before |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in in_order(cs):
         c = cs[name]
         if c.get("skipped"):
-            lines.append(f"| {name} | skipped: {c['skipped']} | | | | | | |")
+            lines.append(f"| {name} | skipped: {c['skipped']} | | | | | | | |")
             continue
         lines.append(f"| {name} | {c.get('n')} | {fmt_s(c.get('median_s'))} | {fmt_s(c.get('min_s'))} "
-                     f"| {fmt_s(c.get('max_s'))} | {fmt_mb(c.get('registry_bytes'))} | {fmt_mb(c.get('store_bytes'))} "
+                     f"| {fmt_s(c.get('max_s'))} | {fmt_s(c.get('first_round_median_s'))} "
+                     f"| {fmt_mb(c.get('registry_bytes'))} | {fmt_mb(c.get('store_bytes'))} "
                      f"| {c.get('loadavg_before', '–')} |")
-    g = (pull.get("goal") or {}).get("layerstore_median_s") or {}
-    mark = {True: " (met)", False: " (**missed**)", None: ""}[g.get("met")]
-    lines += ["", f"Goal: the layerstore image's PullImage {g.get('target', '<= 1.0')} s (median): "
-              f"{fmt_s(g.get('value'))}{mark}; overlayfs's median is "
-              f"{fmt_x((pull.get('goal') or {}).get('speedup_vs_overlayfs'))} layerstore's."]
+    goal = pull.get("goal") or {}
+    marks = {True: " (met)", False: " (**missed**)", None: ""}
+    g, g1 = goal.get("layerstore_median_s") or {}, goal.get("layerstore_first_round_s") or {}
+    lines += ["", f"Goal: the layerstore image's PullImage {g.get('target', '<= 1.0')} s: median "
+              f"{fmt_s(g.get('value'))}{marks[g.get('met')]}, first round {fmt_s(g1.get('value'))}"
+              f"{marks[g1.get('met')]}; overlayfs's median is {fmt_x(goal.get('speedup_vs_overlayfs'))} layerstore's."]
     return lines
 
 
