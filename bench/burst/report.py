@@ -211,10 +211,9 @@ def _pull_lines(pull: dict[str, Any]) -> list[str]:
         if c.get("skipped"):
             lines.append(f"| {name} | skipped: {c['skipped']} | | | | | | | |")
             continue
-        lines.append(f"| {name} | {c.get('n')} | {fmt_s(c.get('median_s'))} | {fmt_s(c.get('min_s'))} "
-                     f"| {fmt_s(c.get('max_s'))} | {fmt_s(c.get('first_round_median_s'))} "
-                     f"| {fmt_mb(c.get('registry_bytes'))} | {fmt_mb(c.get('store_bytes'))} "
-                     f"| {c.get('loadavg_before', '–')} |")
+        cells = [name, c.get("n"), *(fmt_s(c.get(k)) for k in ("median_s", "min_s", "max_s", "first_round_median_s")),
+                 *(fmt_mb(c.get(k)) for k in ("registry_bytes", "store_bytes")), c.get("loadavg_before", "–")]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     goal = pull.get("goal") or {}
     marks = {True: " (met)", False: " (**missed**)", None: ""}
     g, g1 = goal.get("layerstore_median_s") or {}, goal.get("layerstore_first_round_s") or {}

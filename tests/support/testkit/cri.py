@@ -112,7 +112,7 @@ class CriClient:
         self.runtime.StartContainer(pb.StartContainerRequest(container_id=container), timeout=self.timeout)
 
     def status(self, container: str) -> Any:
-        """ContainerStatus: state, exit_code, started_at / finished_at (ns), log_path."""
+        """ContainerStatus: state, exit_code, finished_at (ns), reason, message."""
         res = self.runtime.ContainerStatus(pb.ContainerStatusRequest(container_id=container), timeout=self.timeout)
         return res.status
 
