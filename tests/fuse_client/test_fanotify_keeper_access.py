@@ -20,14 +20,19 @@ from testkit.fuse_helpers import wait_until
 from fuse_client.fanotify import keeper, kernel
 
 NOBODY = 65534
-# What a non-root peer gets: (bytes answered, control messages: an fd would be one).
+# What a peer gets once connected: "refused" (closed unanswered: EOF, a reset since its request
+# was left unread, or a broken pipe if it closed first), else the bytes answered and the control
+# messages (an fd would be one).
 ASK = """import socket, sys
 s = socket.socket(socket.AF_UNIX)
 s.settimeout(10)
 s.connect(sys.argv[1])
-s.sendall(sys.argv[2].encode())
-msg, anc, _flags, _addr = s.recvmsg(4096, socket.CMSG_SPACE(4))
-print(len(msg), len(anc))
+try:
+    s.sendall(sys.argv[2].encode())
+    msg, anc, _flags, _addr = s.recvmsg(4096, socket.CMSG_SPACE(4))
+except (ConnectionResetError, BrokenPipeError):
+    msg, anc = b"", []
+print("refused" if not msg and not anc else f"{len(msg)} {len(anc)}")
 """
 
 
@@ -54,7 +59,10 @@ def test_the_keepers_sockets_admit_root_only() -> None:
                                user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True,
                                timeout=60, cwd="/")
             assert p.returncode == 0, p.stderr  # (connected: the mode no longer refuses it)
-            assert p.stdout.split() == ["0", "0"], (request, p.stdout)  # closed unanswered, no fd
+            assert p.stdout.strip() == "refused", (request, p.stdout)  # (no answer, no fd)
+        ans = subprocess.run([python, "-I", "-c", ASK, os.fspath(cache / keeper.SOCKET_NAME), "I"],
+                             capture_output=True, text=True, timeout=60)
+        assert ans.stdout.split()[1:] == ["0"], ans  # (the same script as root: answered, no fd)
         assert keeper.running(cache) == pid and keeper.held(cache) == "cafe"  # (a root peer still gets answers)
     finally:
         os.close(group)
