@@ -187,11 +187,12 @@ class Readers:
                 "failed_examples": self.failed[:5], "wrong_examples": self.wrong[:5]}
 
     def ended_between(self, t0: float, t1: float) -> dict[str, Any]:
-        """The wrong, zero and failed reads that ended in [t0, t1), and when (seconds after t0)."""
+        """The wrong, zero and failed reads that ended in [t0, t1), and when the wrong ones ended
+        (seconds after t0: min, median, max)."""
         wrong = [t - t0 for t in self.wrong_at if t0 <= t < t1]
         return {"wrong_reads": len(wrong), "wrong_zero_reads": sum(t0 <= t < t1 for t in self.zero_at),
                 "failed_reads": sum(t0 <= t < t1 for t in self.failed_at),
-                "wrong_read_ends_s": [round(t, 3) for t in wrong[:20]]}
+                "wrong_read_ends_s": spread(wrong)}
 
 
 def zeros_where_wrong(got: bytes, want: bytes, page: int = 4096) -> bool:
