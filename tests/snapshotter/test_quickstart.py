@@ -255,4 +255,4 @@ def _check(out: str, ctd: Containerd, ref: str) -> None:
     # containerd's own pull cannot take a pointer image (the doc's "which pulls are lazy")
     r = ctd.ctr("images", "pull", "--plain-http", "--snapshotter", "layerstore", ref, check=False,
                 namespace=f"{ctd.namespace}-ctr")
-    assert r.returncode != 0, r.stdout
+    assert r.returncode != 0 and "no processor for media-type" in r.stderr, (r.stdout, r.stderr)
