@@ -274,7 +274,7 @@ class QemuVm:
         rc = self.process.wait(timeout)
         for th in self.pumps:
             th.join()
-        for c in self.conns:
+        for c in [*self.conns, *([self.control] if self.control is not None else [])]:
             with contextlib.suppress(OSError):
                 c.close()
         return rc
