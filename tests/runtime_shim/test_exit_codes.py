@@ -20,7 +20,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from testkit.shim_support import busybox_image, dir_shim, needs_busybox, needs_runc, spec
+from testkit.shim_support import (
+    add_blob,
+    busybox_image,
+    busybox_rootfs,
+    dir_shim,
+    mkfs,
+    needs_busybox,
+    needs_runc,
+    spec,
+)
 from testkit.vm_support import tcg
 
 from runtime_shim.backends import signals
@@ -156,3 +165,25 @@ def test_the_containers_init_reaps_orphans(shim: Shim, image: tuple[Path, str], 
         done.set()
         sender.join()
     assert seen == [[]], "an orphan stayed a zombie"
+
+
+@pytest.mark.parametrize("backend", CONTAINERS)
+@pytest.mark.parametrize("dev", ["a symlink to /etc", "a directory with an init"])
+def test_an_image_cannot_shadow_or_replace_the_init(tmp_path: Path, backend: str, dev: str) -> None:
+    """An image whose /dev is a symlink (to a directory holding an `init` of its own), or a
+    directory holding one: the runtime's /dev tmpfs (made where the symlink leads, within the
+    root) covers it, and the init is bound onto a file made in that tmpfs: the image's never runs."""
+    root = busybox_rootfs(tmp_path / "hostile")
+    planted = (root / "etc") if dev.startswith("a symlink") else (root / "dev")
+    if dev.startswith("a symlink"):
+        (root / "dev").rmdir()
+        (root / "dev").symlink_to("/etc")
+    (planted / "init").write_text("#!/bin/sh\necho PLANTED INIT RAN\nexec \"$@\"\n")
+    (planted / "init").chmod(0o755)
+    blobs = tmp_path / "blobs"
+    blob = add_blob(blobs, mkfs(root, tmp_path / "hostile.img"))
+    out = tmp_path / "out.txt"
+    with dir_shim(tmp_path, blobs) as shim:
+        code = run(shim, blob, backend, "echo ran; kill -TERM $$", out)
+        assert shim.sandboxes() == []
+    assert (code, out.read_text()) == (143, "ran\n")
