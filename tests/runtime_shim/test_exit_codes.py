@@ -62,10 +62,11 @@ def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
         yield s
 
 
-def run(shim: Shim, blob: str, backend: str, script: str, out: Path, sandbox: str | None = None) -> int:
+def run(shim: Shim, blob: str, backend: str, script: str, out: Path, sandbox: str | None = None,
+        userns: bool | None = None) -> int:
     with open(out, "wb") as o:
         res = runner.run(shim, spec((blob, "base")), ["/bin/sh", "-c", script], runtime=backend, confinement=CONF,
-                         sandbox=sandbox, stdin=subprocess.DEVNULL, stdout=o)
+                         sandbox=sandbox, stdin=subprocess.DEVNULL, stdout=o, userns=userns)
     return res.exit_code
 
 
@@ -75,6 +76,15 @@ def test_the_exit_code_is_the_same_on_every_backend(shim: Shim, image: tuple[Pat
                                                     backend: str, script: str, code: int) -> None:
     assert run(shim, image[1], backend, script, tmp_path / "out.txt") == code
     assert shim.sandboxes() == []
+
+
+@pytest.mark.parametrize("backend", CONTAINERS)
+def test_a_container_without_a_user_namespace_too(shim: Shim, image: tuple[Path, str], tmp_path: Path,
+                                                 backend: str) -> None:
+    """(The cases above take a user namespace where the node has one: the init's bind then is
+    made inside it.)"""
+    assert run(shim, image[1], backend, "kill -TERM $$", tmp_path / "out.txt", userns=False) == 143
+    assert run(shim, image[1], backend, "exit 7", tmp_path / "out.txt", userns=False) == 7
 
 
 def signal_when(ready: Callable[[], bool], done: threading.Event, then: Callable[[], None] | None = None) -> None:
@@ -171,8 +181,9 @@ def test_the_containers_init_reaps_orphans(shim: Shim, image: tuple[Path, str], 
 @pytest.mark.parametrize("dev", ["a symlink to /etc", "a directory with an init"])
 def test_an_image_cannot_shadow_or_replace_the_init(tmp_path: Path, backend: str, dev: str) -> None:
     """An image whose /dev is a symlink (to a directory holding an `init` of its own), or a
-    directory holding one: the runtime's /dev tmpfs (made where the symlink leads, within the
-    root) covers it, and the init is bound onto a file made in that tmpfs: the image's never runs."""
+    directory holding one: the runtime's /dev tmpfs covers it, and the init is bound onto a file
+    made in that tmpfs: the image's never runs. (A /dev symlink is resolved within the root, and
+    runc then fails to make /dev/ptmx there, crun /dev/null: the run fails cleanly.)"""
     root = busybox_rootfs(tmp_path / "hostile")
     planted = (root / "etc") if dev.startswith("a symlink") else (root / "dev")
     if dev.startswith("a symlink"):
@@ -186,4 +197,6 @@ def test_an_image_cannot_shadow_or_replace_the_init(tmp_path: Path, backend: str
     with dir_shim(tmp_path, blobs) as shim:
         code = run(shim, blob, backend, "echo ran; kill -TERM $$", out)
         assert shim.sandboxes() == []
-    assert (code, out.read_text()) == (143, "ran\n")
+    ran = out.read_text()
+    assert "PLANTED" not in ran
+    assert (code, ran) == (143, "ran\n") or (dev.startswith("a symlink") and code == 1 and ran == ""), (code, ran)
