@@ -33,7 +33,7 @@ INIT_ENV = "LAYERSTORE_CONTAINER_INIT"
 INIT_NAME = "tini-static"  # Debian's tini package
 IN_CONTAINER = "/dev/init"
 PT_INTERP = 3
-HOW = f"install tini (apt: {INIT_NAME}) or set {INIT_ENV} to a static tini"
+HOW = f"install tini (the Debian package ships {INIT_NAME}) or set {INIT_ENV} to a static tini"
 
 
 def find_init() -> str:
