@@ -113,7 +113,8 @@ def test_a_stop_signal_reaches_the_workload_on_every_backend(shim: Shim, image: 
     main_thread_only()
     monkeypatch.setenv("LAYERSTORE_STOP_GRACE", str(10 * DEADLINE))
     out, sid, done = tmp_path / "out.txt", f"sig-{backend}", threading.Event()
-    sender = threading.Thread(target=signal_when, args=(lambda: b"ready" in out.read_bytes(), done), daemon=True)
+    ready = lambda: out.exists() and b"ready" in out.read_bytes()  # noqa: E731
+    sender = threading.Thread(target=signal_when, args=(ready, done), daemon=True)
     sender.start()
     try:
         with pytest.raises(signals.Stopped, match=f"^stopped by SIGTERM: sandbox {sid} stopped and removed$"):
