@@ -10,9 +10,16 @@ STAMP := $(VENV)/.installed
 demo: deps
 	@bash .ci/demo.sh
 
+# `make test` runs every test: the tiers that need root, services or time, and beside them (a second
+# pytest, its report after the first's) the fast tier, which is mostly Python on one core while the
+# others mostly wait on mounts, VMs and services.
 test: deps
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -p no:cacheprovider --durations=30 $(PYTEST_ARGS)
+	@log=$$(mktemp); trap 'rm -f $$log' EXIT; \
+	$(VENV)/bin/pytest -p no:cacheprovider -q -m "not ($(NEEDS))" $(PYTEST_ARGS) >$$log 2>&1 & fast=$$!; \
+	$(VENV)/bin/pytest -p no:cacheprovider --durations=30 -m "$(NEEDS)" $(PYTEST_ARGS); a=$$?; wait $$fast; b=$$?; \
+	echo "== make test, the fast tier (run beside the above):"; cat $$log; \
+	for rc in $$a $$b; do case $$rc in 0|5) ;; *) exit $$rc;; esac; done; [ $$a$$b != 55 ]
 
 # What a test needs, as marks (pyproject.toml; tests/conftest.py classifies and skips). `make check` runs the
 # tests that need none of them, as any user, in two halves at once (whole files each: tests/conftest.py --shard;
