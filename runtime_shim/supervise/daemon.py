@@ -319,34 +319,38 @@ class _Restarter:
             self.thread.join(READY_TIMEOUT)
 
     def run(self, t0: float, died: float) -> None:
-        from fuse_client.fanotify.upgrade import stopped_cleanly
-
         try:
             with NodeLock(self.paths.lock):
                 self.holding.set()
-                with self.state.read() as t:
-                    cur = t.daemon()
-                if cur is None or is_alive(cur):
-                    return
-                new = self.sup.adopt(cur)
-                if new is None and stopped_cleanly(self.paths.cache, cur.pid, cur.start_time):
-                    log.info("node daemon %d was stopped, not killed: the watch ends", cur.pid)
-                    self.done.set()  # (the next shim call that needs a daemon starts one, and a watch)
-                    return
-                if new is None:
-                    severed = sever(self.paths, self.state, died)  # before its FUSE mount is detached
-                    self.sup.stop(cur)
-                    new = self.sup.start(cur.store, cur.argv)  # (its options: a bench's, a test's)
-                    # (the daemon log's last line: what died, what went with it, what replaced it)
-                    log.warning("node daemon %d died: %s; started %d (%.2f s)", cur.pid, severed.summary(),
-                                new.pid, time.monotonic() - t0)
-                with self.state.write() as t:
-                    t.put_daemon(new)
+                try:
+                    self._restart(t0, died)
+                finally:
+                    self.holding.clear()
         except DaemonError as e:
             log.error("the watch cannot start the node daemon: %s; trying again", e)
             time.sleep(5 * self.interval)
-        finally:
-            self.holding.clear()
+
+    def _restart(self, t0: float, died: float) -> None:
+        from fuse_client.fanotify.upgrade import stopped_cleanly
+
+        with self.state.read() as t:
+            cur = t.daemon()
+        if cur is None or is_alive(cur):
+            return
+        new = self.sup.adopt(cur)
+        if new is None and stopped_cleanly(self.paths.cache, cur.pid, cur.start_time):
+            log.info("node daemon %d was stopped, not killed: the watch ends", cur.pid)
+            self.done.set()  # (the next shim call that needs a daemon starts one, and a watch)
+            return
+        if new is None:
+            severed = sever(self.paths, self.state, died)  # before its FUSE mount is detached
+            self.sup.stop(cur)
+            new = self.sup.start(cur.store, cur.argv)  # (its options: a bench's, a test's)
+            # (the daemon log's last line: what died, what went with it, what replaced it)
+            log.warning("node daemon %d died: %s; started %d (%.2f s)", cur.pid, severed.summary(), new.pid,
+                        time.monotonic() - t0)
+        with self.state.write() as t:
+            t.put_daemon(new)
 
 
 def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:

@@ -171,7 +171,8 @@ def test_without_a_watch_recover_and_node_stop_clear_a_dead_daemons_mount(store:
                                                                           tmp_path: Path) -> None:
     url, env = store, {"LAYERSTORE_DAEMON_WATCH": "0"}
     target = tmp_path / "m1"
-    r = layerctl("mount", "--store", url, "--node-dir", str(node), "--sandbox", "m1", "rd:1", str(target), env=env)
+    r = layerctl("mount", "--store", url, "--node-dir", str(node), "--sandbox", "m1", "--upper-size", "64M", "rd:1",
+                 str(target), env=env)
     assert r.code == 0, r.err
     assert (target / "data" / "f1").read_text() == content(1) and watch_pid(node) is None
     old = kill9(node)
