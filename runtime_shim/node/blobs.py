@@ -274,8 +274,13 @@ class DaemonBlobs:
         that still runs without its mount is stopped: it can serve nothing). The daemon record
         stays: the watch, if one runs, starts the next daemon; else the next `ensure` does."""
         fuse = self.paths.fuse
-        if not linux.is_mount(fuse) or not linux.is_dead(fuse):
+        if not linux.is_mount(fuse):
             return []
+        try:  # (statfs reaches the daemon: a stat of the mountpoint may be answered from cached attributes)
+            if not linux.clear_dead_fuse(fuse):
+                return []
+        except linux.MountError:
+            return []  # a live mount
         self._forget_seen()
         with self.state.read() as t:
             rec = t.daemon()

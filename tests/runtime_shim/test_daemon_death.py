@@ -111,8 +111,8 @@ def watch_pid(node: Path) -> int | None:
 
 def start_reader(url: str, node: Path, sid: str) -> subprocess.Popen[str]:
     p = subprocess.Popen([str(BIN / "layerctl"), "run", "--store", url, "--node-dir", str(node), "--keep",
-                          "--sandbox", sid, "--upper-size", "64M", "rd:1", "--", "sh", "-c", READER], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--sandbox", sid, "--upper-size", "64M", "rd:1", "--", "sh", "-c", READER],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None
     th, got = in_background(p.stdout.readline, name="reader-go")
     th.join(DEADLINE)
@@ -143,6 +143,7 @@ def test_three_kills_under_a_reading_sandbox(store: str, node: Path) -> None:
         log = [ln for ln in (node / "daemon.log").read_text(errors="replace").splitlines() if ln.strip()]
         restarts = [ln for ln in log if f"node daemon {old} died" in ln]
         assert len(restarts) == 1 and f"started {new.pid}" in restarts[0] and sid in restarts[0], log[-10:]
+        assert log[-1] == restarts[0], log[-10:]  # (the last line, until the new daemon serves a request)
         # a new run of the same environment works at once (new layer mounts on the new daemon)
         r = layerctl("run", "--store", url, "--node-dir", str(node), "rd:1", "--", "cat", f"/data/f{FILES - k}")
         assert (r.code, r.out) == (0, content(FILES - k)), r.err
