@@ -215,8 +215,8 @@ def _adopt_records(lifecycle: SandboxLifecycle, rep: RecoverReport, inflight: di
 
 
 def _mark_lost(lifecycle: SandboxLifecycle, blobs: BlobSource, rep: RecoverReport) -> None:
-    """Says what a dead daemon took, and clears its mount: marks lost the sandboxes stacked on
-    layers that read through the FUSE mount of a daemon other than the healthy one (the watch
+    """Repairs what a dead daemon left, after saying what it took: marks lost the sandboxes stacked
+    on layers that read through the FUSE mount of a daemon other than the healthy one (the watch
     does it when one runs; else this is the first to see it: `nodestate.lost`), then detaches a
     dead FUSE mount, also when no sandbox needs a daemon now (nothing else would)."""
     paths = lifecycle.paths
