@@ -4,7 +4,7 @@ the daemon under it, three times: the shim's watch starts a new daemon each time
 fails and `run` says why in one line, `sandbox ls` marks it lost, a new run works at once;
 `recover` leaves no dead mount and `node stop` nothing mounted. Without a watch: `recover` and
 `node stop` clear a dead daemon's FUSE mount themselves. Every wait has a generous deadline that
-only turns a hang into a failure; the node's clean-up stops the watch before the daemon."""
+only turns a hang into a failure; the node fixture's clean-up (tests/conftest.py) stops the watch first."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from testkit.cli_helpers import layerctl
-from testkit.shim_support import busybox_rootfs, cleanup_node, in_background, needs_busybox, needs_root, needs_runc
+from testkit.shim_support import busybox_rootfs, in_background, needs_busybox, needs_root, needs_runc
 
 from layerstore import linux
 from runtime_shim.nodestate.state import DaemonRecord, NodeState
@@ -51,15 +50,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> str:
     assert r.code == 0, r.err
     assert layerctl("env", "create", "--store", url, "--base", r.json()["blob"], "-t", "rd:1").code == 0
     return url
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Path]:
-    n = tmp_path / "node"
-    try:
-        yield n
-    finally:
-        cleanup_node(n, tmp_path)
 
 
 def daemon(node: Path) -> DaemonRecord | None:
