@@ -4,7 +4,7 @@ it: docs/runtime-shim.md, "The daemon's death").
 
 A layer mounted on the daemon's FUSE file (NODE/fuse/blobs/<digest>) reads through that daemon's
 FUSE connection. Once the daemon is gone the connection is dead for good: every read of a page
-not already in the layer mount's page cache fails (EIO; ENOTCONN on the FUSE file itself), and a
+not already in the layer mount's page cache fails (ECONNABORTED; ENOTCONN for metadata not cached), and a
 new daemon serves a new FUSE mount, which that EROFS mount can never read. Such a layer mount is
 *lost*; so is every sandbox stacked on it (its running processes see the errors). A layer
 mounted directly on a complete, pinned cache file, or attached on the fanotify data path, reads a
