@@ -8,7 +8,7 @@ PACKAGES=(
     erofs-utils
     ceph-mon ceph-mgr ceph-osd radosgw ceph-mds ceph-fuse ceph-common
     tar gzip zstd
-    runc crun busybox-static
+    runc crun busybox-static tini
     e2fsprogs mount
     mmdebstrap
     containerd docker-registry

@@ -1,9 +1,12 @@
 """Cold-burst benchmark (DSec's experiment on one node): N sandboxes of several real environments start at
 once on a cold node, with the store (real Ceph radosgw) behind one shaped link. Contenders: the
 conventional path (tar.gz layers pulled and extracted, overlay, runc), layerstore lazy (with and without
-prefetch hints) and layerstore --eager. Needs root.
+prefetch hints) and layerstore --eager; containerd pulling from a registry behind the same link, through
+`ctr` (containerd-overlayfs, containerd-layerstore) and through its CRI plugin as the kubelet would
+(cri-overlayfs, cri-layerstore; with --pull-rounds N also PullImage alone, N cold rounds per image, into
+bench/results/cri-pull-<size>.json). Needs root.
 
-    python bench/burst.py [--size quick|full] [--sandboxes N] [--rate-mbit R] [--contenders a,b,...]
+    python bench/burst.py [--size quick|full] [--sandboxes N] [--rate-mbit R] [--contenders a,b,...] [--pull-rounds N]
     python bench/burst.py --nodes size|N|NxM[,NxM...] [--size quick|full|tiny] [--per-node M] [--rate-mbit R[,R]]
 
 With --nodes: the burst at cluster shape (N simulated nodes, each with its own network namespace, node
@@ -24,9 +27,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+SUPPORT = REPO / "tests" / "support"  # testkit (the Ceph cluster, the CRI client)
+for _p in (SUPPORT, REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(SUPPORT), os.environ.get("PYTHONPATH", "")) if p)
 
 from bench.burst import nodereport, report, spec  # noqa: E402
 from bench.burst.nodes import ClusterBench, NodeOptions  # noqa: E402
@@ -46,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
     ap.add_argument("--contenders", default=None,
                     help="comma-separated subset of " + ",".join(spec.SIZES["full"].contenders))
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every contender (default: the size's)")
+    ap.add_argument("--pull-rounds", type=int, default=0, metavar="N",
+                    help="after the bursts, time PullImage alone for the CRI contenders, N rounds per image")
+    ap.add_argument("--pull-output", type=Path, default=None,
+                    help="where the PullImage timing goes (default: cri-pull-<size>.json beside --output)")
     ap.add_argument("--no-readset", action="store_true", help="skip measuring the bytes the tasks read")
     ap.add_argument("--readset-only", type=Path, default=None, metavar="RESULTS",
                     help="only measure the bytes read again for an existing results file, and re-render")
@@ -64,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
     size = spec.SIZES[a.size]
     envs = tuple(a.environments.split(",")) if a.environments else size.environments
     for e in envs:
-        if e not in spec.ENVIRONMENTS:
-            ap.error(f"unknown environment {e!r} (known: {', '.join(spec.ENVIRONMENTS)})")
+        if e not in spec.ENVIRONMENTS and envs != (spec.TINY.name,):  # (tiny alone: smoke tests)
+            ap.error(f"unknown environment {e!r} (known: {', '.join(spec.ENVIRONMENTS)}, or tiny alone)")
     contenders = tuple(a.contenders.split(",")) if a.contenders else size.contenders
     if a.readset_only is not None:
         a.output = a.readset_only
@@ -77,11 +86,15 @@ def parse_args(argv: list[str] | None = None) -> Options | NodeOptions:
         ap.error(f"--rate-mbit: {rate:g}: the link must be 1-100000 Mbit/s")
     if (a.sandboxes is not None and a.sandboxes < 1) or (a.rounds is not None and a.rounds < 1):
         ap.error("--sandboxes and --rounds must be at least 1")
+    if a.pull_rounds < 0:
+        ap.error("--pull-rounds must be at least 0")
+    output = a.output or REPO / "bench" / "results" / f"burst-{size.name}.json"
     opts = Options(size=size, sandboxes=a.sandboxes or size.sandboxes, rate_mbit=rate,
                    environments=envs, contenders=contenders,
-                   output=a.output or REPO / "bench" / "results" / f"burst-{size.name}.json",
-                   readset=not a.no_readset, rounds=a.rounds or size.rounds, docs=None if a.no_docs else a.docs,
-                   readset_only=a.readset_only is not None)
+                   output=output, readset=not a.no_readset, rounds=a.rounds or size.rounds,
+                   docs=None if a.no_docs else a.docs, readset_only=a.readset_only is not None,
+                   pull_rounds=a.pull_rounds,
+                   pull_output=a.pull_output or output.parent / f"cri-pull-{size.name}.json")
     return opts
 
 
@@ -139,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     section = report.render(opts.output, opts.docs, opts.output.parent)
     sys.stdout.write(section)
     failed = sum(c.get("failed", 0) for c in results.get("contenders", {}).values() if isinstance(c, dict))
+    failed += sum(int(c.get("failed") or 0) + (1 if c.get("skipped") else 0)  # a PullImage that failed
+                  for c in (results.get("cri_pull") or {}).get("contenders", {}).values())
     return 1 if failed else 0
 
 

@@ -4,7 +4,8 @@ bytes. Each cycle starts on a cold mount (the layer unmounted, detached, evicted
 mounted again: an attached blob is never evicted, docs/fanotify.md window 7), so the readers need
 fills across the gap.
 
-    sudo .venv/bin/python bench/daemon_restart.py [--restarts N] [--readers 16] [--kill-all [--fd-store]]
+    sudo .venv/bin/python bench/daemon_restart.py [--restarts N] [--readers 16]
+        [--kill-all [--fd-store | --keeper [--kill-keeper]]]
 
 N defaults to 100 (`BENCH_SIZE=full`, and the kill-all run: 30) or 8 at `BENCH_SIZE=quick` (what
 `make bench` runs: about a minute).
@@ -35,6 +36,27 @@ until the manager's next daemon answers (`daemon_back`), until every reader has 
 started after the kill (`reads_back`), whether the group stayed the same, and the failed and
 wrong reads. Exits 1 on any failed or wrong read, or a read still waiting 30 s after the next
 daemon answered (`cycles_with_a_stuck_read`: see docs/benchmarks-fanotify.md for the one seen).
+
+`--kill-all --keeper` (bench/results/daemon_restart-kill-all-keeper-<size>.json, size quick or
+full; 30 cycles, 4 at quick): a node without systemd whose operator opted in to our keeper
+(`LAYERSTORE_FANOTIFY_KEEPER=1`, docs/fanotify.md "A keeper without systemd"). The runtime shim's
+supervisor starts the keeper, the daemon (`auto`: fanotify because of the keeper; checked) and
+the watch. Each cycle: a cold mount, the readers reading for 0.02-0.12 s, then every process of
+ours but the keeper killed with -9 at once (the watch, the daemon, the holder); the keeper's
+copy of the group keeps the marks, so reads of holes wait; then the bench plays the next shim call
+(`DaemonSupervisor.start`: the daemon takes the group back from the keeper). Expected: 0 wrong
+and 0 failed reads, the same group every cycle; exits 1 otherwise. With `--kill-keeper`
+(...-kill-all-keeper-all-<size>.json) the keeper is killed too, with everything of ours: the group
+dies, holes read as zeros until the next shim call's daemon marks the files on a new group (its
+keeper started again first). The bench makes that call at once, so its zero reads are a floor:
+on a node the window lasts until the next shim call. It counts the wrong reads, how many of them
+differ from the source only by zero pages (`wrong_zero_reads`: holes read without a group), the
+failed reads, and when the new group had the file marked (`marks_back`); exits 1 only on a wrong
+read that is not zeros. Measured per cycle in both: whether the blob still had holes at the kill
+(`marked_at_kill`), whether the keeper's copy still marked it after the kill (`keeper_kept_marks`),
+until the next daemon's mount answers (`daemon_back`), until every reader has completed a read
+started after the kill (`reads_back`), the same group or not, and the reads wrong, zero or failed
+(counted by when they ended: from this cycle's kill to the next).
 """
 
 from __future__ import annotations
@@ -92,6 +114,8 @@ class Readers:
         self.failed: list[str] = []
         self.wrong: list[str] = []
         self.wrong_at: list[float] = []  # when each wrong read ended (time.monotonic)
+        self.zero_at: list[float] = []  # ... each wrong read that differs only by zero pages (holes)
+        self.failed_at: list[float] = []  # ... each failed read
         self.since: float | None = None  # (`mark`) and when each reader's first read started since it ended
         self.first_after: list[float | None] = [None] * n
         self.threads: list[threading.Thread] = []
@@ -111,10 +135,14 @@ class Readers:
             try:
                 got = read_uncached(self.root / rel)
             except OSError as e:
+                self.failed_at.append(time.monotonic())
                 self.failed.append(f"{rel}: {e}")
                 continue
             if got != self.want[rel]:
-                self.wrong_at.append(time.monotonic())
+                now = time.monotonic()
+                if zeros_where_wrong(got, self.want[rel]):
+                    self.zero_at.append(now)
+                self.wrong_at.append(now)
                 self.wrong.append(str(rel))
             self.reads[k] += 1
             since = self.since
@@ -155,7 +183,29 @@ class Readers:
 
     def summary(self) -> dict[str, Any]:
         return {"readers": len(self.reads), "reads": self.total(), "failed_reads": len(self.failed),
-                "wrong_reads": len(self.wrong), "failed_examples": self.failed[:5], "wrong_examples": self.wrong[:5]}
+                "wrong_reads": len(self.wrong), "wrong_zero_reads": len(self.zero_at),
+                "failed_examples": self.failed[:5], "wrong_examples": self.wrong[:5]}
+
+    def ended_between(self, t0: float, t1: float) -> dict[str, Any]:
+        """The wrong, zero and failed reads that ended in [t0, t1), and when the wrong ones ended
+        (seconds after t0: min, median, max)."""
+        wrong = [t - t0 for t in self.wrong_at if t0 <= t < t1]
+        return {"wrong_reads": len(wrong), "wrong_zero_reads": sum(t0 <= t < t1 for t in self.zero_at),
+                "failed_reads": sum(t0 <= t < t1 for t in self.failed_at),
+                "wrong_read_ends_s": spread(wrong)}
+
+
+def zeros_where_wrong(got: bytes, want: bytes, page: int = 4096) -> bool:
+    """Whether `got` differs from `want` only by pages of zeros (a hole read while no group
+    marked the file), the length the same (pure)."""
+    if len(got) != len(want):
+        return False
+    zero = bytes(page)
+    for off in range(0, len(want), page):
+        g = got[off : off + page]
+        if g != want[off : off + page] and g != zero[: len(g)]:
+            return False
+    return True
 
 
 def kill_all(args: argparse.Namespace) -> int:
@@ -389,30 +439,250 @@ def kill_all_fd_store(args: argparse.Namespace) -> int:
     return 0 if not readers.failed and not readers.wrong and not stuck and result["every_cycle_same_group"] else 1
 
 
+class ShimNode:
+    """A node as the runtime shim runs it without systemd, with the keeper opted in (`--keeper`):
+    the shim's supervisor starts the keeper, the daemon and the watch; `start` is the shim's next
+    call that needs a daemon (`DaemonBlobs.ensure`)."""
+
+    def __init__(self, root: Path, store_url: str) -> None:
+        from runtime_shim.nodestate.paths import NodePaths
+        from runtime_shim.nodestate.state import NodeState
+        from runtime_shim.supervise.daemon import DaemonSupervisor
+
+        self.paths = NodePaths(root)
+        self.paths.root.mkdir()
+        self.cache = self.paths.cache
+        self.sup = DaemonSupervisor(self.paths)
+        self.state = NodeState(self.paths.state)
+        self.store_url = store_url
+        self.rec: Any = None
+
+    def start(self) -> None:
+        rec = self.sup.start(self.store_url)
+        with self.state.write() as t:
+            t.put_daemon(rec)
+        self.rec = rec
+
+    def restart(self, k0: float, old_group: str | None, new_group: bool,
+                timeout: float = 120.0) -> tuple[float | None, float]:
+        """The next shim call, in a thread (as the watch starts one). With `new_group` (the old
+        group died), meanwhile: when the holder's group, another than `old_group`, has the attached
+        file marked (None if it shows no mark within 2 s of the daemon: the blob was complete).
+        Returns (marks back, the daemon's mount answering), in seconds after `k0`."""
+        from testkit.fanotify_helpers import holder_marks
+
+        from fuse_client.fanotify import handover
+
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                self.start()
+            except BaseException as e:  # (raised again below)
+                failed.append(e)
+
+        starter = threading.Thread(target=call, daemon=True)
+        starter.start()
+        marks = daemon = None
+        while daemon is None or new_group and marks is None and time.monotonic() - k0 < daemon + 2.0:
+            if time.monotonic() - k0 > timeout:
+                raise RuntimeError(f"no daemon within {timeout:.0f} s of the kill")
+            looking = new_group and marks is None
+            if looking and handover.holder_generation(self.cache) not in (None, old_group) and holder_marks(
+                    self.cache) >= 1:
+                marks = time.monotonic() - k0
+            if daemon is None and not starter.is_alive():
+                daemon = time.monotonic() - k0
+            time.sleep(0.0005 if looking else 0.005)
+        starter.join()
+        if failed:
+            raise failed[0]
+        return marks, daemon
+
+    def close(self) -> None:
+        """Stop the watch and the daemon, the holder and the keeper; detach the FUSE mount."""
+        from testkit.fanotify_helpers import stop_holder
+
+        from fuse_client.fanotify import keeper
+
+        with self.state.read() as t:
+            rec = t.daemon()
+        self.sup.stop(rec)
+        stop_holder(self.cache)
+        keeper.stop(self.cache)
+        self.state.close()
+        if linux.is_mount(self.paths.fuse):
+            linux.umount(self.paths.fuse, lazy=True)
+
+
+def keeper_cycle(node: ShimNode, readers: Readers, blob: str, i: int, kill_keeper: bool) -> dict[str, Any]:
+    """One cycle of the `--keeper` run (module doc): a cold mount, reads, every process of ours
+    (but the keeper, unless `kill_keeper`) killed -9 at once, the next shim call. What it measured
+    (the reads that went wrong are counted after the run, by when they ended)."""
+    from fuse_client.fanotify import handover, keeper
+    from runtime_shim.supervise.daemon import proc_start_time
+
+    cache = node.cache
+    evicted = readers.cold_cycle(cache, blob, "bench") if i else 0
+    time.sleep(random.uniform(0.02, 0.12))  # (soon after the cold mount: holes left)
+    stats = request_json(cache, "GET", "/stats")
+    if stats["pid"] != node.rec.pid or stats["data_path"] != "fanotify":
+        raise RuntimeError(f"cycle {i + 1}: /stats {stats['pid']} {stats['data_path']}")
+    group, ident, keeper_pid = handover.holder_generation(cache), handover.read_identity(cache), keeper.running(cache)
+    watch = node.sup.watch_pid()
+    if group is None or ident is None or keeper_pid is None or watch is None:
+        raise RuntimeError(f"cycle {i + 1}: group {group}, holder {ident}, keeper {keeper_pid}, watch {watch}")
+    kept = keeper.held(cache)
+    marked = process_marks(ident[0]) >= 1  # (the blob still had holes)
+    victims = [watch, node.rec.pid, ident[0]] + ([keeper_pid] if kill_keeper else [])
+    k0 = time.monotonic()
+    readers.mark(k0)
+    for pid in victims:  # (the watch first: it would restart the daemon or regroup)
+        os.kill(pid, 9)
+    while any(proc_start_time(pid) is not None for pid in victims):  # (reaps the bench's own children)
+        if time.monotonic() - k0 > 30:
+            raise RuntimeError(f"cycle {i + 1}: {victims} not all gone 30 s after SIGKILL")
+        time.sleep(0.001)
+    keeper_marks = None if kill_keeper else process_marks(keeper_pid) >= 1
+    marks_back, daemon_back = node.restart(k0, group, new_group=kill_keeper)
+    while (back := readers.all_back()) is None:
+        if time.monotonic() - k0 > daemon_back + 120:
+            raise RuntimeError(f"cycle {i + 1}: readers stuck 120 s after the next daemon")
+        time.sleep(0.005)
+    return {"kill_t": k0, "daemon_back_s": round(daemon_back, 3), "reads_back_s": round(back - k0, 3),
+            "marks_back_s": None if marks_back is None else round(marks_back, 4), "marked_at_kill": marked,
+            "keeper_kept_group": kept == group.removeprefix("fanotify:"), "keeper_kept_marks": keeper_marks,
+            "same_group": handover.holder_generation(cache) == group,
+            "same_keeper": keeper.running(cache) == keeper_pid, "evicted_before": evicted}
+
+
+def kill_all_keeper(args: argparse.Namespace) -> int:
+    """The `--kill-all --keeper [--kill-keeper]` run (module doc): a node without systemd with
+    our keeper; every process of ours killed at once each cycle, the keeper spared or not."""
+    from testkit.fanotify_helpers import unmount_and_detach
+
+    from fuse_client.control import attach
+    from fuse_client.fanotify import keeper
+    from layerstore.linux import mount_erofs
+
+    os.environ["LAYERSTORE_DATA_PATH"] = "auto"  # (asked for: the shim starts its watch; the keeper decides)
+    os.environ[keeper.OPT_IN_ENV] = "1"
+    for k in ("LAYERSTORE_DAEMON_WATCH", keeper.CGROUP_ENV):
+        os.environ.pop(k, None)
+    t_start, load_before = time.monotonic(), os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="daemon-kill-all-keeper-", dir="/var/tmp") as tmpd:
+        tmp = Path(tmpd)
+        backend, layer, want = pushed_layer(tmp, (24 << 20, 8 << 20, 2 << 20))  # (as --fd-store: holes left)
+        node = ShimNode(tmp / "node", backend.url)
+        target = tmp / "layer"
+        target.mkdir()
+        readers = Readers(args.readers, target, want)
+        cycles: list[dict[str, Any]] = []
+        started = False
+        try:
+            node.start()
+            stats = request_json(node.cache, "GET", "/stats")
+            choice = {"data_path": stats["data_path"], "data_path_reason": stats["data_path_reason"],
+                      "keeper_placed": (keeper.identity(node.cache) or (0, None))[1]}
+            if stats["data_path"] != "fanotify" or "keeper process" not in stats["data_path_reason"]:
+                raise RuntimeError(f"the default data path with the keeper is not fanotify by the keeper: {choice}")
+            got = attach(node.cache, layer.blob, "bench")
+            assert got is not None and got["data_path"] == "fanotify", got
+            mount_erofs(Path(got["path"]), target)
+            readers.start()
+            started = True
+            for i in range(args.restarts):
+                cycles.append(keeper_cycle(node, readers, layer.blob, i, args.kill_keeper))
+                c = cycles[-1]
+                print(f"cycle {i + 1}/{args.restarts}: holes {c['marked_at_kill']}, marks back {c['marks_back_s']}, "
+                      f"daemon after {c['daemon_back_s']:.2f} s, every reader done a read after "
+                      f"{c['reads_back_s']:.2f} s, reads {readers.total()}, failed {len(readers.failed)}, "
+                      f"wrong {len(readers.wrong)} ({len(readers.zero_at)} zeros), same group {c['same_group']}",
+                      flush=True)
+            readers.wait_reads()
+        finally:
+            if started:
+                readers.join()
+            unmount_and_detach(node.cache, layer.blob, "bench", target)
+            node.close()
+        kills = [c.pop("kill_t") for c in cycles] + [float("inf")]
+        for k, c in enumerate(cycles):
+            c.update(readers.ended_between(kills[k], kills[k + 1]))
+        result = keeper_result(args, cycles, readers, choice)
+        result.update({"seconds": round(time.monotonic() - t_start, 1), "loadavg_before": load_before,
+                       "loadavg": os.getloadavg(), "blob_bytes": layer.size, "per_cycle": cycles})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "per_cycle"}, indent=2))
+    if args.kill_keeper:  # (zeros are the window measured; anything else read wrong is a fault)
+        return 0 if len(readers.wrong) == len(readers.zero_at) else 1
+    ok = not readers.failed and not readers.wrong and not result["cycles_with_a_stuck_read"]
+    return 0 if ok and result["every_cycle_same_group"] else 1
+
+
+def keeper_result(args: argparse.Namespace, cycles: list[dict[str, Any]], readers: Readers,
+                  choice: dict[str, Any]) -> dict[str, Any]:
+    spared = not args.kill_keeper
+    return {
+        "mode": ("kill-all with our keeper (no systemd): the watch, the daemon and the holder killed -9 at once, "
+                 "the keeper spared; the next shim call starts a daemon, which takes the group back from the keeper"
+                 if spared else "kill-all with our keeper killed too (no systemd): the keeper, the watch, the daemon "
+                 "and the holder killed -9 at once; the next shim call (made at once) starts a keeper and a daemon, "
+                 "which marks the attached file on a new group"),
+        "keeper_killed": not spared, **choice, "cycles": len(cycles), **readers.summary(),
+        "marks_back_seconds": spread([c["marks_back_s"] for c in cycles if c["marks_back_s"] is not None], 4),
+        "daemon_back_seconds": spread([c["daemon_back_s"] for c in cycles]),
+        "reads_back_seconds": spread([c["reads_back_s"] for c in cycles]),
+        "every_cycle_same_group": all(c["same_group"] for c in cycles),
+        "every_cycle_keeper_kept_the_marks": all(c["keeper_kept_marks"] for c in cycles if c["marked_at_kill"])
+        if spared else None,  # (a blob complete at the kill has no mark to keep)
+        "cycles_with_a_stuck_read": [k + 1 for k, c in enumerate(cycles)
+                                     if c["reads_back_s"] > c["daemon_back_s"] + STUCK_AFTER],
+        "cycles_killed_with_holes": sum(c["marked_at_kill"] for c in cycles),
+        "cycles_with_wrong_reads": sum(c["wrong_reads"] > 0 for c in cycles),
+        "evicted_bytes_per_cold_cycle": round(sum(c["evicted_before"] for c in cycles[1:]) / (len(cycles) - 1))
+        if len(cycles) > 1 else None,
+        "size": "quick" if os.environ.get("BENCH_SIZE", "full") == "quick" else "full",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--restarts", type=int, default=None,
-                    help="cycles (default: 100, 30 with --kill-all; 8 at BENCH_SIZE=quick)")
+                    help="cycles (default: 100, 30 with --kill-all; 8 at BENCH_SIZE=quick, 4 with --fd-store or "
+                         "--keeper)")
     ap.add_argument("--readers", type=int, default=16)
     ap.add_argument("--kill-all", action="store_true", help="kill the holder too: the watch's regroup window")
     ap.add_argument("--fd-store", action="store_true",
                     help="with --kill-all: under a stand-in service manager keeping the group (the default data path)")
+    ap.add_argument("--keeper", action="store_true",
+                    help="with --kill-all: our keeper keeps the group (no systemd); it is spared by the kills")
+    ap.add_argument("--kill-keeper", action="store_true", help="with --keeper: the keeper is killed too")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--daemon-log", type=Path, default=None, help="with --fd-store: keep the daemons' log there")
     args = ap.parse_args(argv)
     quick = os.environ.get("BENCH_SIZE", "full") == "quick"
-    if args.fd_store and not args.kill_all:
-        ap.error("--fd-store goes with --kill-all")
+    if (args.fd_store or args.keeper) and not args.kill_all:
+        ap.error("--fd-store and --keeper go with --kill-all")
+    if args.fd_store and args.keeper:
+        ap.error("--fd-store or --keeper: a service manager keeps the group, or our keeper")
+    if args.kill_keeper and not args.keeper:
+        ap.error("--kill-keeper goes with --keeper")
     if args.restarts is not None and args.restarts < 1 or args.readers < 1:
         ap.error("--restarts and --readers must be at least 1")
     if args.restarts is None:
-        args.restarts = (4 if args.fd_store else 8) if quick else 30 if args.kill_all else 100
+        args.restarts = (4 if args.fd_store or args.keeper else 8) if quick else 30 if args.kill_all else 100
+    if args.out is None and args.keeper:
+        args.out = ROOT / "bench" / "results" / (f"daemon_restart-kill-all-keeper{'-all' if args.kill_keeper else ''}"
+                                                 f"-{'quick' if quick else 'full'}.json")
     if args.out is None:
         args.out = ROOT / "bench" / "results" / ("daemon_restart" + ("-kill-all" if args.kill_all else "")
                                                  + ("-fdstore" if args.fd_store else "")
                                                  + ("-quick" if quick else "") + ".json")
     if args.fd_store:
         return kill_all_fd_store(args)
+    if args.keeper:
+        return kill_all_keeper(args)
     if args.kill_all:
         return kill_all(args)
     with tempfile.TemporaryDirectory(prefix="daemon-restart-", dir="/var/tmp") as tmpd:

@@ -42,9 +42,10 @@ def push_cmd(store_url: str | None, env: str, ref: str, as_json: bool) -> None:
 
 @ctr_group.command("pull")
 @click.argument("ref")
-@click.option("--address", default=DEFAULT_CONTAINERD, show_default=True, metavar="SOCKET",
-              help="containerd's gRPC socket.")
-@click.option("--namespace", "-n", default="default", show_default=True, help="containerd namespace.")
+@click.option("--address", default=DEFAULT_CONTAINERD, show_default=True, metavar="SOCKET", envvar="CONTAINERD_ADDRESS",
+              show_envvar=True, help="containerd's gRPC socket (as ctr's).")
+@click.option("--namespace", "-n", default="default", show_default=True, envvar="CONTAINERD_NAMESPACE",
+              show_envvar=True, help="containerd namespace (as ctr's).")
 @click.option("--snapshotter", default="layerstore", show_default=True,
               help="The snapshotter to unpack into (the proxy plugin's name in containerd's config).")
 @click.option("--name", default=None, help="The image's name in containerd (default: REF).")

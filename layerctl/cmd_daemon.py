@@ -15,7 +15,7 @@ import click
 from layerstore import digest as digestmod
 from layerstore.errors import BadInput, ConfigError
 
-from .options import emit_json, human_bytes, json_option, store_option
+from .options import emit_json, human_bytes, json_option, metrics_listen_option, store_option
 
 cache_dir_option = click.option("--cache", "cache_dir", required=True, metavar="DIR",
                                 type=click.Path(file_okay=False, path_type=Path),
@@ -57,11 +57,12 @@ def parse_size(text: str) -> int:
 @click.option("--cache-format", default=None, type=click.Choice(["plain", "zstd"]),
               help="How a new cache stores chunks: plain, or zstd (compressed as fetched; read through FUSE "
                    "only). Fixed when the cache is created. Default: $LAYERSTORE_CACHE_FORMAT, else plain.")
+@metrics_listen_option("LAYERSTORE_NODE_METRICS_LISTEN")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_size: str | None,
                high_watermark: float | None, low_watermark: float | None, record_trace: Path | None,
                fetch_deadline: float | None, fetch_concurrency: int | None, readahead: int | None,
-               control_group: str | None, cache_format: str | None, log_level: str) -> None:
+               control_group: str | None, cache_format: str | None, metrics_listen: str | None, log_level: str) -> None:
     """Serve every blob of the store read-only at MOUNTPOINT/blobs/<digest>, lazily, through
     the node cache. Runs in the foreground until SIGTERM or SIGINT; ready once mounted."""
     from fuse_client.daemon import DaemonConfig, serve
@@ -70,7 +71,8 @@ def daemon_cmd(store_url: str | None, cache_dir: Path, mountpoint: Path, cache_s
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = DaemonConfig(cache_dir=cache_dir, mountpoint=mountpoint,
                        cache_size=parse_size(cache_size) if cache_size else None,
-                       record_trace=record_trace, control_group=control_group, cache_format=cache_format)
+                       record_trace=record_trace, control_group=control_group, cache_format=cache_format,
+                       metrics_listen=metrics_listen)
     for name, value in (("high_watermark", high_watermark), ("low_watermark", low_watermark),
                         ("fetch_deadline", fetch_deadline), ("fetch_concurrency", fetch_concurrency),
                         ("readahead", readahead)):

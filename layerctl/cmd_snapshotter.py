@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from .cmd_runtime import node_dir_option
-from .options import store_option
+from .options import metrics_listen_option, store_option
 
 DEFAULT_ADDRESS = "/run/layerstore/snapshotter.sock"
 
@@ -20,9 +20,10 @@ DEFAULT_ADDRESS = "/run/layerstore/snapshotter.sock"
 @store_option
 @click.option("--root", default=None, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Where snapshots and their metadata live (default NODE/snapshotter).")
+@metrics_listen_option("LAYERSTORE_SNAPSHOTTER_METRICS_LISTEN")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def snapshotter_cmd(address: str, node_dir: str | None, store_url: str | None, root: Path | None,
-                    log_level: str) -> None:
+                    metrics_listen: str | None, log_level: str) -> None:
     """Serve containerd's snapshots service: layerstore layers mounted lazily through the node
     daemon, ordinary OCI layers in directories, containers' writes in overlay uppers."""
     from runtime_shim.nodestate.paths import NodePaths
@@ -44,7 +45,7 @@ def snapshotter_cmd(address: str, node_dir: str | None, store_url: str | None, r
         logging.getLogger("layerstore.snapshotter").info(
             "start-up cleanup: %d orphan directories, %d layer holds released", len(rep.directories),
             len(rep.layer_mounts))
-    serve(sn, address)
+    serve(sn, address, metrics_listen)
 
 
 def register(cli: click.Group) -> None:

@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from erofs_builder.sources.registry_auth import INSECURE_ENV
+
 from .inputs import Layer, env_layers
 from .lazy import sweep_mounts, tree_bytes
 from .netlink import Link
@@ -149,7 +151,7 @@ def push_images(registry: str, layers: dict[str, Layer], environments: tuple[str
 def push_environments(registry: str, layerctl: str, store_url: str, env_refs: dict[str, str]) -> dict[str, str]:
     """Each layerstore environment as an image of layer pointers (`layerctl ctr push`)."""
     refs = {}
-    env = {**os.environ, "LAYERSTORE_INSECURE_REGISTRIES": registry}
+    env = {**os.environ, INSECURE_ENV: registry}
     for name, ref in env_refs.items():
         target = f"{registry}/burst/{name}:layerstore"
         p = subprocess.run([layerctl, "ctr", "push", "--store", store_url, ref, target], capture_output=True,
@@ -162,7 +164,11 @@ def push_environments(registry: str, layerctl: str, store_url: str, env_refs: di
 
 class ContainerdNode:
     """containerd (and for `snapshotter="layerstore"` the layerstore snapshotter and the node daemon)
-    on `node_dir`; its sockets under a short directory in /run."""
+    on `node_dir`; its sockets under a short directory in /run. A subclass (crinode.CriNode) changes
+    the config (`top_lines`, `plugin_lines`), the pull (`pull_image`), the sandbox and `stop_sandboxes`."""
+
+    namespace = NAMESPACE
+    prefix = "k"  # of the sandboxes' ids and cgroups: lsb-<prefix><tag>-<index>
 
     def __init__(self, node_dir: Path, *, image_refs: dict[str, str], snapshotter: str, registry: str,
                  layerctl: str, store_url: str = "") -> None:
@@ -186,6 +192,7 @@ class ContainerdNode:
             if snapshotter == "layerstore":
                 self._start_layerstore()
             self._start_containerd()
+            self.ready()
         except BaseException:
             self.teardown()
             raise
@@ -204,21 +211,34 @@ class ContainerdNode:
         with Shim.for_node(self.ls_node, self.store_url) as shim, shim.lock:
             shim.blobs.ensure()  # the node daemon on an empty cache, before the burst (as for `lazy`)
         sock = self.run / "snapshotter.sock"
+        # (the snapshotter reads pointer images itself when the CRI plugin pulls: the plain-HTTP registry)
         with open(self.node_dir / "snapshotter.log", "ab") as out:
             self.procs.append(subprocess.Popen([self.layerctl, "snapshotter", "--address", str(sock), "--node-dir",
                                                 str(self.ls_node), "--store", self.store_url], stdout=out,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               env={**os.environ, INSECURE_ENV: self.registry}))
         _wait_for(sock, self.procs[-1], "the layerstore snapshotter")
+
+    def top_lines(self) -> list[str]:
+        """Top-level keys of containerd's config beyond root and state (before any table)."""
+        return ['disabled_plugins = ["io.containerd.grpc.v1.cri"]']
+
+    def plugin_lines(self) -> list[str]:
+        """Tables appended to containerd's config."""
+        return []
+
+    def ready(self) -> None:
+        """After containerd answers, before the burst (not timed)."""
 
     def _start_containerd(self) -> None:
         root = self.node_dir / "containerd"
-        lines = ["version = 2", f'root = "{root}"', f'state = "{self.run / "state"}"',
-                 'disabled_plugins = ["io.containerd.grpc.v1.cri"]',
+        lines = ["version = 2", f'root = "{root}"', f'state = "{self.run / "state"}"', *self.top_lines(),
                  "[grpc]", f'  address = "{self.address}"', "[ttrpc]", f'  address = "{self.address}.ttrpc"',
                  '[plugins."io.containerd.internal.v1.opt"]', f'  path = "{root / "opt"}"']
         if self.snapshotter == "layerstore":
             lines += ["[proxy_plugins.layerstore]", '  type = "snapshot"',
                       f'  address = "{self.run / "snapshotter.sock"}"']
+        lines += self.plugin_lines()
         (self.run / "config.toml").write_text("\n".join(lines) + "\n")
         with open(self.node_dir / "containerd.log", "ab") as out:
             self.procs.append(subprocess.Popen([CONTAINERD, "--config", str(self.run / "config.toml")], stdout=out,
@@ -231,7 +251,7 @@ class ContainerdNode:
             time.sleep(0.05)
 
     def _ctr(self, *args: str) -> list[str]:
-        return [CTR, "--address", self.address, "--namespace", NAMESPACE, *args]
+        return [CTR, "--address", self.address, "--namespace", self.namespace, *args]
 
     # -- the burst -----------------------------------------------------------------------------
     def pull(self, env: str) -> Future[float]:
@@ -245,22 +265,24 @@ class ContainerdNode:
     def _pull(self, env: str, fut: Future[float]) -> None:
         try:
             t0 = time.time()
-            ref = self.refs[env]
-            if self.snapshotter == "layerstore":
-                argv = [self.layerctl, "ctr", "pull", "--address", self.address, "-n", NAMESPACE, ref]
-            else:
-                argv = self._ctr("images", "pull", "--plain-http", ref)
-            p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                               env={**os.environ, "LAYERSTORE_INSECURE_REGISTRIES": self.registry})
-            if p.returncode != 0:
-                raise RuntimeError(f"pull {ref}: {tail(p.stderr + p.stdout, 800)}")
+            self.pull_image(self.refs[env])
             self.pull_times[env] = time.time() - t0
             fut.set_result(time.time())
         except BaseException as e:  # noqa: BLE001 - handed to every waiter
             fut.set_exception(e)
 
+    def pull_image(self, ref: str) -> None:
+        if self.snapshotter == "layerstore":
+            argv = [self.layerctl, "ctr", "pull", "--address", self.address, "-n", self.namespace, ref]
+        else:
+            argv = self._ctr("images", "pull", "--plain-http", ref)
+        p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           env={**os.environ, INSECURE_ENV: self.registry})
+        if p.returncode != 0:
+            raise RuntimeError(f"pull {ref}: {tail(p.stderr + p.stdout, 800)}")
+
     def run_sandbox(self, index: int, env: str, command: list[str], result: SandboxResult) -> None:
-        sid = f"lsb-k{self.tag}-{index}"
+        sid = self.sandbox_id(index)
         t0 = time.time()
         self.pull(env).result()
         t1 = time.time()
@@ -275,12 +297,24 @@ class ContainerdNode:
         result.phases = {"wait_pull_s": t1 - t0, "run_s": result.finished - t1}
 
     # -- the end -------------------------------------------------------------------------------
+    def sandbox_id(self, index: int) -> str:
+        return f"lsb-{self.prefix}{self.tag}-{index}"
+
+    def stop_sandboxes(self) -> None:
+        """Kill and delete what still runs (containerd answers)."""
+        tasks = subprocess.run(self._ctr("tasks", "ls", "-q"), capture_output=True, text=True).stdout.split()
+        for task in tasks:
+            subprocess.run(self._ctr("tasks", "kill", "-s", "SIGKILL", task), capture_output=True)
+            subprocess.run(self._ctr("tasks", "delete", "-f", task), capture_output=True)
+
+    def runc_state(self) -> Path:
+        """runc's state directory for this node's tasks (the runtime's default root per namespace)."""
+        return Path("/run/containerd/runc") / self.namespace
+
     def teardown(self) -> None:
         if self.procs and self.procs[-1].poll() is None and os.path.exists(self.address):
-            tasks = subprocess.run(self._ctr("tasks", "ls", "-q"), capture_output=True, text=True).stdout.split()
-            for task in tasks:
-                subprocess.run(self._ctr("tasks", "kill", "-s", "SIGKILL", task), capture_output=True)
-                subprocess.run(self._ctr("tasks", "delete", "-f", task), capture_output=True)
+            with contextlib.suppress(Exception):
+                self.stop_sandboxes()
         for proc in reversed(self.procs):  # containerd first, then the snapshotter
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -303,7 +337,7 @@ class ContainerdNode:
         sweep_mounts(self.node_dir)
         sweep_mounts(self.ls_node)
         with contextlib.suppress(OSError):
-            subprocess.run(["rm", "-rf", str(self.run), f"/run/containerd/runc/{NAMESPACE}"], capture_output=True)
+            subprocess.run(["rm", "-rf", str(self.run), str(self.runc_state())], capture_output=True)
 
     def facts(self) -> dict[str, Any]:
         root = self.node_dir / "containerd"
@@ -322,9 +356,9 @@ class ContainerdNode:
         out["disk_breakdown"] = breakdown
         return out
 
-    @staticmethod
-    def sandbox_cgroups(tag: str) -> str:
-        return f"{SANDBOX_CGROUP_PARENT}/lsb-k{tag}-*"
+    @classmethod
+    def sandbox_cgroups(cls, tag: str) -> str:
+        return f"{SANDBOX_CGROUP_PARENT}/lsb-{cls.prefix}{tag}-*"
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[bytes], what: str, timeout: float = 30.0) -> None:

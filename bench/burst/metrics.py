@@ -13,6 +13,8 @@ GOALS = {
     "disk_write_ratio_max": 0.10,  # lazy writes <= 1/10 of the conventional path's bytes
     "fetched_over_read_max": 1.5,  # lazy fetches <= 1.5x the bytes the tasks read
 }
+# The CRI pair (issue 31): cri-layerstore against cri-overlayfs at 1 Gbit/s, and PullImage alone.
+CRI_GOALS = {"all_started_speedup_min": 3.0, "all_finished_speedup_min": 1.0, "pull_s_max": 1.0}
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -85,6 +87,7 @@ def charged_writes(node: Any, uppers_disk: Any, base_uppers_disk: Any) -> int | 
 
 
 ROUND_KEYS = ("all_started_s", "all_finished_s", "p50_started_s", "p50_finished_s", "bytes_fetched",
+              "registry_bytes", "store_bytes",
               "disk_write_bytes", "uppers_disk_write_bytes", "disk_write_bytes_subtracted", "mem_peak_bytes",
               "mem_peak_anon_bytes", "failed", "machine_cpu_busy_s",
               "loadavg_before", "loadavg_after")
@@ -158,6 +161,60 @@ def add_ratios(results: dict[str, Any]) -> None:
     containerd = _containerd_goal(contenders)
     if containerd:
         results["goals_containerd"] = containerd
+    cri = _cri_goal(contenders)
+    if cri:
+        results["goals_cri"] = cri
+
+
+def _cri_goal(contenders: dict[str, Any]) -> dict[str, Any]:
+    """cri-layerstore against cri-overlayfs: all-started at least 3x ahead, all-finished no later."""
+    ls, ov = contenders.get("cri-layerstore"), contenders.get("cri-overlayfs")
+    if not (ls and ov and not ls.get("skipped") and not ov.get("skipped")):
+        return {}
+    out: dict[str, Any] = {}
+    for key, target in (("all_started", CRI_GOALS["all_started_speedup_min"]),
+                        ("all_finished", CRI_GOALS["all_finished_speedup_min"])):
+        value = _ratio(ov.get(f"{key}_s"), ls.get(f"{key}_s"))
+        ls.setdefault("ratios", {})[f"{key}_speedup_vs_cri"] = value
+        out[f"{key}_speedup_vs_cri"] = _goal(value, target, ">=")
+    for key in ("disk_write_bytes", "bytes_fetched", "registry_bytes", "mem_peak_bytes"):
+        out[f"{key}_ratio_vs_cri"] = {"value": _ratio(ls.get(key), ov.get(key)), "target": "", "met": None}
+    return out
+
+
+def summarize_pulls(raw: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """PullImage alone (crinode.CriNode.time_pulls): every pull, their median and range, per image too,
+    and the first round's apart (the first pull of an image on the node: nothing of it known yet)."""
+    pulls = raw.get("pulls") or []
+    times = [float(p["pull_s"]) for p in pulls if p.get("pull_s") is not None]
+    first = [float(p["pull_s"]) for p in pulls if p.get("pull_s") is not None and p.get("round") == 1]
+    per_env: dict[str, list[float]] = {}
+    for p in pulls:
+        if p.get("pull_s") is not None:
+            per_env.setdefault(p["env"], []).append(float(p["pull_s"]))
+    return {
+        "pulls": pulls, "failed": sum(1 for p in pulls if p.get("error")),
+        **_spread(times),
+        "per_env": {env: _spread(v) for env, v in per_env.items()},
+        "first_round_median_s": _round(statistics.median(first)) if first else None,
+        "left_snapshots": sum(int(p.get("snapshots_left") or 0) for p in pulls),
+        **{k: v for k, v in measured.items() if k.endswith("_bytes") or k.startswith(("loadavg", "machine_cpu"))},
+        "facts": raw.get("facts", {}),
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float | int | None]:
+    return {"n": len(values), "median_s": _round(statistics.median(values)) if values else None,
+            "min_s": _round(min(values)) if values else None, "max_s": _round(max(values)) if values else None}
+
+
+def pull_goal(pulls: dict[str, Any]) -> dict[str, Any]:
+    """PullImage of the layerstore image under a second (median), and how far ahead of overlayfs's."""
+    ls, ov = pulls.get("cri-layerstore") or {}, pulls.get("cri-overlayfs") or {}
+    median = ls.get("median_s")
+    return {"layerstore_median_s": _goal(median, CRI_GOALS["pull_s_max"], "<="),
+            "layerstore_first_round_s": _goal(ls.get("first_round_median_s"), CRI_GOALS["pull_s_max"], "<="),
+            "speedup_vs_overlayfs": _ratio(ov.get("median_s"), median)}
 
 
 def _containerd_goal(contenders: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The store side (radosgw and the Ceph daemons) lives in a network namespace of its own; the node side is
 the host namespace. Every byte between them crosses one veth pair shaped by a `tbf` qdisc in each
 direction, so every contender shares one link of limited bandwidth, and the veth counters on the node
-side count what crossed it (frames, so HTTP and TCP overhead included).
+side count what crossed it (frames, so HTTP and TCP overhead included). Counting rules in the store's
+namespace split the download by server (`count_sources`: the registry's bytes and the store's).
 
 The addresses are from 198.18.0.0/15, the block reserved for network benchmarks (RFC 2544), and exist only
 on the veth pair: nothing routes them anywhere else.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = 30
+SOURCE_TAG = "lsburst-src:"  # the comment of the iptables rules that count bytes per source
 
 
 def link_addresses(tag: int) -> tuple[str, str]:
@@ -56,6 +59,15 @@ def tbf_args(rate_mbit: float) -> list[str]:
     rate_bytes = rate_mbit * 1e6 / 8
     burst = max(256 * 1024, int(rate_bytes * 0.004))
     return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "20ms"]
+
+
+def source_counters(iptables_save: str) -> dict[str, int]:
+    """Bytes per source from `iptables-save -c` output: the counting rules `count_sources` added."""
+    out: dict[str, int] = {}
+    for m in re.finditer(r"^\[(\d+):(\d+)\] -A OUTPUT .*--comment \"?" + re.escape(SOURCE_TAG) + r"([\w-]+)",
+                         iptables_save, flags=re.M):
+        out[m.group(3)] = out.get(m.group(3), 0) + int(m.group(2))
+    return out
 
 
 @dataclass
@@ -129,6 +141,18 @@ class Link:
     def counters(self) -> LinkCounters:
         base = Path("/sys/class/net") / self.node_if / "statistics"
         return LinkCounters(int((base / "rx_bytes").read_text()), int((base / "tx_bytes").read_text()))
+
+    def count_sources(self, ports: dict[str, int]) -> None:
+        """Count the bytes each server (by its TCP port on the store side) sends across the link: one
+        iptables rule per source in the store's namespace (gone with it). IP bytes, without the
+        Ethernet framing the veth counters include."""
+        for name, port in ports.items():
+            self.ns("iptables", "-w", "-A", "OUTPUT", "-o", self.store_if, "-p", "tcp", "--sport", str(port),
+                    "-m", "comment", "--comment", f"{SOURCE_TAG}{name}")
+
+    def source_bytes(self) -> dict[str, int]:
+        """Bytes sent so far per source named to `count_sources` ({} if none)."""
+        return source_counters(self.ns("iptables-save", "-c", check=False).stdout)
 
     def qdisc_stats(self) -> dict[str, object]:
         """Bytes and drops the store-side shaper saw (the download direction)."""

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from .nodedisk import NodeDisk
 
 BUCKET = "burst"
 REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"  # testkit: the CRI client and the containerd config of the tests
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Options:
     rounds: int = 1
     docs: Path | None = None
     readset_only: bool = False
+    pull_rounds: int = 0  # PullImage alone, for the CRI contenders (crinode.CriNode.time_pulls)
+    pull_output: Path | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,6 +112,8 @@ class Bench:
         self.lazy: Any = None  # bench.burst.lazy.LayerstoreSetup when available
         self.registry: Any = None  # bench.burst.ctrnode.RegistryProcess for the containerd contenders
         self.image_refs: dict[str, dict[str, str]] = {}  # containerd contender -> env -> image reference
+        self.pause = ""  # the pod sandbox image of the CRI contenders
+        self.sources = False  # the link counts the registry's and the store's bytes apart
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -153,6 +159,7 @@ class Bench:
                         continue
                     self.results["contenders"][name] = metrics.combine(rounds[name])
                     self._write()
+            self._time_pulls([n for n in runnable if n in spec.CRI_CONTENDERS])
             self.results["notes"] = o.notes
             metrics.add_ratios(self.results)
             self._write()
@@ -221,7 +228,8 @@ class Bench:
         upload_layers(client, BUCKET, {k: v.tar_gz for k, v in self.layers.items()})
         self.results["timings"]["upload_tar_gz_s"] = round(time.monotonic() - t, 1)
         self.results["upload_link_tx_bytes"] = self.link.counters().minus(c0).tx_bytes
-        if any(c in self.opts.contenders for c in (*spec.LAYERSTORE_CONTENDERS, "containerd-layerstore")):
+        if any(c in self.opts.contenders for c in (*spec.LAYERSTORE_CONTENDERS, "containerd-layerstore",
+                                                   "cri-layerstore")):
             from . import lazy
 
             missing = lazy.missing_commands()
@@ -249,8 +257,9 @@ class Bench:
 
     def _setup_containerd(self) -> None:
         """A registry behind the link, holding each environment as an ordinary OCI image (the
-        conventional path's tar.gz layers) and as an image of layerstore layer pointers."""
-        wanted = [c for c in self.opts.contenders if c in spec.CONTAINERD_CONTENDERS]
+        conventional path's tar.gz layers) and as an image of layerstore layer pointers (and for the
+        CRI contenders the pause image); the link counts the registry's and the store's bytes apart."""
+        wanted = [c for c in self.opts.contenders if c in (*spec.CONTAINERD_CONTENDERS, *spec.CRI_CONTENDERS)]
         if not wanted:
             return
         from . import ctrnode
@@ -258,18 +267,29 @@ class Bench:
         if ctrnode.missing():
             self.opts.notes.append(f"containerd contenders: missing {', '.join(ctrnode.missing())}")
             return
-        assert self.link is not None
+        assert self.link is not None and self.store is not None
         t = time.monotonic()
         self.registry = ctrnode.RegistryProcess(self.link, self.run_dir / "registry")
         self.registry.start()
         self.cleanup.push("registry", self.registry.stop)
-        if "containerd-overlayfs" in wanted:
-            self.image_refs["containerd-overlayfs"] = ctrnode.push_images(self.registry.host, self.layers,
-                                                                          self.opts.environments)
-        if "containerd-layerstore" in wanted and self.lazy is not None:
-            self.image_refs["containerd-layerstore"] = ctrnode.push_environments(
+        try:
+            port = urllib.parse.urlsplit(self.store.endpoint).port or 80
+            self.link.count_sources({"registry": ctrnode.REGISTRY_PORT, "store": port})
+            self.sources = True
+        except (OSError, subprocess.CalledProcessError) as e:
+            self.opts.notes.append(f"bytes by source not counted (iptables in the link's namespace: {e})")
+        refs: dict[str, dict[str, str]] = {}
+        if any(c.endswith("-overlayfs") for c in wanted):
+            refs["overlayfs"] = ctrnode.push_images(self.registry.host, self.layers, self.opts.environments)
+        if any(c.endswith("-layerstore") for c in wanted) and self.lazy is not None:
+            refs["layerstore"] = ctrnode.push_environments(
                 self.registry.host, str(Path(sys.executable).parent / "layerctl"), self.store_url(),
                 self.lazy.env_refs)
+        self.image_refs = {c: refs[c.split("-", 1)[1]] for c in wanted if c.split("-", 1)[1] in refs}
+        if any(c in spec.CRI_CONTENDERS for c in wanted):
+            from testkit.cri import push_pause
+
+            self.pause = push_pause(self.run_dir / "pause", self.registry.host, "burst/pause", insecure=True)
         self.results["timings"]["registry_push_s"] = round(time.monotonic() - t, 1)
 
     def store_url(self) -> str:
@@ -279,7 +299,7 @@ class Bench:
     def _skip_reason(self, name: str) -> str:
         if name == "conventional":
             return ""
-        if name in spec.CONTAINERD_CONTENDERS:
+        if name in spec.CONTAINERD_CONTENDERS or name in spec.CRI_CONTENDERS:
             return "" if name in self.image_refs else "containerd set-up failed or missing (see notes)"
         if name in spec.LAYERSTORE_CONTENDERS:
             from . import lazy
@@ -317,7 +337,8 @@ class Bench:
         return measured
 
     # -- one contender -----------------------------------------------------------------------
-    def _run_contender(self, name: str, sandboxes: list[str]) -> dict[str, Any]:
+    def _run_contender(self, name: str, sandboxes: list[str], mode: str = "burst") -> dict[str, Any]:
+        """One burst of `name` on a fresh node (mode "pulls": PullImage alone, see `_time_pulls`)."""
         assert self.disk is not None and self.link is not None and self.store is not None
         assert self.uppers_disk is not None
         self.uppers_disk.unmount()  # (a contender that failed before its runner started may have left it)
@@ -337,18 +358,19 @@ class Bench:
             "contender": name, "cgroup": f"lsburst-{os.getpid()}/{name}", "node_dir": str(node),
             "sandboxes": sandboxes, "output": str(out_file), "endpoint": self.store.endpoint, "bucket": BUCKET,
             "runc_root": str(runc_root), "store_url": self.store_url(),
-            "layerctl": str(Path(sys.executable).parent / "layerctl"),
+            "layerctl": str(Path(sys.executable).parent / "layerctl"), "mode": mode,
+            "pull_rounds": self.opts.pull_rounds, "pause": self.pause,
         }
         if self.lazy is not None:
             plan["env_refs"] = self.lazy.hinted_refs if name == "lazy-prefetch" else self.lazy.env_refs
-        if name in spec.CONTAINERD_CONTENDERS:
+        if name in self.image_refs:
             assert self.registry is not None
             plan.update(image_refs=self.image_refs[name], registry=self.registry.host,
                         snapshotter=name.split("-", 1)[1])
         plan_file.write_text(json.dumps(plan))
         proc = subprocess.Popen([sys.executable, "-m", "bench.burst.runner", str(plan_file)], cwd=REPO,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO), str(SUPPORT)))})
         self.cleanup.push(f"runner {name}", lambda: stop_runner(proc))
         cg.sandbox_glob = sandbox_cgroups(name, proc.pid)
         assert proc.stdin is not None and proc.stdout is not None
@@ -356,6 +378,7 @@ class Bench:
             if proc.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"{name}: the runner did not start")
             link0, disk0, up0 = self.link.counters(), self.disk.counters(), self.uppers_disk.counters()
+            src0 = self.link.source_bytes() if self.sources else {}
             qdisc0 = self.link.qdisc_stats()
             cpu0, load0 = cpu_seconds(), os.getloadavg()[0]
             cg.start_sampling()
@@ -365,6 +388,7 @@ class Bench:
             if not line.startswith("DONE"):
                 raise RuntimeError(f"{name}: the runner failed")
             link1, disk1, up1 = self.link.counters(), self.disk.counters(), self.uppers_disk.counters()
+            src1 = self.link.source_bytes() if self.sources else {}
             qdisc1 = self.link.qdisc_stats()
             cpu1 = cpu_seconds()
             cg.stop_sampling()
@@ -381,6 +405,7 @@ class Bench:
         measured = {
             "link_rx_bytes": link1.minus(link0).rx_bytes,
             "link_tx_bytes": link1.minus(link0).tx_bytes,
+            **{f"{k}_bytes": v - src0.get(k, 0) for k, v in src1.items()},  # registry_bytes, store_bytes
             "qdisc_bytes": delta(qdisc1.get("bytes"), qdisc0.get("bytes")),
             "qdisc_drops": delta(qdisc1.get("drops"), qdisc0.get("drops")),
             "disk_write_bytes": disk1.minus(disk0).write_bytes,  # without the sandboxes' dirs: uppers disk
@@ -397,7 +422,28 @@ class Bench:
             "loadavg_after": round(os.getloadavg()[0], 2),
         }
         self.cleanup.pop(f"cgroup {name}")
-        return metrics.summarize(raw, measured)
+        return metrics.summarize_pulls(raw, measured) if mode == "pulls" else metrics.summarize(raw, measured)
+
+    def _time_pulls(self, names: list[str]) -> None:
+        """PullImage alone for the CRI contenders, each on a fresh node (`--pull-rounds`): into the
+        results and a file of its own."""
+        o = self.opts
+        if not o.pull_rounds or not names:
+            return
+        pulls: dict[str, Any] = {}
+        for name in names:
+            inputs.log(f"{name}: PullImage alone, {o.pull_rounds} round(s) of {len(o.environments)} image(s)")
+            try:
+                pulls[name] = self._run_contender(name, [], mode="pulls")
+            except Exception as e:  # noqa: BLE001 - the burst's results stand
+                o.notes.append(f"{name}: PullImage timing failed: {e}")
+                pulls[name] = {"skipped": f"the run failed: {e}"}
+        self.results["cri_pull"] = {"rounds": o.pull_rounds, "contenders": pulls, "goal": metrics.pull_goal(pulls)}
+        if o.pull_output is not None:
+            keys = ("size", "rate_mbit", "environments", "machine", "started", "code")
+            doc = {**{k: self.results.get(k) for k in keys}, "benchmark": "cri_pull", **self.results["cri_pull"]}
+            o.pull_output.parent.mkdir(parents=True, exist_ok=True)
+            o.pull_output.write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def code_version() -> dict[str, Any]:
@@ -477,6 +523,10 @@ def sandbox_cgroups(contender: str, runner_pid: int) -> str:
         from .ctrnode import ContainerdNode
 
         return ContainerdNode.sandbox_cgroups(str(runner_pid))
+    if contender in spec.CRI_CONTENDERS:
+        from .crinode import CriNode
+
+        return CriNode.sandbox_cgroups(str(runner_pid))
     from .lazy import LayerstoreNode
 
     return LayerstoreNode.sandbox_cgroups(str(runner_pid))

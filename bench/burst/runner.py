@@ -7,6 +7,7 @@ counters at exactly the right moments:
     runner: READY            (in its cgroup, node prepared, nothing fetched yet)
     orch:   GO               (counters read; the burst starts now)
     runner: DONE <path>      (every sandbox exited; results written)
+                             (plan mode "pulls": PullImage alone, crinode.CriNode.time_pulls)
     orch:   TEARDOWN         (counters read again)
     runner: exits after unmounting and stopping what it started.
 """
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 
 from . import cgroups, spec
 from .sandbox import SandboxResult
-from .spec import CONTAINERD_CONTENDERS, LAYERSTORE_CONTENDERS
+from .spec import CONTAINERD_CONTENDERS, CRI_CONTENDERS, LAYERSTORE_CONTENDERS
 
 
 class Contender(Protocol):
@@ -50,11 +51,16 @@ def make_contender(plan: dict[str, Any]) -> Contender:
                               eager=kind == "eager", layerctl=plan["layerctl"],
                               launcher="cli" if kind == "lazy-cli" else "api",
                               daemon_args=list(spec.DAEMON_ARGS.get(kind, ())))
+    node = {"image_refs": plan.get("image_refs"), "snapshotter": plan.get("snapshotter"),
+            "registry": plan.get("registry"), "layerctl": plan["layerctl"], "store_url": plan["store_url"]}
     if kind in CONTAINERD_CONTENDERS:
         from .ctrnode import ContainerdNode
 
-        return ContainerdNode(node_dir, image_refs=plan["image_refs"], snapshotter=plan["snapshotter"],
-                              registry=plan["registry"], layerctl=plan["layerctl"], store_url=plan["store_url"])
+        return ContainerdNode(node_dir, **node)
+    if kind in CRI_CONTENDERS:
+        from .crinode import CriNode
+
+        return CriNode(node_dir, pause=plan["pause"], **node)
     raise ValueError(f"unknown contender {kind!r}")
 
 
@@ -94,10 +100,14 @@ def main(argv: list[str]) -> int:
         if sys.stdin.readline().strip() != "GO":
             return 1
         t0 = time.time()
-        results = burst(contender, plan["sandboxes"], t0)
-        t_end = time.time()
-        out.write_text(json.dumps({"t0": t0, "t_end": t_end, "sandboxes": [r.to_json() for r in results],
-                                   "facts": contender.facts()}))
+        if plan.get("mode") == "pulls":  # PullImage alone (crinode.CriNode.time_pulls)
+            pulls = contender.time_pulls(int(plan["pull_rounds"]))  # type: ignore[attr-defined]
+            out.write_text(json.dumps({"t0": t0, "t_end": time.time(), "pulls": pulls, "facts": contender.facts()}))
+        else:
+            results = burst(contender, plan["sandboxes"], t0)
+            t_end = time.time()
+            out.write_text(json.dumps({"t0": t0, "t_end": t_end, "sandboxes": [r.to_json() for r in results],
+                                       "facts": contender.facts()}))
         print(f"DONE {out}", flush=True)
         sys.stdin.readline()  # TEARDOWN (or EOF: the orchestrator is gone; clean up all the same)
     finally:

@@ -100,6 +100,9 @@ LAYERSTORE_CONTENDERS = ("lazy", "lazy-prefetch", "lazy-noreadahead", "eager", "
 # containerd itself pulling from a registry behind the same link: its own overlayfs snapshotter, and the
 # layerstore snapshotter (bench/burst/ctrnode.py)
 CONTAINERD_CONTENDERS = ("containerd-overlayfs", "containerd-layerstore")
+# Kubernetes' pull path: containerd's CRI plugin with either snapshotter, driven over the CRI API
+# (bench/burst/crinode.py)
+CRI_CONTENDERS = ("cri-overlayfs", "cri-layerstore")
 # Extra `layerctl daemon` arguments per contender (what-if variants of the lazy path).
 DAEMON_ARGS = {"lazy-noreadahead": ("--readahead", "0")}
 
@@ -112,7 +115,7 @@ class Size:
     rounds: int = 2
     rate_mbit: int = 1000
     contenders: tuple[str, ...] = ("conventional", "lazy", "lazy-prefetch", "lazy-noreadahead", "eager",
-                                   *CONTAINERD_CONTENDERS)
+                                   *CONTAINERD_CONTENDERS, *CRI_CONTENDERS)
 
 
 SIZES: dict[str, Size] = {

@@ -1,5 +1,5 @@
 """The keeper: a process of ours that keeps a copy of the fanotify group as systemd's fd store would,
-on nodes without such a service manager (docs/fanotify.md, "The keeper"). Opt-in
+on nodes without such a service manager (docs/fanotify.md, "A keeper without systemd"). Opt-in
 (`LAYERSTORE_FANOTIFY_KEEPER=1`): the runtime shim's supervision starts it (`ensure`) before it
 starts a daemon, and a daemon counts a live keeper as a keeper of the group (`auto` then takes
 fanotify).

@@ -30,6 +30,7 @@ import time
 from collections.abc import Hashable, Iterable, Iterator
 from pathlib import Path
 
+from ..config import STORE_ENV, default_store_path
 from ..errors import ConfigError, CorruptObject, NotFound, PermissionDenied, StoreUnavailable
 from ..keys import validate, validate_prefix
 from .base import Backend, ObjectInfo
@@ -43,10 +44,14 @@ LOCK_WAIT = 10.0  # seconds a compare-and-swap waits for another one's lock
 
 def missing_root(url: str, root: Path) -> str:
     """Why the store directory is not there, with `layerctl store init` named only where it is the
-    fix: the directory is missing but its parent is there (a new store). A path whose parent is
-    missing too is more likely mistyped; a path that is a file is not a store at all."""
+    fix: the directory is missing but its parent is there (a new store), or it is the default store
+    (nobody typed that path: on a fresh machine its parents are missing too). Any other path whose
+    parent is missing is more likely mistyped; a path that is a file is not a store at all."""
     if root.exists() or root.is_symlink():
         return f"store {url}: {root} is not a directory"
+    if root == default_store_path().absolute():
+        return (f"store {url} does not exist: it is the default store, the one used without --store or "
+                f"${STORE_ENV} (run `layerctl store init` to create it)")
     if not root.parent.is_dir():
         return f"store {url} does not exist, nor does its parent directory {root.parent} (check the path)"
     return f"store {url} does not exist (run `layerctl store init` to create it)"

@@ -5,8 +5,10 @@ The container sees only its composed root (read-write: writes land in the sandbo
 a minimal /proc, /dev, /sys and /tmp as runc's default spec has them; it runs as root (unless the
 environment names a user) in its own pid, ipc, uts, mount and network namespaces (the network
 namespace has only loopback); in a user namespace of its own when the sandbox has an id range
-(`idmap`: root in it is an unprivileged uid on the host). Node paths are never bind-mounted in: the daemon's socket, the
-store, the cache and other sandboxes' uppers are simply not in its mount tree.
+(`idmap`: root in it is an unprivileged uid on the host). PID 1 is a minimal init (`pid1`: tini,
+the workload its child), the one node file bound in: read-only, at /dev/init. No other node path
+is: the daemon's socket, the store, the cache and other sandboxes' uppers are simply not in its
+mount tree.
 
 Least privilege (`Confinement`, every measure on unless the caller relaxes it): the default
 seccomp profile (`seccomp`), Docker's default capability set (nothing else, none inheritable or
@@ -32,6 +34,7 @@ from layerstore.linux import read_regular_beneath, regular_size_beneath
 
 from ..nodestate.idmap import RANGE_SIZE
 from .base import Confinement
+from .pid1 import init_args, init_mount
 from .seccomp import default_profile
 
 DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -87,9 +90,12 @@ def resources(confinement: Confinement) -> dict[str, Any]:
 def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str = "/", uid: int = 0,
                gid: int = 0, hostname: str = "sandbox", cgroups_path: str = "",
                terminal: bool = False, nofile: int = 1024,
-               confinement: Confinement | None = None, userns: int | None = None) -> dict[str, Any]:
+               confinement: Confinement | None = None, userns: int | None = None,
+               init: str | None = None) -> dict[str, Any]:
     """A complete config.json (OCI runtime spec 1.0.2) for a sandbox (pure). `userns`: the base
-    host id of the sandbox's id range (`idmap`): a user namespace mapping 0..65535 to it."""
+    host id of the sandbox's id range (`idmap`): a user namespace mapping 0..65535 to it. `init`:
+    the host path of the init that runs as PID 1 with `args` as its child (`pid1`); None: `args`
+    run as PID 1 themselves."""
     conf = confinement or Confinement()
     caps = list(CAPABILITIES)
     mounts: list[dict[str, Any]] = [
@@ -105,6 +111,9 @@ def oci_config(rootfs: str, args: Sequence[str], *, env: Sequence[str], cwd: str
         {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
          "options": ["nosuid", "nodev", "mode=1777", "size=1048576k"]},
     ]
+    if init is not None:
+        mounts.append(init_mount(init))  # (after /dev: its target is made in that tmpfs)
+        args = init_args(list(args))
     linux: dict[str, Any] = {
         "resources": resources(conf),
         "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
@@ -197,9 +206,10 @@ def check_rootfs(rootfs: str) -> None:
 def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Sequence[str] | None, *,
                  sandbox: str, extra_env: Sequence[str] = (), cgroups_path: str = "",
                  confinement: Confinement | None = None, userns: int | None = None,
-                 root_path: str | None = None) -> Path:
+                 root_path: str | None = None, init: str | None = None) -> Path:
     """Write BUNDLE/config.json for running `command` (or the environment's default) in `rootfs`
-    (named `root_path` in the config when given: where the runtime will find it)."""
+    (named `root_path` in the config when given: where the runtime will find it), under `init`
+    as PID 1 when given (`pid1.find_init()`)."""
     check_rootfs(rootfs)
     user = config.get("user", "")
     # (the rootfs's account files are read only when a user is to be looked up in them)
@@ -208,7 +218,7 @@ def write_bundle(bundle: Path, rootfs: str, config: dict[str, Any], command: Seq
     uid, gid = parse_user(user, passwd, group)
     spec = oci_config(root_path or rootfs, process_args(config, command), env=process_env(config, extra_env),
                       cwd=config.get("workdir") or "/", uid=uid, gid=gid, hostname=sandbox,
-                      cgroups_path=cgroups_path, confinement=confinement, userns=userns,
+                      cgroups_path=cgroups_path, confinement=confinement, userns=userns, init=init,
                       # never above the runtime's own hard limit: raising it needs CAP_SYS_RESOURCE
                       nofile=min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     bundle.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -7,6 +7,10 @@ sandbox's directory), and the runtime's own state under NODE/oci/<runtime>/<id> 
 which `delete` (`runtime delete --force`: also kills the container and removes its cgroup)
 removes.
 
+The container's PID 1 is a minimal init (`pid1`: tini, bound read-only at /dev/init) with the
+workload as its child: signals reach the workload, its exit code (128+N for death by signal N) is
+the container's, and orphans are reaped, as in the microVM and VM backends.
+
 crun 1.8.1 refuses this machine's hybrid cgroup layout unless it runs in a private mount
 namespace where /sys/fs/cgroup/unified is unmounted; the backend wraps it accordingly with
 unshare(1). The sandbox's root is mounted before the wrap, so the private namespace sees it.
@@ -25,39 +29,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from layerstore.errors import ConfigError
-
 from ..errors import RuntimeNotAvailable, ShimError
 from ..nodestate.paths import NodePaths
 from ..nodestate.state import Sandbox
 from . import cgroups, signals
 from .base import Confinement, Execution, Stdio
 from .bundle import write_bundle
+from .pid1 import find_init
 
 PID_FILE = "pid"  # BUNDLE/pid: written by the runtime once the container has started
 POLL = 0.05  # seconds between looks at a starting or stopping container
 REAP_TIMEOUT = 10.0  # seconds for a killed runtime process to be reaped
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw.strip() else default
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r}: want a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"{name}={raw!r}: want a positive number of seconds")
-    return value
-
-
 def start_timeout() -> float:
     """Seconds the runtime has to create and start a container (LAYERSTORE_RUNTIME_START_TIMEOUT)."""
-    return _env_seconds("LAYERSTORE_RUNTIME_START_TIMEOUT", 30.0)
+    return signals.env_seconds("LAYERSTORE_RUNTIME_START_TIMEOUT", 30.0)
 
 
-def stop_grace() -> float:
-    """Seconds a container told to stop has before it is killed (LAYERSTORE_STOP_GRACE)."""
-    return _env_seconds("LAYERSTORE_STOP_GRACE", 5.0)
+stop_grace = signals.stop_grace  # (LAYERSTORE_STOP_GRACE: the same on every backend)
+
 
 # A sandbox with a user namespace: its root user (an unprivileged uid on the host) must be able to
 # look up the root's path, and the node directory (and what holds it) is 0700. The runtime runs in
@@ -102,6 +93,7 @@ class ContainerBackend:
 
     def check(self) -> None:
         self.path  # noqa: B018 - resolving it is the check
+        find_init()
 
     def wrap(self, argv: list[str]) -> list[str]:
         return argv
@@ -120,7 +112,7 @@ class ContainerBackend:
         bundle = self.bundle(sb.id)
         write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
                      cgroups_path=cgroups.sandbox_path(sb.id), confinement=confinement, userns=sb.userns,
-                     root_path=str(USERNS_ROOTFS) if sb.userns is not None else None)
+                     root_path=str(USERNS_ROOTFS) if sb.userns is not None else None, init=find_init())
         source = bundle / USERNS_SOURCE
         if sb.userns is not None:
             source.write_text(sb.target)
@@ -190,9 +182,7 @@ class ContainerBackend:
         started = started or (self.bundle(execution.sandbox) / PID_FILE).exists()  # (a signal mid-look)
         if stopped is not None and started:
             self.stop(execution, stopped.signum)
-            end = time.monotonic() + stop_grace()
-            while proc.poll() is None and time.monotonic() < end and signals.received() < 2:
-                time.sleep(POLL)
+            signals.await_end(lambda: proc.poll() is not None, stop_grace())
         self.kill(execution)
 
     def kill(self, execution: Execution) -> None:

@@ -4,19 +4,55 @@ Ctrl-C runs, a SIGTERM or SIGHUP now runs too, instead of the process dying with
 mounted and its container running); later ones are counted, never raised, so that the clean-up
 they interrupt is not cut short (`received`: a second signal asks it to hurry).
 
+A backend told to stop a started workload passes the signal on to it, then gives it
+`stop_grace()` seconds to end (`await_end`) before it kills it: the same on every backend.
+
 Only the main thread can take signals: off it, `stopping` changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from types import FrameType
+
+from layerstore.errors import ConfigError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 EXIT_CODE = 130
+
+
+POLL = 0.05  # seconds between looks at a workload told to stop
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable `name` (`ConfigError` if bad)."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: want a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r}: want a positive number of seconds")
+    return value
+
+
+def stop_grace() -> float:
+    """Seconds a workload told to stop has before it is killed (LAYERSTORE_STOP_GRACE)."""
+    return env_seconds("LAYERSTORE_STOP_GRACE", 5.0)
+
+
+def await_end(ended: Callable[[], bool], grace: float) -> bool:
+    """Until `ended()`, `grace` seconds have passed, or a second stop signal asks to hurry;
+    `ended()` at the end."""
+    end = time.monotonic() + grace
+    while not ended() and time.monotonic() < end and received() < 2:
+        time.sleep(POLL)
+    return ended()
 
 
 class Stopped(KeyboardInterrupt):

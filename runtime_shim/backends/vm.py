@@ -44,10 +44,16 @@ State, all of it the backend's own:
     NODE/vm/roots/             the flattened roots (derived data, rebuilt if missing)
     /run/layerstore/vm/<key>/  the stream sockets (unix socket paths must be short)
 
+Signals: the guest's init runs the workload as its child, so exit codes are the workload's (128+N
+for death by signal N), as in a container (whose PID 1 is tini, `pid1`). A signal for the
+workload (`stop`, and a stop signal `layerctl run` gets) goes to QEMU's "signal" stream; the
+guest's init passes it on to the workload. A stopped run gives the workload `stop_grace()` to
+end, then kills QEMU (`wait`).
+
 If the caller dies, QEMU (its own session) runs to the command's end and powers off; `delete`
 (from `layerctl sandbox rm` or recovery) kills it by pid after checking its start time. If QEMU
 is killed, the guest's writes that reached the upper disk stay there (ext4's journal covers the
-rest) and the run reports no exit status (`ShimError`), or 128+N for a signal the caller sent.
+rest) and the run reports no exit status (`ShimError`), or 128+N for a SIGKILL the caller sent.
 """
 
 from __future__ import annotations
@@ -78,15 +84,16 @@ from ..vm.pmem import pmem_image, sweep
 from ..vm.qemu import QemuVm, parse_mounts, qemu_binary, start_vm
 from ..vm.roots import root_image
 from ..vm.spec import MAX_PMEM, Drive, Pmem, Stream, VmSpec
+from . import signals
 from .base import Confinement, Execution, Stdio
 from .bundle import process_args, process_env
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+REAP_TIMEOUT = 30.0  # seconds for a killed VMM to be reaped
 MEMORY_MIB = 256
 MAX_MEMORY_MIB = 1024
 EXPORT_MEMORY_MIB = 256
 SOCKETS = Path("/run/layerstore/vm")
-STREAMS = ("stdout", "stderr", "status", "mounts")
+STREAMS = ("stdout", "stderr", "status", "mounts", "signal")
 LAYER_DEVICES = ("blk", "pmem")
 KEPT_REPORTS = 64  # guests' layer-mount reports kept in `layer_mounts`
 
@@ -301,22 +308,42 @@ class VmBackend:
             shutil.rmtree(self.sockets(sb.id), ignore_errors=True)
 
     def wait(self, execution: Execution) -> int:
+        """The workload's exit code, as the guest reports it. A stop signal (`signals`) is passed
+        on to the workload through the guest's init, which has `signals.stop_grace()` seconds to
+        end before the VMM is killed; then `Stopped` is raised, as the container backend does.
+        SIGQUIT is only passed on."""
         vm = self.running.get(execution.sandbox)
         if vm is None:
             raise ShimError(f"sandbox {execution.sandbox}: no VM started by this process")
-        old = {}
 
         def forward(signum: int, _frame: FrameType | None) -> None:
             self.stop(execution, signum)
 
-        for s in FORWARDED:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(signals.stopping())
             with contextlib.suppress(ValueError):  # not the main thread: no forwarding
-                old[s] = signal.signal(s, forward)
-        try:
-            vm.wait()
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+                old = signal.signal(signal.SIGQUIT, forward)
+                stack.callback(signal.signal, signal.SIGQUIT, old)
+            try:
+                vm.wait()
+            except signals.Stopped as e:
+                with signals.shielded():
+                    self._end(execution, vm, e.signum)
+                raise signals.Stopped(e.signum, f"the workload of sandbox {execution.sandbox} was ended") from None
+        return self._outcome(execution, vm)
+
+    def _end(self, execution: Execution, vm: QemuVm, signum: int) -> None:
+        """Pass `signum` on to the workload, give it the stop grace, then kill the VMM; reap it."""
+        self.stop(execution, signum)
+        if not signals.await_end(lambda: vm.process.poll() is not None, signals.stop_grace()):
+            vm.kill(signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            vm.wait(timeout=REAP_TIMEOUT)
+        self.signalled.pop(execution.sandbox, None)
+
+    def _outcome(self, execution: Execution, vm: QemuVm) -> int:
+        """After the VMM ended: the guest's exit code (128+N for a signal the caller sent to a VM
+        it then killed); `ShimError` if there is none or the guest's layer mounts are not as asked."""
         code, why = vm.result()
         mounts = self.layer_mounts[execution.sandbox] = parse_mounts(bytes(vm.mounts))
         while len(self.layer_mounts) > KEPT_REPORTS:  # (a long-lived process: the latest ones)
@@ -335,11 +362,15 @@ class VmBackend:
         raise ShimError(f"sandbox {execution.sandbox}: {why} (console: {self.workdir(execution.sandbox)}/console.log)")
 
     def stop(self, execution: Execution, signum: int = signal.SIGTERM) -> None:
-        """A VM has no process to pass a signal on to: the VMM is stopped (the workload with it)."""
-        self.signalled[execution.sandbox] = signum
+        """To the workload, through the guest's init (the "signal" stream). SIGKILL, or a VM that
+        cannot take it (no stream, gone), stops the VMM instead: the workload ends with it."""
         vm = self.running.get(execution.sandbox)
-        if vm is not None:
-            vm.kill(signal.SIGKILL)
+        if vm is None:
+            return
+        if signum != signal.SIGKILL and vm.send_signal(signum):
+            return
+        self.signalled[execution.sandbox] = signum
+        vm.kill(signal.SIGKILL)
 
     def delete(self, sandbox: str) -> None:
         pid = self.live_pid(sandbox)

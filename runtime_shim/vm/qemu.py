@@ -8,7 +8,9 @@ byte the guest writes can be lost to a race. Each is read by a thread of its own
 "stderr" are copied to the caller's descriptors as they come (never held: a guest that writes
 forever costs the host no memory), "status" is kept, bounded (`STATUS_MAX` bytes; the rest is
 read and dropped). The guest is an adversary: `parse_status` takes one line of a fixed grammar
-and nothing else.
+and nothing else. "signal" goes the other way: the host writes a signal number and a newline
+(`QemuVm.send_signal`), the guest's init passes that signal on to the workload; nothing the guest
+writes there is read.
 
 Acceleration: KVM when /dev/kvm works (`LAYERSTORE_VM_ACCEL=kvm|tcg|auto` overrides; auto checks
 that a VM can be created and boots), TCG otherwise. QEMU runs as "nobody" once it has opened its
@@ -44,6 +46,7 @@ RUNAS = "nobody"  # who QEMU runs as once it has opened what it needs (see qemu_
 CONNECT_TIMEOUT = 30.0  # seconds QEMU gets to connect its streams
 ACCEL_ENV = "LAYERSTORE_VM_ACCEL"
 CONSOLE = " console"  # (the console's stream name: a space keeps it apart from every Stream name)
+SIGNAL = "signal"  # the stream the host sends signals for the workload on
 _STATUS = re.compile(rb"exit ([0-9]{1,3})\n")
 _ERROR = re.compile(rb"error ([ -~]{0,300})\n")
 PROBE_CACHE = Path("/run/layerstore")
@@ -261,6 +264,7 @@ class QemuVm:
     conns: list[socket.socket] = field(default_factory=list)
     signalled: int | None = None  # the signal the host sent it, if any
     mounts: bytearray = field(default_factory=bytearray)  # the "mounts" stream (see parse_mounts)
+    control: socket.socket | None = None  # the "signal" stream, non-blocking (see send_signal)
 
     @property
     def pid(self) -> int:
@@ -270,7 +274,7 @@ class QemuVm:
         rc = self.process.wait(timeout)
         for th in self.pumps:
             th.join()
-        for c in self.conns:
+        for c in [*self.conns, *([self.control] if self.control is not None else [])]:
             with contextlib.suppress(OSError):
                 c.close()
         return rc
@@ -279,6 +283,16 @@ class QemuVm:
         self.signalled = signum
         with contextlib.suppress(ProcessLookupError):
             self.process.send_signal(signum)
+
+    def send_signal(self, signum: int) -> bool:
+        """Ask the guest's init to pass `signum` on to the workload. False if the VM has no
+        "signal" stream or it is gone (or full: a guest that never reads it)."""
+        if self.control is None:
+            return False
+        try:
+            return self.control.send(f"{signum}\n".encode()) > 0
+        except OSError:
+            return False
 
     def result(self) -> tuple[int | None, str]:
         """After `wait`: the guest's exit code, or None and why there is none."""
@@ -374,6 +388,10 @@ def start_vm(spec: VmSpec, *, stdout: Sink = None, stderr: Sink = None, accel: s
         vm.conns = list(conns.values())
         targets = {"stdout": _sink_fd(stdout, 1), "stderr": _sink_fd(stderr, 2)}
         for name, conn in conns.items():
+            if name == SIGNAL:
+                conn.setblocking(False)  # (sent to from a signal handler: never blocks it)
+                vm.control = conn
+                continue
             if name in ("status", "mounts"):
                 into = vm.status if name == "status" else vm.mounts
                 th = threading.Thread(target=_pump_bounded, args=(conn, into, STATUS_MAX), daemon=True)

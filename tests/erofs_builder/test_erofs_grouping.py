@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -193,6 +194,7 @@ inline_record = st.tuples(st.integers(40, 4000), st.integers(0, 1 << 30))  # (le
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(a=st.lists(inline_record, max_size=60), b=st.lists(inline_record, max_size=60),
        shared=st.lists(inline_record, min_size=100, max_size=300))
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_inline_record_groups_resynchronise_after_an_edit(a: list[Any], b: list[Any], shared: list[Any]) -> None:
     """Stable metadata groups end where a record's own bytes say (no minimum, maximum or
     position carried over a group's end), so two lists of records that differ only before a

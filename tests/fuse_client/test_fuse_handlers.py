@@ -555,6 +555,7 @@ async def test_hits_fall_back_to_pread_when_the_file_cannot_be_mapped(
         await r.fs.release(fh)
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 @pytest.mark.trio
 async def test_sequential_reader_of_a_cold_blob_keeps_the_fetch_slots_busy(store: Store, data: bytes,
                                                                             tmp_path: Path) -> None:

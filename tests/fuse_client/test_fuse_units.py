@@ -300,6 +300,7 @@ def test_interleaved_readers_read_ahead_at_most_a_bound_they_never_read(case: tu
     assert len(ahead - read) <= capped
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 @given(interleaved_readers(4 * MAX_STREAMS))
 def test_many_interleaved_readers_read_ahead_at_most_three_times_what_they_read(case: tuple) -> None:
     requests, owners, n = case

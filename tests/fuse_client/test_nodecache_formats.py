@@ -163,6 +163,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 @pytest.mark.usefixtures("zstd")
 def test_kill_9_while_a_zstd_cache_is_filled_recovers(store: Store, backend: CountingBackend, tmp_path: Path) -> None:
     data = compressible(5, 160 * CHUNK)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from layergc import RetentionPolicy, parse_duration
@@ -28,6 +29,7 @@ def _age(store: Path) -> None:
             os.utime(os.path.join(dirpath, f), (1, 1))
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_gc_cli_round_trip(tmp_path: Path) -> None:
     store = tmp_path / "store"
     assert layerctl("store", "init", "--store", str(store)).code == 0
@@ -61,6 +63,7 @@ def test_gc_cli_round_trip(tmp_path: Path) -> None:
     assert layerctl("store", "verify", "--store", str(store)).code == 0
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_gc_cli_retention_and_errors(tmp_path: Path) -> None:
     store = tmp_path / "store"
     layerctl("store", "init", "--store", str(store))

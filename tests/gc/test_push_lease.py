@@ -75,6 +75,7 @@ def test_gc_between_build_and_env_create_keeps_the_layer(tmp_path: Path) -> None
         assert content_keys(s) == set()
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_an_unreleased_lease_expires_and_env_create_leaves_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
     """A build whose `env create` never comes keeps its layer only for --lease-ttl; an

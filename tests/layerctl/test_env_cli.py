@@ -100,6 +100,7 @@ def test_partial_config_file_takes_defaults(ctx: Ctx) -> None:
         "entrypoint": [], "cmd": ["/bin/true"], "env": [], "workdir": "/", "user": ""}
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_sign_and_verify(ctx: Ctx) -> None:
     k1, k2 = str(ctx.root / "k1.pem"), str(ctx.root / "k2.pem")
     kg = ctx.ok("keygen", "--out", k1)

@@ -181,6 +181,7 @@ class TestBackend:
             with pytest.raises(BadKey):
                 backend.load(bad)
 
+    @pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
     def test_list_thousands(self, backend: Backend) -> None:
         names = [f"many/{i % 7}/k{i:05d}" for i in range(1500)]
         with ThreadPoolExecutor(16) as pool:
@@ -221,6 +222,7 @@ class TestBackend:
         assert [i.key for i in backend.list_info("info/b/")] == ["info/b/c"]
         assert list(backend.list_info("none/")) == []
 
+    @pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
     def test_delete_many(self, backend: Backend) -> None:
         names = [f"dm/{i % 3}/k{i:04d}" for i in range(1100)]  # the first delete is more than one S3 batch
         with ThreadPoolExecutor(16) as pool:

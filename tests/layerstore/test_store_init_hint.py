@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from testkit.cli_helpers import layerctl
 
 from layerstore.errors import NotFound, PermissionDenied
 from layerstore.store import Store
@@ -57,3 +58,15 @@ def test_a_location_the_client_may_not_list_names_its_admin(tmp_path: Path, monk
         monkeypatch.setattr(s.backend, "list", refuse)
         with pytest.raises(NotFound, match=r"an admin creates a store with `layerctl store init`"):
             s.check()
+
+
+def test_the_default_store_on_a_fresh_machine_names_init(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody typed the default store's path, and on a fresh machine its parents are missing too:
+    `layerctl store init` (which makes them) is the fix, not checking the path."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "fresh" / "share"))
+    from layerstore.config import default_store_path
+
+    msg = _check_error(str(default_store_path()))
+    assert "is the default store" in msg and "layerctl store init" in msg and "check the path" not in msg
+    assert layerctl("env", "ls", env={"XDG_DATA_HOME": str(tmp_path / "fresh" / "share")}).err == \
+        f"layerctl: error: {msg}\n"

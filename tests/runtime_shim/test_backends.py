@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import threading
 import time
@@ -19,9 +22,10 @@ from typing import Any
 import pytest
 
 from layerstore.errors import ConfigError
-from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend, signals
+from runtime_shim.backends import REGISTRY, BackendRegistry, Execution, node_backends, open_backend, pid1, signals
 from runtime_shim.backends.base import Confinement
 from runtime_shim.backends.container import ContainerBackend, CrunBackend, RuncBackend
+from runtime_shim.backends.vm import VmBackend
 from runtime_shim.errors import RuntimeNotAvailable, ShimError
 from runtime_shim.node.blobs import DirBlobs
 from runtime_shim.node.request import MountRequest
@@ -30,6 +34,7 @@ from runtime_shim.nodestate import idmap
 from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.nodestate.state import MOUNTED, Sandbox
 from runtime_shim.sandbox import runner
+from runtime_shim.vm.qemu import QemuVm
 
 
 class FakeBackend:
@@ -160,6 +165,9 @@ def fake_runc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     binary.parent.mkdir()
     binary.write_text(FAKE_RUNTIME)
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    init = binary.parent / "tini-static"  # (what `pid1.find_init` looks for on PATH)
+    init.write_text("#!/bin/sh\n")
+    init.chmod(0o755)
     log = tmp_path / "runtime.log"
     monkeypatch.setenv("PATH", f"{binary.parent}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_LOG", str(log))
@@ -180,7 +188,13 @@ def test_container_steps(fake_runc: tuple[RuncBackend, Path], monkeypatch: pytes
     backend.prepare(sb, ["echo", "hi"], extra_env=["B=2"])
     cfg = json.loads((paths.bundle(sb.id) / "config.json").read_text())
     assert cfg["root"] == {"path": sb.target, "readonly": False}
-    assert cfg["process"]["args"] == ["echo", "hi"] and cfg["process"]["env"][-2:] == ["A=1", "B=2"]
+    # the workload runs as the child of the init, bound read-only into the container's own /dev
+    assert cfg["process"]["args"] == ["/dev/init", "--", "echo", "hi"] and cfg["process"]["env"][-2:] == ["A=1", "B=2"]
+    init = os.path.realpath(paths.root.parent / "bin" / "tini-static")
+    assert [m for m in cfg["mounts"] if m["type"] == "bind"] == [
+        {"destination": "/dev/init", "type": "bind", "source": init, "options": ["bind", "ro", "nosuid", "nodev"]}]
+    dests = [m["destination"] for m in cfg["mounts"]]
+    assert dests.index("/dev") < dests.index("/dev/init")  # (made inside the runtime's /dev tmpfs)
     assert cfg["process"]["cwd"] == "/w" and cfg["linux"]["cgroupsPath"] == f"/layerstore/{sb.id}"
     assert cfg["hostname"] == sb.id
 
@@ -261,6 +275,127 @@ def test_stop_signals_a_started_workload(fake_runc: tuple[RuncBackend, Path], mo
     backend.stop(ex, signal.SIGKILL)
     assert backend.wait(ex) == 128 + signal.SIGKILL
     backend.stop(ex)  # a workload that is gone: nothing to do
+
+
+# -- the container's init (pid1) -----------------------------------------------------------------------
+def test_the_init_is_found_on_path_or_named_and_refused_when_unusable(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(pid1.INIT_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeNotAvailable, match=r"tini-static is not on PATH: install tini .* LAYERSTORE_CONTAINER"):
+        pid1.find_init()
+    runc = RuncBackend(NodePaths(tmp_path))
+    runc.found = "/usr/sbin/runc"  # (as if found: the check goes on to the init)
+    with pytest.raises(RuntimeNotAvailable, match="install tini"):
+        runc.check()
+    static = tmp_path / "init"
+    static.write_bytes(b"\x7fELF" + bytes(60))  # an ELF with no program header: no interpreter
+    static.chmod(0o755)
+    monkeypatch.setenv(pid1.INIT_ENV, str(static))
+    assert pid1.find_init() == os.path.realpath(static)
+    static.chmod(0o644)
+    with pytest.raises(RuntimeNotAvailable, match="not an executable file"):
+        pid1.find_init()
+    monkeypatch.setenv(pid1.INIT_ENV, "tini")
+    with pytest.raises(RuntimeNotAvailable, match="want an absolute path"):
+        pid1.find_init()
+    monkeypatch.setenv(pid1.INIT_ENV, str(tmp_path / "missing"))
+    with pytest.raises(RuntimeNotAvailable, match="No such file"):
+        pid1.find_init()
+    dynamic = os.path.realpath("/bin/true")  # (Debian's coreutils: dynamically linked)
+    if pid1.needs_interpreter(Path(dynamic).read_bytes()[:4096]):
+        monkeypatch.setenv(pid1.INIT_ENV, dynamic)
+        with pytest.raises(RuntimeNotAvailable, match="dynamically linked"):
+            pid1.find_init()
+    tini = shutil.which("tini-static")
+    if tini is not None:  # the real one (.ci/install-deps.sh installs it)
+        assert not pid1.needs_interpreter(Path(tini).read_bytes()[:4096])
+
+
+def test_an_elf_interpreter_is_read_from_the_program_headers() -> None:
+    def elf(*types: int) -> bytes:
+        head = bytearray(64)
+        head[:6] = b"\x7fELF\x02\x01"
+        struct.pack_into("<Q", head, 32, 64)  # e_phoff
+        struct.pack_into("<HH", head, 54, 56, len(types))  # e_phentsize, e_phnum
+        for t in types:
+            head += struct.pack("<I", t) + bytes(52)
+        return bytes(head)
+
+    assert pid1.needs_interpreter(elf(6, 3, 1)) and not pid1.needs_interpreter(elf(1, 1, 4))
+    assert not pid1.needs_interpreter(b"#!/bin/sh\n") and not pid1.needs_interpreter(elf(3)[:66])
+    assert pid1.init_args(["sh", "-c", "x"]) == ["/dev/init", "--", "sh", "-c", "x"]
+
+
+# -- the VM backends' signals, without a boot ------------------------------------------------------------
+@pytest.fixture
+def vm_stand_in(tmp_path: Path) -> Iterator[tuple[VmBackend, Execution, socket.socket]]:
+    """A VM backend whose "running VM" is a `sleep` (the VMM) with a socket pair as its signal
+    stream; the test holds the guest's end."""
+    backend = VmBackend(NodePaths(tmp_path / "node"))
+    host, guest = socket.socketpair()
+    host.setblocking(False)
+    proc = subprocess.Popen(["sleep", "60"])
+    vm = QemuVm(proc, control=host)
+    backend.running["sb-1"] = vm
+    try:
+        yield backend, Execution("sb-1", proc), guest
+    finally:
+        proc.kill()
+        proc.wait()
+        host.close()
+        guest.close()
+
+
+def test_a_vm_passes_a_signal_on_to_its_guest_and_stops_the_vmm_for_sigkill(
+        vm_stand_in: tuple[VmBackend, Execution, socket.socket]) -> None:
+    backend, ex, guest = vm_stand_in
+    backend.stop(ex, signal.SIGTERM)
+    backend.stop(ex, signal.SIGINT)
+    guest.settimeout(10)
+    got = b""
+    while len(got) < 5:
+        got += guest.recv(64)
+    assert got == b"15\n2\n" and ex.process.poll() is None  # the guest's init passes them on
+    backend.running["sb-1"].control.close()  # type: ignore[union-attr]  # a stream that is gone: the VMM is stopped
+    backend.stop(ex, signal.SIGHUP)
+    assert ex.process.wait(10) == -signal.SIGKILL and backend.signalled["sb-1"] == signal.SIGHUP
+
+
+@pytest.mark.parametrize("guest_ends_it", [True, False])
+def test_a_stop_signal_to_a_vm_run_is_passed_on_then_the_run_stops(
+        vm_stand_in: tuple[VmBackend, Execution, socket.socket], monkeypatch: pytest.MonkeyPatch,
+        guest_ends_it: bool) -> None:
+    """As the container backend: the signal goes to the workload (here: the guest's end of the
+    stream; a guest that ends the VM on it, or one that ignores it and is killed after the grace),
+    then `wait` raises `Stopped`; our handlers are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+    backend, ex, guest = vm_stand_in
+    monkeypatch.setenv("LAYERSTORE_STOP_GRACE", "600" if guest_ends_it else "0.2")
+    before = {s: signal.getsignal(s) for s in (*signals.STOP_SIGNALS, signal.SIGQUIT)}
+    got: list[bytes] = []
+
+    def guest_side() -> None:
+        deadline = time.monotonic() + 20
+        while signal.getsignal(signal.SIGTERM) is not signals._handler and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)  # to us, in wait(): passed on to the guest
+        guest.settimeout(20)
+        got.append(guest.recv(64))
+        if guest_ends_it:
+            ex.process.terminate()  # the workload ended of it, and the VM powered off
+
+    th = threading.Thread(target=guest_side)
+    th.start()
+    try:
+        with pytest.raises(signals.Stopped, match="^stopped by SIGTERM: the workload of sandbox sb-1 was ended$"):
+            backend.wait(ex)
+    finally:
+        th.join()
+    assert got == [b"15\n"]
+    assert ex.process.returncode == (-signal.SIGTERM if guest_ends_it else -signal.SIGKILL)
+    assert {s: signal.getsignal(s) for s in before} == before
 
 
 # -- runner.run drives any backend ------------------------------------------------------------------

@@ -123,11 +123,13 @@ def test_a_fifo_passwd_layer_as_root_fails_cleanly(store: dict[str, str], node: 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_ends_the_run_and_its_sandbox(store: dict[str, str], node: Path, signum: int) -> None:
-    """pid 1 of a pid namespace ignores a SIGTERM it has no handler for: passing the signal on
-    alone never ends `sleep`. After the grace (LAYERSTORE_STOP_GRACE) the container is killed.
-    (Before: each was only passed on, and the run never ended.)"""
+    """The signal reaches the workload (`sleep`, the child of the container's init: issue 30),
+    which ends of it; the grace (LAYERSTORE_STOP_GRACE) is longer than the deadline, so only the
+    signal can end the run in time. (Before issue 30 `sleep` was pid 1 of its pid namespace, which
+    ignores a signal it has no handler for: the container was killed after the grace. Before issue
+    27 the signal was only passed on, and the run never ended.)"""
     sid = {signal.SIGTERM: "rh-term", signal.SIGINT: "rh-int", signal.SIGHUP: "rh-hup"}[signum]
-    env = {**os.environ, "LAYERSTORE_STOP_GRACE": "1"}
+    env = {**os.environ, "LAYERSTORE_STOP_GRACE": str(10 * DEADLINE)}
     p = subprocess.Popen([str(BIN / "layerctl"), "run", "--store", store["url"], "--node-dir", str(node),
                           "--sandbox", sid, "bb:1", "--", "sh", "-c", "echo ready; exec sleep 1000"],
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

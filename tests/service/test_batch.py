@@ -288,6 +288,7 @@ def _raw_batch(served: Served, token: str, body: bytes, length: int) -> int:
     return int(answer[9:12])
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_lying_request_lengths(served: Served, chunks: list[tuple[str, bytes]]) -> None:
     body = json.dumps({"keys": [chunks[0][0]]}).encode()
     assert _raw_batch(served, served.tokens["read"], body, 1 << 40) == 413  # refused before reading

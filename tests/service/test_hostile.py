@@ -141,6 +141,7 @@ def test_bodies_that_are_not_what_their_key_says(client: httpx.Client, stored: d
     _is_clear_4xx(client.put("/v1/objects/config", content=b"{not json"), 422)
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_huge_and_lying_content_length(served: Served) -> None:
     token = served.tokens["admin"]
     chunk_path = "/v1/objects/" + keys.object_key("chunks", digestmod.of(b"big"))
@@ -170,6 +171,7 @@ def test_huge_and_lying_content_length(served: Served) -> None:
     assert status == 413
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_slow_client_gets_408_and_others_are_served(served: Served) -> None:
     token = served.tokens["admin"]
     body = b"{" + b" " * 40 + b"}"

@@ -177,6 +177,7 @@ def test_token_from_the_environment_and_the_credentials_file(served: Served, tmp
         b.check()
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_unix_socket_and_a_push_through_the_cli(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     tokens = make_tokens(tmp_path / "tokens.json", {"ci": ["push:team/"], "ro": ["read"], "gc": ["gc"]})
@@ -205,6 +206,7 @@ def test_unix_socket_and_a_push_through_the_cli(tmp_path: Path) -> None:
         assert r.code == 0 and blob in r.out, r
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_two_instances_and_a_client_that_switches_mid_push(served: Served, tmp_path: Path) -> None:
     """A push starts on one instance, which dies; it goes on and ends on another; readers on
     either see the same store."""

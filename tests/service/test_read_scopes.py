@@ -99,6 +99,7 @@ def test_a_namespace_token_pulls_its_environment_and_lists_only_its_tags(world: 
         assert list(s.backend.list("tags/sig")) == []  # a listing that overlaps them leaves them out
 
 
+@pytest.mark.slow  # about 3-5 s: kept out of `make check`'s 2 minutes
 def test_layerctl_store_and_lease_ls_need_the_gc_scope(world: dict[str, object], tmp_path: Path) -> None:
     tokens = world["tokens"]
     assert isinstance(tokens, dict)

@@ -1,0 +1,31 @@
+"""`layerctl run --help` says what `--backend vm` with `--layer-device pmem` does as the backends do
+it (runtime_shim/backends/vm.py, microvm.py; docs/vm-memory.md): a virtio-pmem device per layer,
+full VM only, each layer fetched whole before the boot; and a layer device without a VM backend
+is refused before anything starts."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from layerctl.main import cli
+
+
+def _help() -> str:
+    r = CliRunner().invoke(cli, ["run", "--help"], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    return " ".join(r.output.split())
+
+
+def test_backend_and_layer_device_are_described_as_the_backends_do_it() -> None:
+    text = _help()
+    assert "a full VM (q35) whose root is one flattened device over the layers, or with --layer-device pmem " \
+           "a virtio-pmem device per layer" in text
+    assert "one flattened multi-device EROFS root over a drive per layer blob (vm)" in text
+    assert "pmem (vm only; microvm refuses it)" in text
+    assert "each layer is fetched whole before the VM boots" in text
+
+
+def test_a_layer_device_without_a_vm_backend_is_refused() -> None:
+    r = CliRunner().invoke(cli, ["run", "--layer-device", "pmem", "x:1", "--", "true"])
+    assert r.exit_code == 2
+    assert "--layer-device is for the VM backends" in r.output
