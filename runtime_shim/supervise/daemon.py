@@ -345,12 +345,42 @@ class _Restarter:
         if new is None:
             severed = sever(self.paths, self.state, died)  # before its FUSE mount is detached
             self.sup.stop(cur)
+            offset = _log_size(self.paths.daemon_log)
             new = self.sup.start(cur.store, cur.argv)  # (its options: a bench's, a test's)
-            # (the daemon log's last line: what died, what went with it, what replaced it)
+            # the daemon log's last line: what died, what went with it, what replaced it (after the
+            # new daemon's own start-up line, which it writes as its mount appears)
+            _await_line(self.paths.daemon_log, offset, SERVING_LINE, READY_LINE_TIMEOUT)
             log.warning("node daemon %d died: %s; started %d (%.2f s)", cur.pid, severed.summary(), new.pid,
                         time.monotonic() - t0)
         with self.state.write() as t:
             t.put_daemon(new)
+
+
+SERVING_LINE = b"serving blobs at"  # (fuse_client.daemon: logged as its mount appears)
+READY_LINE_TIMEOUT = 2.0
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _await_line(path: Path, offset: int, needle: bytes, timeout: float) -> bool:
+    """Wait (at most `timeout`) until the log holds `needle` after `offset`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                if needle in f.read():
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
