@@ -37,7 +37,7 @@ def _shim(node_dir: str | None, store_url: str | None = None, policy: str | None
 def _sandbox_json(sb: Any) -> dict[str, Any]:
     return {"sandbox": sb.id, "env": sb.env, "manifest": sb.manifest, "target": sb.target, "upper": sb.upper,
             "status": sb.status, "layers": sb.layers, "owned_upper": sb.owned, "error": sb.error,
-            "created": sb.created, "backend": sb.backend or "container"}
+            "created": sb.created, "backend": sb.backend or "container", "lost": sb.lost}
 
 
 @click.command("mount")
@@ -173,6 +173,8 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
                          extra_env=variables, confinement=confinement, nodev=not allow_devices,
                          upper_size=parse_size(upper_size) if upper_size is not None else None,
                          userns={"auto": None, "on": True, "off": False}[userns])
+    if res.lost:  # (one line: the workload's own errors above it say EIO, SIGBUS, "exec format error"...)
+        click.echo(f"layerctl: the node daemon died under sandbox {res.sandbox}: {res.lost}", err=True)
     if keep:
         click.echo(f"layerctl: sandbox {res.sandbox} kept", err=True)
     sys.exit(res.exit_code)
@@ -216,7 +218,8 @@ def sandbox_ls_cmd(node_dir: str | None, as_json: bool) -> None:
         return
     for sb in sbs:
         where = f"(composed in its {sb.backend} guest)" if sb.backend else sb.target
-        click.echo(f"{sb.id}  {sb.status:9}  {sb.env or sb.manifest or '-'}  {where}")
+        lost = f"  lost: {sb.lost}" if sb.lost else ""
+        click.echo(f"{sb.id}  {sb.status:9}  {sb.env or sb.manifest or '-'}  {where}{lost}")
 
 
 @sandbox_group.command("rm")
@@ -270,7 +273,10 @@ def recover_cmd(node_dir: str | None, as_json: bool) -> None:
     click.echo(f"recovered: {len(rep.remounted_sandboxes)} sandbox(es) and {len(rep.remounted_layers)} layer(s) "
                f"remounted, {len(rep.finished_teardowns)} teardown(s) finished, {len(rep.rolled_back)} interrupted "
                f"mount(s) rolled back, {len(rep.orphan_mounts)} orphan mount(s) removed, {len(rep.adopted)} "
-               f"sandbox(es) rebuilt from records, {len(rep.deleted_containers)} leftover container(s) deleted")
+               f"sandbox(es) rebuilt from records, {len(rep.deleted_containers)} leftover container(s) deleted, "
+               f"{len(rep.dead_mounts)} dead FUSE mount(s) removed")
+    for sid, why in sorted(rep.lost.items()):
+        click.echo(f"lost: {sid}: {why}")
     for sid, why in sorted(rep.broken.items()):
         click.echo(f"broken: {sid}: {why}")
     for sid in rep.unrecorded:
@@ -285,12 +291,14 @@ def node_group() -> None:
 @node_group.command("stop")
 @node_dir_option
 def node_stop_cmd(node_dir: str | None) -> None:
-    """Stop the node daemon (refused while sandboxes are mounted)."""
-    from runtime_shim.node.shim import Shim
+    """Stop the node daemon and its watch, and remove what a dead daemon left (its FUSE mount, layer
+    mounts on it); refused while sandboxes are mounted."""
+    from runtime_shim.node.shim import CLEARED, STOPPED, Shim
 
     with Shim.for_node(node_dir, auto_recover=False) as shim:
-        stopped = shim.stop_daemon()
-    click.echo("node daemon stopped" if stopped else "no node daemon running")
+        done = shim.stop_daemon()
+    click.echo({STOPPED: "node daemon stopped", CLEARED: "no node daemon running: what a dead one left is removed"}
+               .get(done, "no node daemon running"))
 
 
 def register(cli: click.Group) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from layerstore import digest as digestmod
+from layerstore import linux
 from layerstore.errors import LayerstoreError
 
 from ..errors import DaemonError
@@ -64,6 +65,11 @@ class BlobSource(Protocol):
         """(blob, holder) of the pins whose holder starts with `prefix` ([] if unknown)."""
         ...
 
+    def clear_dead(self) -> list[str]:
+        """Caller holds the node lock. Detach the source's mount if whatever served it died (a
+        dead FUSE mount: ENOTCONN), without starting anything; returns the mountpoints cleared."""
+        ...
+
 
 class DirBlobs:
     """Blob image files in a directory, named by digest."""
@@ -97,6 +103,9 @@ class DirBlobs:
 
     def pins(self, prefix: str) -> list[tuple[str, str]]:
         return []
+
+    def clear_dead(self) -> list[str]:
+        return []  # (local files)
 
     def attach(self, blob: str, holder: str) -> tuple[Path, str] | None:
         return None  # (local files already)
@@ -259,6 +268,24 @@ class DaemonBlobs:
         except (LayerstoreError, OSError):
             return []
         return [(p["blob"], p["holder"]) for p in pins if str(p.get("holder", "")).startswith(prefix)]
+
+    def clear_dead(self) -> list[str]:
+        """The FUSE mount of a daemon that died answers ENOTCONN: detach it (a recorded process
+        that still runs without its mount is stopped: it can serve nothing). The daemon record
+        stays: the watch, if one runs, starts the next daemon; else the next `ensure` does."""
+        fuse = self.paths.fuse
+        if not linux.is_mount(fuse):
+            return []
+        try:  # (statfs reaches the daemon: a stat of the mountpoint may be answered from cached attributes)
+            if not linux.clear_dead_fuse(fuse):
+                return []
+        except linux.MountError:
+            return []  # a live mount
+        self._forget_seen()
+        with self.state.read() as t:
+            rec = t.daemon()
+        self.supervisor.stop(rec, watch=False)
+        return [str(fuse)]
 
     def stop(self) -> None:
         self._forget_seen()

@@ -84,6 +84,26 @@ class SandboxLifecycle:
             recorded = t.roots_mounted()
         return not recorded or linux.is_mount_root(self.paths.roots)
 
+    def clear_layers(self) -> list[str]:
+        """Caller holds the lock; the node has no sandbox (`Shim.stop_daemon`). Unmount every
+        layer mount under NODE/layers, recorded or not (one stacked on a dead daemon's FUSE
+        mount, one a crash left), and forget the records. Returns the mountpoints taken down."""
+        with self.state.read() as t:
+            recs = t.layers()
+        done = []
+        for lm in recs:
+            if linux.is_mount(lm.mountpoint):
+                done.append(lm.mountpoint)
+            self.layers.unmount(lm)  # (and its pin or attachment)
+        for m in linux.mounts_under(linux.read_mounts(), str(self.paths.layers)):
+            if m.mountpoint != str(self.paths.layers) and detach(m.mountpoint):
+                rmdir_quiet(m.mountpoint)
+                done.append(m.mountpoint)
+        with self.state.write() as t:
+            for lm in recs:
+                t.delete_layer(lm.blob)
+        return sorted(set(done))
+
     # -- a mount that did not complete ----------------------------------------------------------
     def undo_mount(self, sb: Sandbox, *, overlay: bool, created_dir: bool) -> None:
         """Take back a mount that did not complete (on failure, or in recovery after a crash):

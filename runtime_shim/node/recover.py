@@ -14,8 +14,10 @@ Desired state = every sandbox in the state database, plus every sandbox whose re
    unmounts its root outside the lock): that sandbox is counted but not touched;
 2. adopts records the database does not know; finishes every teardown whose directory is
    already in NODE/sandboxes/.trash, then empties the trash;
-3. makes the blob source healthy: a killed daemon leaves a dead FUSE mount (ENOTCONN), which is
-   detached before a new daemon starts;
+3. marks lost the sandboxes stacked on layers read through the FUSE mount of a daemon that is
+   not the healthy one (`nodestate.lost`: their running processes saw errors) and detaches a
+   dead FUSE mount (ENOTCONN) a killed daemon left, also when nothing needs a daemon now; then,
+   if a sandbox needs layers, makes the blob source healthy (a new daemon);
 4. finds the stale layer mounts (missing, or made from a previous daemon's files) and the sandboxes
    stacked on them or missing their overlay; detaches those overlays and layers (lazily: a
    process still inside keeps its detached view), mounts the layers again, then the overlays
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ from layerstore.linux import detach
 from ..backends.base import SandboxBackend
 from ..errors import RuntimeNotAvailable, ShimError
 from ..nodestate import records
+from ..nodestate.lost import mark_lost
 from ..nodestate.state import BROKEN, MOUNTED, UNMOUNTING, LayerMount, NodeState, Sandbox, boot_id
 from .blobs import BlobSource
 from .layers import LayerMounts
@@ -71,6 +75,8 @@ class RecoverReport:
     orphan_mounts: list[str] = field(default_factory=list)
     deleted_containers: list[str] = field(default_factory=list)
     unrecorded: list[str] = field(default_factory=list)  # sandbox directories without a readable record
+    lost: dict[str, str] = field(default_factory=dict)  # sandboxes this recovery marked lost, with the reason
+    dead_mounts: list[str] = field(default_factory=list)  # dead FUSE mounts (of a killed daemon) detached
     trash_emptied: int = 0
     rebooted: bool = False  # the database belonged to an earlier boot and was rebuilt from the records
     daemon_generation: str | None = None
@@ -80,7 +86,7 @@ class RecoverReport:
     def changed(self) -> bool:
         return bool(self.adopted or self.rolled_back or self.finished_teardowns or self.remounted_layers
                     or self.remounted_sandboxes or self.broken or self.unmounted_layers or self.orphan_mounts
-                    or self.deleted_containers or self.trash_emptied or self.rebooted)
+                    or self.deleted_containers or self.trash_emptied or self.rebooted or self.lost or self.dead_mounts)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -164,6 +170,7 @@ def recover(lifecycle: SandboxLifecycle, blobs: BlobSource,
     rep = RecoverReport()
     _forget_earlier_boot(lifecycle.state, rep)
     pic = _Picture(_settle_pending(lifecycle, rep, linux.read_mounts()))
+    _mark_lost(lifecycle, blobs, rep)  # (before the sandboxes are read: their remount writes them back)
     pic.live = _adopt_records(lifecycle, rep, pic.inflight)
     _find_stale(lifecycle, blobs, pic, rep)
     _remount_layers(lifecycle, pic, rep)
@@ -205,6 +212,18 @@ def _adopt_records(lifecycle: SandboxLifecycle, rep: RecoverReport, inflight: di
             del known[sb.id]
     rep.trash_emptied = records.empty_trash(paths, only_dead=True)
     return list(known.values())
+
+
+def _mark_lost(lifecycle: SandboxLifecycle, blobs: BlobSource, rep: RecoverReport) -> None:
+    """Repairs what a dead daemon left, after saying what it took: marks lost the sandboxes stacked
+    on layers that read through the FUSE mount of a daemon other than the healthy one (the watch
+    does it when one runs; else this is the first to see it: `nodestate.lost`), then detaches a
+    dead FUSE mount, also when no sandbox needs a daemon now (nothing else would)."""
+    paths = lifecycle.paths
+    with lifecycle.state.write() as t:
+        loss = mark_lost(t, str(paths.fuse), blobs.generation(), time.time())
+    rep.lost = {sb.id: sb.lost for sb in loss.sandboxes}
+    rep.dead_mounts = blobs.clear_dead()
 
 
 def _find_stale(lifecycle: SandboxLifecycle, blobs: BlobSource, pic: _Picture, rep: RecoverReport) -> None:

@@ -30,6 +30,7 @@ from ..errors import RuntimeNotAvailable, SandboxExists, SandboxNotFound, ShimEr
 from ..nodestate import records, utab
 from ..nodestate.idmap import chown_to_range, idmapped_lowers
 from ..nodestate.lock import BlobLock, NodeLock
+from ..nodestate.lost import lost_layers, lost_reason
 from ..nodestate.paths import NodePaths, check_overlay_safe, check_sandbox_id, new_sandbox_id
 from ..nodestate.state import (
     BROKEN,
@@ -62,6 +63,7 @@ from .request import MountRequest
 
 Resolver = Callable[[str], EnvSpec]
 HINTS_TIMEOUT = 60.0  # how long closing a shim waits for prefetch hints still being sent
+STOPPED, CLEARED = "stopped", "cleared"  # what `stop_daemon` did
 
 
 @dataclass
@@ -623,18 +625,41 @@ class Shim:
         return found
 
     # -- recovery --------------------------------------------------------------------------
-    def stop_daemon(self) -> bool:
-        """Stop the node daemon (before an upgrade, or to free the node). Refused while sandboxes
-        are mounted: their layers read through it. Returns False if this node has no daemon."""
+    def stop_daemon(self) -> str:
+        """Stop the node daemon (before an upgrade, or to free the node) and its watch, and take
+        down what a dead one left: its FUSE mount, layer mounts nobody uses. Refused while
+        sandboxes are mounted: their layers read through it. Returns STOPPED (a daemon ran),
+        CLEARED (none ran, but a dead one's mount, layer mounts or record were left: now gone),
+        or "" (nothing was there)."""
         with self.lock:
             if self.sandboxes():
                 raise SandboxExists(f"{len(self.sandboxes())} sandbox(es) still mounted on node {self.paths.root}; "
                                     f"remove them first (layerctl sandbox ls)")
             stop = getattr(self.blobs, "stop", None)
-            if stop is None or self.blobs.generation() is None:
-                return False
+            if stop is None:
+                return ""
+            running = self.blobs.generation() is not None
+            with self.state.read() as t:
+                recorded = t.daemon() is not None
+            left = self.lifecycle.clear_layers()
+            dead = self.blobs.clear_dead()
             stop()
-            return True
+            self.lifecycle.release_roots()
+        return STOPPED if running else CLEARED if recorded or left or dead else ""
+
+    def lost_reason(self, sandbox: str) -> str:
+        """Why the sandbox's data path died under it ("" if it did not): its record's mark (the
+        watch's or recovery's), else one of its layers that reads through the FUSE mount of a
+        daemon other than the healthy one (a death nobody has handled yet). O(layers)."""
+        with self.state.read() as t:
+            sb = t.sandbox(sandbox)
+            if sb is None:
+                return ""
+            if sb.lost:
+                return sb.lost
+            layers = [lm for b in dict.fromkeys(sb.layers) if (lm := t.layer(b)) is not None]
+        gone = lost_layers(layers, str(self.paths.fuse), self.blobs.generation())
+        return lost_reason(gone[0].blob) if gone else ""
 
     def recover(self) -> RecoverReport:
         """The full comparison of the picture with the node (O(sandboxes + mounts))."""

@@ -162,6 +162,9 @@ class Sandbox:
     # the VM backend whose guest composes it from the layer mounts' files (no overlay, `target`
     # never mounted; `upper` is its upper drive, an ext4 image, when it is kept)
     backend: str = ""
+    # why its data path died under it ("" = it did not): a layer it stacks was on the FUSE mount of a
+    # node daemon that died (`lost`); kept when recovery mounts it again (what ran in it saw errors)
+    lost: str = ""
 
     def to_json(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies every value, a measurable share of a mount
@@ -169,7 +172,7 @@ class Sandbox:
                 "config": self.config, "target": self.target, "upper": self.upper, "work": self.work,
                 "owned": self.owned, "store": self.store, "status": self.status, "error": self.error,
                 "created": self.created, "utab": self.utab, "userns": self.userns,
-                **({"backend": self.backend} if self.backend else {})}
+                **({"backend": self.backend} if self.backend else {}), **({"lost": self.lost} if self.lost else {})}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Sandbox:

@@ -79,6 +79,7 @@ class RunResult:
     sandbox: str
     exit_code: int
     kept: bool
+    lost: str = ""  # why the sandbox's data path died under a workload that failed ("" if it did not)
 
 
 def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbox: str | None = None,
@@ -113,6 +114,7 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
             finally:
                 with signals.shielded():  # (a signal now must not cut the clean-up short)
                     backend.delete(sb.id)
+            lost = _lost(shim, sb.id) if code else ""  # (before the teardown forgets it)
         except BaseException as e:
             if not keep:
                 with signals.shielded(), contextlib.suppress(Exception):
@@ -123,7 +125,7 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
             raise
         if not keep:
             shim.unmount(sb.id)
-    return RunResult(sb.id, code, keep)
+    return RunResult(sb.id, code, keep, lost)
 
 
 def _mount_on_host(shim: Shim, env: str | EnvSpec, *, sandbox: str | None, eager: bool, keep: bool, size: int | None,
@@ -138,3 +140,10 @@ def _mount_on_host(shim: Shim, env: str | EnvSpec, *, sandbox: str | None, eager
         userns = ok
     return shim.mount(MountRequest(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
                       upper_image=image, nosuid=not confinement.new_privileges, nodev=nodev, userns=userns))
+
+
+def _lost(shim: Shim, sandbox: str) -> str:
+    """Why the sandbox's data path died under its workload ("" if it did not: `Shim.lost_reason`;
+    a stand-in shim without it says nothing)."""
+    why = getattr(shim, "lost_reason", None)
+    return str(why(sandbox)) if why is not None else ""

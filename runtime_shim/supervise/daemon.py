@@ -11,16 +11,19 @@ The daemon gets the shim's environment without the service manager's variables (
 fanotify group across the daemon's restarts, so with the default data path (`auto`) a daemon the
 shim starts serves FUSE. A daemon run as its own unit (fuse_client/contrib) has them.
 
-On the fanotify data path (LAYERSTORE_DATA_PATH=fanotify|auto in the shim's environment) a small
-**watch** process (`python -m runtime_shim.supervise.daemon watch NODE_DIR`, NODE/watch.pid) waits on
-pidfds of the daemon and of the fanotify holder between shim calls (docs/fanotify.md, "Every
-process of ours killed"): when the daemon dies it adopts a daemon that answers in its place (an
-upgrade) or starts a new one at once (reads on attached layers wait meanwhile); when the holder
-died too, it first makes a new group with every attached file marked again (`regroup`), which
-ends the time holes could read as zeros, and only then starts the daemon. It exits when the
-shim stops the daemon (it is stopped first), the record is gone, the daemon was stopped on
-request rather than killed (it notes that: `fanotify.upgrade.note_clean_stop`), or the daemon
-serves FUSE only.
+On every data path a small **watch** process (`python -m runtime_shim.supervise.daemon watch
+NODE_DIR`, NODE/watch.pid; none with LAYERSTORE_DAEMON_WATCH=0) waits on pidfds of the daemon and
+of the fanotify holder between shim calls: when the daemon dies it adopts a daemon that answers
+in its place (an upgrade) or starts a new one at once. On the FUSE data path the dead daemon's
+mount and every layer mount that read through it are dead for good: under the node lock, it
+first marks the sandboxes stacked on them lost and takes those layer mounts down (`death.sever`;
+docs/runtime-shim.md, "The daemon's death"), then detaches the dead FUSE mount and starts the
+new daemon; the next shim call mounts the layers again on it. On the fanotify data path
+(docs/fanotify.md, "Every process of ours killed") reads on attached layers wait meanwhile; when
+the holder died too, it first makes a new group with every attached file marked again
+(`regroup`), which ends the time holes could read as zeros, and only then starts the daemon. It
+exits when the shim stops the daemon (it is stopped first), the record is gone, or the daemon
+was stopped on request rather than killed (it notes that: `fanotify.upgrade.note_clean_stop`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..errors import DaemonError
 from ..nodestate.lock import NodeLock
 from ..nodestate.paths import NodePaths
 from ..nodestate.state import DaemonRecord, NodeState
+from .death import sever
 
 log = logging.getLogger("layerstore.shim.watch")
 
@@ -113,10 +117,8 @@ class DaemonSupervisor:
         return pid if proc_start_time(pid) == start else None
 
     def ensure_watch(self) -> None:
-        """Start the watch process unless it runs, this is it, or the data path is FUSE only."""
+        """Start the watch process unless it runs, this is it, or LAYERSTORE_DAEMON_WATCH=0."""
         if self.watching_self or os.environ.get(WATCH_ENV) == "0" or self.watch_pid() is not None:
-            return
-        if os.environ.get("LAYERSTORE_DATA_PATH", "fuse").strip().lower() not in ("fanotify", "auto"):
             return
         argv = [sys.executable, "-m", "runtime_shim.supervise.daemon", "watch", str(self.paths.root)]
         log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -174,9 +176,10 @@ class DaemonSupervisor:
         responsive = mounted and not linux.is_dead(self.paths.fuse)
         return DaemonHealth(alive, mounted, responsive)
 
-    def start(self, store: str) -> DaemonRecord:
-        """Start a daemon for `store` and wait until its mount answers. A dead mount left by a
-        killed daemon is detached first (a new FUSE mount cannot go over it usefully)."""
+    def start(self, store: str, argv: list[str] | None = None) -> DaemonRecord:
+        """Start a daemon for `store` (with `argv`, e.g. a dead one's, else this supervisor's
+        command) and wait until its mount answers. A dead mount left by a killed daemon is
+        detached first (a new FUSE mount cannot go over it usefully)."""
         from fuse_client.control import socket_path  # (imports trio: only when a daemon starts)
         from fuse_client.fanotify import keeper
 
@@ -190,7 +193,7 @@ class DaemonSupervisor:
         self.paths.fuse.mkdir(mode=0o700, exist_ok=True)
         self.paths.cache.mkdir(mode=0o700, exist_ok=True)
         keeper.ensure(self.paths.cache)  # (opt-in, before the daemon chooses its data path: docs/fanotify.md)
-        argv = self.command(store, self.paths.cache, self.paths.fuse)
+        argv = list(argv) if argv else self.command(store, self.paths.cache, self.paths.fuse)
         log_fd = os.open(self.paths.daemon_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             os.write(log_fd, f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(argv)}\n".encode())
@@ -219,10 +222,11 @@ class DaemonSupervisor:
         self.stop(DaemonRecord(pid, start_time or 0, store, str(self.paths.fuse), str(self.paths.cache), argv))
         raise DaemonError(f"the node daemon did not mount {self.paths.fuse} within {READY_TIMEOUT:.0f} s")
 
-    def stop(self, rec: DaemonRecord | None) -> None:
+    def stop(self, rec: DaemonRecord | None, *, watch: bool = True) -> None:
         """SIGTERM the recorded daemon (SIGKILL if it lingers) and detach its mount; the watch
-        first (it would start the daemon again)."""
-        if not self.watching_self:
+        first (it would start the daemon again), unless `watch` is False (a dead daemon's mount is
+        cleared and the watch, if one runs, is to start the next)."""
+        if watch and not self.watching_self:
             self.stop_watch()
         if rec is not None and is_alive(rec):
             with contextlib.suppress(ProcessLookupError):
@@ -290,12 +294,100 @@ def _data_path(paths: NodePaths) -> str | None:
         return None
 
 
+class _Restarter:
+    """The watch's restart of a dead daemon, in a thread of its own (so that a fanotify holder
+    that dies meanwhile is still noticed at once), under the node lock (module doc)."""
+
+    def __init__(self, paths: NodePaths, sup: DaemonSupervisor, state: NodeState, interval: float) -> None:
+        self.paths, self.sup, self.state, self.interval = paths, sup, state, interval
+        self.done = threading.Event()  # the daemon was stopped on request: the watch ends
+        self.holding = threading.Event()  # the node lock is held (a daemon may be half started)
+        self.thread: threading.Thread | None = None
+
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def begin(self) -> None:
+        self.thread = threading.Thread(target=self.run, args=(time.monotonic(), time.time()), daemon=True)
+        self.thread.start()
+
+    def end(self) -> None:
+        """On the watch's exit: wait for a start that holds the lock (its daemon must be
+        recorded); one still waiting for the lock is dropped (the process holding the lock is
+        the shim, stopping this watch: waiting for it would hold both up)."""
+        if self.thread is not None and self.holding.is_set():
+            self.thread.join(READY_TIMEOUT)
+
+    def run(self, t0: float, died: float) -> None:
+        try:
+            with NodeLock(self.paths.lock):
+                self.holding.set()
+                try:
+                    self._restart(t0, died)
+                finally:
+                    self.holding.clear()
+        except DaemonError as e:
+            log.error("the watch cannot start the node daemon: %s; trying again", e)
+            time.sleep(5 * self.interval)
+
+    def _restart(self, t0: float, died: float) -> None:
+        from fuse_client.fanotify.upgrade import stopped_cleanly
+
+        with self.state.read() as t:
+            cur = t.daemon()
+        if cur is None or is_alive(cur):
+            return
+        new = self.sup.adopt(cur)
+        if new is None and stopped_cleanly(self.paths.cache, cur.pid, cur.start_time):
+            log.info("node daemon %d was stopped, not killed: the watch ends", cur.pid)
+            self.done.set()  # (the next shim call that needs a daemon starts one, and a watch)
+            return
+        if new is None:
+            severed = sever(self.paths, self.state, died)  # before its FUSE mount is detached
+            self.sup.stop(cur)
+            offset = _log_size(self.paths.daemon_log)
+            new = self.sup.start(cur.store, cur.argv)  # (its options: a bench's, a test's)
+            # the daemon log's last line: what died, what went with it, what replaced it (after the
+            # new daemon's own start-up line, which it writes as its mount appears)
+            _await_line(self.paths.daemon_log, offset, SERVING_LINE, READY_LINE_TIMEOUT)
+            log.warning("node daemon %d died: %s; started %d (%.2f s)", cur.pid, severed.summary(), new.pid,
+                        time.monotonic() - t0)
+        with self.state.write() as t:
+            t.put_daemon(new)
+
+
+SERVING_LINE = b"serving blobs at"  # (fuse_client.daemon: logged as its mount appears)
+READY_LINE_TIMEOUT = 2.0
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _await_line(path: Path, offset: int, needle: bytes, timeout: float) -> bool:
+    """Wait (at most `timeout`) until the log holds `needle` after `offset`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                if needle in f.read():
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+
+
 def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     """The watch process's loop (module doc). Returns when the shim stopped the daemon (no record)
-    or the node directory is gone; SIGTERM ends it. A daemon is started in a thread of its own,
-    so a holder that dies meanwhile is still noticed (and regrouped) at once."""
+    or the node directory is gone; SIGTERM ends it."""
     from fuse_client.fanotify import group, handover
-    from fuse_client.fanotify.upgrade import stopped_cleanly, upgrading
+    from fuse_client.fanotify.upgrade import upgrading
     from fuse_client.nodecache.files import BlobFiles
 
     paths = NodePaths(root)
@@ -304,47 +396,19 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     state = NodeState(paths.state)
     data_file = BlobFiles(paths.cache).path
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    restarter: threading.Thread | None = None
-
-    done = threading.Event()
-
-    def restart(t0: float) -> None:
-        try:
-            with NodeLock(paths.lock):
-                with state.read() as t:
-                    cur = t.daemon()
-                if cur is None or is_alive(cur):
-                    return
-                new = sup.adopt(cur)
-                if new is None and stopped_cleanly(paths.cache, cur.pid, cur.start_time):
-                    log.info("node daemon %d was stopped, not killed: the watch ends", cur.pid)
-                    done.set()  # (the next shim call that needs a daemon starts one, and a watch)
-                    return
-                if new is None:
-                    sup.stop(cur)
-                    new = sup.start(cur.store)
-                    log.warning("node daemon %d died: started %d (%.2f s)", cur.pid, new.pid, time.monotonic() - t0)
-                with state.write() as t:
-                    t.put_daemon(new)
-        except DaemonError as e:
-            log.error("the watch cannot start the node daemon: %s; trying again", e)
-            time.sleep(5 * interval)
-
-    checked_path = False
+    restarter = _Restarter(paths, sup, state, interval)
+    fanotify: bool | None = None  # the daemon's data path (None: not asked yet)
     try:
-        while paths.root.is_dir() and not done.is_set():
+        while paths.root.is_dir() and not restarter.done.is_set():
             with state.read() as t:
                 rec = t.daemon()
             if rec is None:
                 return 0
             daemon_up = is_alive(rec)
-            if daemon_up and not checked_path:
-                checked_path = True
-                if _data_path(paths) == "fuse":
-                    log.info("node daemon %d serves FUSE only (no fanotify here): no watch needed", rec.pid)
-                    return 0
+            if daemon_up and fanotify is None:
+                fanotify = _data_path(paths) != "fuse"
             ident = handover.read_identity(paths.cache)
-            if not daemon_up and ident is None:
+            if not daemon_up and ident is None and fanotify is not False:
                 # Holder and daemon gone: the group died. Mark the attached files on a new one now,
                 # not after the (slow) daemon start: that ends the time holes read as zeros.
                 t0 = time.monotonic()
@@ -353,9 +417,8 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
                     log.warning("holder and daemon dead: new fanotify group %s (attached files marked first), "
                                 "its holder started %.3f s after", gid, time.monotonic() - t0)
                     ident = handover.read_identity(paths.cache)
-            if not daemon_up and (restarter is None or not restarter.is_alive()) and not upgrading(paths.cache):
-                restarter = threading.Thread(target=restart, args=(time.monotonic(),), daemon=True)
-                restarter.start()
+            if not daemon_up and not restarter.busy() and not upgrading(paths.cache):
+                restarter.begin()
             fds = [fd for fd in (_pidfd(rec.pid, rec.start_time) if daemon_up else None,
                                  _pidfd(ident[0], handover.proc_start_time(ident[0])) if ident else None)
                    if fd is not None]
@@ -366,8 +429,7 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
                 for fd in fds:
                     os.close(fd)
     finally:
-        if restarter is not None:
-            restarter.join(READY_TIMEOUT)
+        restarter.end()
         state.close()
     return 0
 

@@ -92,9 +92,32 @@ def loops_under(*roots: Path) -> list[str]:
     return out
 
 
+def stop_watch(node: Path) -> None:
+    """Stop the shim's watch of the node (NODE/watch.pid, by pid and start time) and wait for it
+    to end: it must not start a daemon again while a test's clean-up stops the daemon. A watch
+    in the middle of a start finishes it first (it is then stopped with the daemon)."""
+    from runtime_shim.supervise.daemon import proc_start_time
+
+    try:
+        pid, start = (int(x) for x in (node / "watch.pid").read_text().split())
+    except (OSError, ValueError):
+        return
+    if proc_start_time(pid) != start:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 70  # (its start-up of a daemon waits up to 60 s)
+    while proc_start_time(pid) == start and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if proc_start_time(pid) == start:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def cleanup_node(node: Path, *extra_roots: Path) -> None:
-    """Delete leftover containers, unmount everything (deepest first), stop the node daemon by pid,
-    detach loop devices left on the node's files."""
+    """Stop the watch, delete leftover containers, unmount everything (deepest first), stop the
+    node daemon by pid, detach loop devices left on the node's files."""
+    stop_watch(node)
     pids: list[tuple[int, int]] = []
     ids: list[str] = []
     if (node / "state").exists():
