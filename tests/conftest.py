@@ -21,12 +21,14 @@ test that lacks it (`testkit.fixtures_ceph`), so a missing mark shows on every m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from testkit.shard_seconds import DEFAULT_SECONDS
 
 pytest_plugins = ["testkit.fixtures_ceph"]
 
@@ -110,6 +112,19 @@ def shard_files(counts: dict[str, int], n: int) -> list[set[str]]:
     return parts
 
 
+SHARD_SECONDS = Path(__file__).with_name("shard_seconds.json")  # (testkit/shard_seconds.py writes it)
+
+
+def file_weights(counts: dict[str, int], seconds_file: Path) -> dict[str, float]:
+    """Each selected file's weight for the halves: the seconds it took in `make check` as recorded
+    in `seconds_file`, else its tests at DEFAULT_SECONDS each. Only the balance depends on it."""
+    try:
+        recorded = json.loads(seconds_file.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    return {name: float(recorded.get(name, n * DEFAULT_SECONDS)) for name, n in counts.items()}
+
+
 class Shard:
     def __init__(self, i: int, n: int) -> None:
         self.i, self.n = i, n
@@ -119,7 +134,7 @@ class Shard:
         counts: dict[str, int] = {}
         for item in items:
             counts[item.nodeid.partition("::")[0]] = counts.get(item.nodeid.partition("::")[0], 0) + 1
-        mine = shard_files(counts, self.n)[self.i - 1]
+        mine = shard_files(file_weights(counts, SHARD_SECONDS), self.n)[self.i - 1]
         config.hook.pytest_deselected(items=[it for it in items if it.nodeid.partition("::")[0] not in mine])
         items[:] = [it for it in items if it.nodeid.partition("::")[0] in mine]
 

@@ -3,10 +3,12 @@ without an edit, what a Ceph fixture does to an unmarked test, and how `make che
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from testkit.fixtures_ceph import require_ceph_mark
 
-from tests.conftest import NEEDS, REQUIRES, classify, shard_files
+from tests.conftest import NEEDS, REQUIRES, classify, file_weights, shard_files
 
 
 class FakeItem:
@@ -55,3 +57,13 @@ def test_the_halves_cover_every_file_once_and_balance() -> None:
     assert abs(loads[0] - loads[1]) <= max(counts.values()) and sum(loads) == 120
     assert shard_files(dict(reversed(counts.items())), 2) == parts  # the same split in every process
     assert shard_files(counts, 3)[2] and shard_files({"tests/a.py": 1}, 2) == [{"tests/a.py"}, set()]
+
+
+def test_the_halves_balance_by_recorded_seconds(tmp_path: Path) -> None:
+    seconds = tmp_path / "seconds.json"
+    seconds.write_text('{"tests/slow.py": 50.0, "tests/fast.py": 1.0}')
+    counts = {"tests/slow.py": 2, "tests/fast.py": 60, "tests/new.py": 30, "tests/other.py": 40}
+    weights = file_weights(counts, seconds)
+    assert weights == {"tests/slow.py": 50.0, "tests/fast.py": 1.0, "tests/new.py": 3.0, "tests/other.py": 4.0}
+    assert shard_files(weights, 2)[0] == {"tests/slow.py"}  # by count it would share a half with nothing heavy
+    assert file_weights(counts, tmp_path / "absent.json")["tests/fast.py"] == 6.0
