@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from layerstore.linux import MountEntry
+from layerstore.linux import MountEntry, mounts_under
 
 from .state import ATTACHED_PREFIX, BROKEN, MOUNTED, LayerMount, Sandbox, Txn
 
@@ -63,8 +63,8 @@ def lost_reason(blob: str, when: float | None = None) -> str:
 def dead_layer_mounts(mounts: Mapping[str, MountEntry], layers_dir: str, fuse_dir: str) -> list[str]:
     """EROFS mounts under `layers_dir` whose image file is on the FUSE mount at `fuse_dir`
     (recorded or not: a claimant's fresh mount, an orphan): the mounts a dead daemon took down."""
-    return sorted(m.mountpoint for m in mounts.values()
-                  if m.fstype == "erofs" and _under(m.mountpoint, layers_dir) and _under(m.source, fuse_dir))
+    return sorted(m.mountpoint for m in mounts_under(dict(mounts), layers_dir)
+                  if m.fstype == "erofs" and m.mountpoint != layers_dir.rstrip("/") and _under(m.source, fuse_dir))
 
 
 @dataclass

@@ -114,7 +114,7 @@ def run(shim: Shim, env: str | EnvSpec, command: Sequence[str] | None, *, sandbo
             finally:
                 with signals.shielded():  # (a signal now must not cut the clean-up short)
                     backend.delete(sb.id)
-            lost = _lost(shim, sb.id) if code else ""  # (before the teardown forgets it)
+            lost = shim.lost_reason(sb.id) if code else ""  # (before the teardown forgets it)
         except BaseException as e:
             if not keep:
                 with signals.shielded(), contextlib.suppress(Exception):
@@ -141,9 +141,3 @@ def _mount_on_host(shim: Shim, env: str | EnvSpec, *, sandbox: str | None, eager
     return shim.mount(MountRequest(env, sandbox=sandbox, eager=eager, upper_size=None if keep or not size else size,
                       upper_image=image, nosuid=not confinement.new_privileges, nodev=nodev, userns=userns))
 
-
-def _lost(shim: Shim, sandbox: str) -> str:
-    """Why the sandbox's data path died under its workload ("" if it did not: `Shim.lost_reason`;
-    a stand-in shim without it says nothing)."""
-    why = getattr(shim, "lost_reason", None)
-    return str(why(sandbox)) if why is not None else ""

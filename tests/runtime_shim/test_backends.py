@@ -420,6 +420,9 @@ class FakeShim:
     def unmount(self, sid: str) -> None:
         self.unmounted.append(sid)
 
+    def lost_reason(self, sid: str) -> str:
+        return ""  # (its data path never dies)
+
 
 def sandbox_of(paths: NodePaths, sid: str) -> Sandbox:
     return sandbox(paths, sid)
