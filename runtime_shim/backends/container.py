@@ -47,9 +47,6 @@ def start_timeout() -> float:
     return signals.env_seconds("LAYERSTORE_RUNTIME_START_TIMEOUT", 30.0)
 
 
-stop_grace = signals.stop_grace  # (LAYERSTORE_STOP_GRACE: the same on every backend)
-
-
 # A sandbox with a user namespace: its root user (an unprivileged uid on the host) must be able to
 # look up the root's path, and the node directory (and what holds it) is 0700. The runtime runs in
 # a private mount namespace where the root is bound at this fixed, world-searchable, empty
@@ -122,7 +119,7 @@ class ContainerBackend:
     def start(self, sandbox: str, *, stdin: Stdio = None, stdout: Stdio = None, stderr: Stdio = None) -> Execution:
         """`runtime run` in the foreground: the container's stdio is the caller's. The runtime
         writes BUNDLE/pid once the container has started (`wait` gives it until a deadline)."""
-        start_timeout(), stop_grace()  # (a bad setting is refused before anything runs)
+        start_timeout(), signals.stop_grace()  # (a bad setting is refused before anything runs)
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         pid_file = self.bundle(sandbox) / PID_FILE
         pid_file.unlink(missing_ok=True)
@@ -182,7 +179,7 @@ class ContainerBackend:
         started = started or (self.bundle(execution.sandbox) / PID_FILE).exists()  # (a signal mid-look)
         if stopped is not None and started:
             self.stop(execution, stopped.signum)
-            signals.await_end(lambda: proc.poll() is not None, stop_grace())
+            signals.await_end(lambda: proc.poll() is not None, signals.stop_grace())
         self.kill(execution)
 
     def kill(self, execution: Execution) -> None:
