@@ -58,8 +58,10 @@ def contenders_in_order(results: dict[str, Any]) -> list[str]:
     return in_order(results.get("contenders", {}))
 
 
-def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> str:
+def markdown(results: dict[str, Any], plots: dict[str, str] | None = None, source: str = "") -> str:
+    """The section's text; `source` names the raw results file (default: the size's own name)."""
     cs = results.get("contenders", {})
+    source = source or f"bench/results/burst-{results.get('size')}.json"
     rs = results.get("read_set") or {}
     rounds = results.get("rounds", 1)
     lines = [
@@ -71,7 +73,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str] | None = None) -> st
           if rounds > 1 else []),
         f"Run {results.get('started', '?')} on {results.get('machine', {}).get('cpus', '?')} CPUs, "
         f"kernel {results.get('machine', {}).get('kernel', '?')}{_code(results)}. Raw results: "
-        f"`bench/results/burst-{results.get('size')}.json`.",
+        f"`{source}`.",
         "",
         "| contender | all started (s) | all finished (s) | fetched (MB) | tasks read (MB) | disk written (MB) "
         "| peak memory (MB) | peak anon (MB) | failed |",
@@ -374,10 +376,16 @@ def render(results_file: Path, docs: Path | None, plots_dir: Path | None) -> str
         # docs/benchmarks-burst.md links the plots relative to itself when both live in the repo
         root = docs.parent.parent if docs is not None else None
         rel[k] = "../" + str(p.resolve().relative_to(root.resolve())) if root and _under(p, root) else str(p)
-    section = markdown(results, rel)
+    section = markdown(results, rel, _shown(results_file, docs))
     if docs is not None:
         update_docs(docs, section, str(results.get("size", "quick")))
     return section
+
+
+def _shown(results_file: Path, docs: Path | None) -> str:
+    """The results file as the docs should name it: relative to the repo when it lives there."""
+    root = docs.parent.parent if docs is not None else Path(__file__).resolve().parents[2]
+    return str(results_file.resolve().relative_to(root.resolve())) if _under(results_file, root) else str(results_file)
 
 
 def _under(p: Path, root: Path) -> bool:
