@@ -10,16 +10,20 @@ STAMP := $(VENV)/.installed
 demo: deps
 	@bash .ci/demo.sh
 
-# `make test` runs every test: the tiers that need root, services or time, and beside them (a second
-# pytest, its report after the first's) the fast tier, which is mostly Python on one core while the
-# others mostly wait on mounts, VMs and services.
+# `make test` runs every test: the tiers that need root, services or time in two parts at once (whole
+# files each, balanced by tests/shard_seconds.json's recorded seconds: tests/conftest.py --shard), and
+# beside them the fast tier, which is mostly Python on one core; the other reports follow the first's.
+# Each part starts its own services (a Ceph, registries, containerds: free ports, own directories).
+MARKED = $(VENV)/bin/pytest -p no:cacheprovider -m "$(NEEDS)" $(PYTEST_ARGS) --shard
 test: deps
 	$(VENV)/bin/ruff check .
-	@log=$$(mktemp); trap 'rm -f $$log' EXIT; \
-	$(VENV)/bin/pytest -p no:cacheprovider -q -m "not ($(NEEDS))" $(PYTEST_ARGS) >$$log 2>&1 & fast=$$!; \
-	$(VENV)/bin/pytest -p no:cacheprovider --durations=30 -m "$(NEEDS)" $(PYTEST_ARGS); a=$$?; wait $$fast; b=$$?; \
-	echo "== make test, the fast tier (run beside the above):"; cat $$log; \
-	for rc in $$a $$b; do case $$rc in 0|5) ;; *) exit $$rc;; esac; done; [ $$a$$b != 55 ]
+	@fast=$$(mktemp); second=$$(mktemp); trap 'rm -f $$fast $$second' EXIT; \
+	$(VENV)/bin/pytest -p no:cacheprovider -q -m "not ($(NEEDS))" $(PYTEST_ARGS) >$$fast 2>&1 & f=$$!; \
+	$(MARKED) 2/2 --durations=15 >$$second 2>&1 & s=$$!; \
+	$(MARKED) 1/2 --durations=15; a=$$?; wait $$s; b=$$?; wait $$f; c=$$?; \
+	echo "== make test, the second part of the marked tiers (run beside the above):"; cat $$second; \
+	echo "== make test, the fast tier (run beside the above):"; cat $$fast; \
+	for rc in $$a $$b $$c; do case $$rc in 0|5) ;; *) exit $$rc;; esac; done; [ $$a$$b$$c != 555 ]
 
 # What a test needs, as marks (pyproject.toml; tests/conftest.py classifies and skips). `make check` runs the
 # tests that need none of them, as any user, in two halves at once (whole files each: tests/conftest.py --shard;

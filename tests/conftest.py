@@ -96,8 +96,8 @@ def classify(item: pytest.Item) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--shard", default=None, metavar="I/N",
-                     help="run only the I-th of N parts of the selected tests, whole files each, balanced by count "
-                          "(`make check` runs two at once)")
+                     help="run only the I-th of N parts of the selected tests, whole files each, balanced by "
+                          "recorded seconds (`make check` and `make test` run parts at once)")
 
 
 def shard_files(counts: dict[str, int], n: int) -> list[set[str]]:
@@ -115,14 +115,16 @@ def shard_files(counts: dict[str, int], n: int) -> list[set[str]]:
 SHARD_SECONDS = Path(__file__).with_name("shard_seconds.json")  # (testkit/shard_seconds.py writes it)
 
 
-def file_weights(counts: dict[str, int], seconds_file: Path) -> dict[str, float]:
-    """Each selected file's weight for the halves: the seconds it took in `make check` as recorded
-    in `seconds_file`, else its tests at DEFAULT_SECONDS each. Only the balance depends on it."""
+def file_weights(counts: dict[str, dict[str, int]], seconds_file: Path) -> dict[str, float]:
+    """Each selected file's weight for the parts: per tier of its selected tests ("marked" or
+    "unmarked", testkit.shard_seconds.TIERS), the seconds that tier of the file took as recorded in
+    `seconds_file`, else its tests at DEFAULT_SECONDS each. Only the balance depends on it."""
     try:
         recorded = json.loads(seconds_file.read_text())
     except (OSError, ValueError):
         recorded = {}
-    return {name: float(recorded.get(name, n * DEFAULT_SECONDS)) for name, n in counts.items()}
+    return {name: sum(float(recorded.get(tier, {}).get(name, n * DEFAULT_SECONDS)) for tier, n in tiers.items())
+            for name, tiers in counts.items()}
 
 
 class Shard:
@@ -131,9 +133,11 @@ class Shard:
 
     @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the parts split what is left
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        counts: dict[str, int] = {}
+        counts: dict[str, dict[str, int]] = {}
         for item in items:
-            counts[item.nodeid.partition("::")[0]] = counts.get(item.nodeid.partition("::")[0], 0) + 1
+            tiers = counts.setdefault(item.nodeid.partition("::")[0], {})
+            tier = "marked" if any(item.get_closest_marker(m) for m in NEEDS) else "unmarked"
+            tiers[tier] = tiers.get(tier, 0) + 1
         mine = shard_files(file_weights(counts, SHARD_SECONDS), self.n)[self.i - 1]
         config.hook.pytest_deselected(items=[it for it in items if it.nodeid.partition("::")[0] not in mine])
         items[:] = [it for it in items if it.nodeid.partition("::")[0] in mine]

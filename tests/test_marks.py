@@ -61,9 +61,14 @@ def test_the_halves_cover_every_file_once_and_balance() -> None:
 
 def test_the_halves_balance_by_recorded_seconds(tmp_path: Path) -> None:
     seconds = tmp_path / "seconds.json"
-    seconds.write_text('{"tests/slow.py": 50.0, "tests/fast.py": 1.0}')
-    counts = {"tests/slow.py": 2, "tests/fast.py": 60, "tests/new.py": 30, "tests/other.py": 40}
+    seconds.write_text('{"unmarked": {"tests/slow.py": 50.0, "tests/fast.py": 1.0}, '
+                       '"marked": {"tests/fast.py": 90.0}}')
+    counts = {"tests/slow.py": {"unmarked": 2}, "tests/fast.py": {"unmarked": 60},
+              "tests/new.py": {"unmarked": 30}, "tests/other.py": {"unmarked": 40}}
     weights = file_weights(counts, seconds)
     assert weights == {"tests/slow.py": 50.0, "tests/fast.py": 1.0, "tests/new.py": 3.0, "tests/other.py": 4.0}
     assert shard_files(weights, 2)[0] == {"tests/slow.py"}  # by count it would share a half with nothing heavy
     assert file_weights(counts, tmp_path / "absent.json")["tests/fast.py"] == 6.0
+    # a file's marked tests weigh what the marked tier recorded: `make test` splits that tier
+    both = file_weights({"tests/fast.py": {"unmarked": 60, "marked": 2}, "tests/new.py": {"marked": 3}}, seconds)
+    assert both == pytest.approx({"tests/fast.py": 91.0, "tests/new.py": 0.3})

@@ -1,7 +1,8 @@
 """A push's layers survive garbage collection until an environment names them: `build --push`
 leaves a `push-kept-` lease, `env create` releases it once its tag keeps the layers (docs/gc.md,
 "A push's layers until an environment names them"). Checked through the CLI, as the README's
-flow runs, beside a collector looping with grace 0 on the local, CephFS and S3 backends."""
+flow runs, beside a collector looping with grace 0 on the local, CephFS and S3 backends.
+`LAYERSTORE_LONG_RACE=1` runs 20 flows per backend (the suite: 10, each two CLI processes)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from layerstore.backends.posix import PosixBackend
 from layerstore.errors import NotFound
 from layerstore.store import Store
 
-FLOWS = 20
+FLOWS = 20 if os.environ.get("LAYERSTORE_LONG_RACE") == "1" else 10
 
 
 def _tree(root: Path, i: int) -> Path:

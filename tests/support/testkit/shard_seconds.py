@@ -1,8 +1,10 @@
-"""The seconds each test file takes in `make check`, from JUnit XML reports, as the JSON that
-tests/conftest.py's `--shard` balances by (tests/shard_seconds.json). Only the balance of the two
-halves depends on it: a file it does not name counts its tests at DEFAULT_SECONDS each.
+"""The seconds each test file takes, per tier, from JUnit XML reports, as the JSON that
+tests/conftest.py's `--shard` balances by (tests/shard_seconds.json): `make check` splits the
+unmarked tier in two, `make test` the marked tiers. Only the balance of the parts depends on it: a
+file it does not name for a tier counts that tier's tests at DEFAULT_SECONDS each.
 
-    pytest -m "not (...)" --junitxml=a.xml ...; python -m testkit.shard_seconds a.xml [b.xml] > tests/shard_seconds.json
+    pytest -m "not (...)" --junitxml=a.xml ...; pytest -m "..." --junitxml=b.xml ...
+    python -m testkit.shard_seconds unmarked=a.xml marked=b.xml > tests/shard_seconds.json
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ def seconds_per_file(reports: list[str]) -> dict[str, float]:
     return {name: round(secs, 2) for name, secs in sorted(per.items())}
 
 
+TIERS = ("unmarked", "marked")  # tests/conftest.py: "marked" is a test that needs any of NEEDS
+
+
+def seconds_per_tier(args: list[str]) -> dict[str, dict[str, float]]:
+    """`TIER=report.xml` arguments -> tier -> file -> seconds."""
+    reports: dict[str, list[str]] = {t: [] for t in TIERS}
+    for arg in args:
+        tier, sep, report = arg.partition("=")
+        if not sep or tier not in reports:
+            raise SystemExit(f"{arg}: expected TIER=report.xml with TIER one of {', '.join(TIERS)}")
+        reports[tier].append(report)
+    return {t: seconds_per_file(r) for t, r in reports.items()}
+
+
 if __name__ == "__main__":
-    json.dump(seconds_per_file(sys.argv[1:]), sys.stdout, indent=0, sort_keys=True)
+    json.dump(seconds_per_tier(sys.argv[1:]), sys.stdout, indent=0, sort_keys=True)
     sys.stdout.write("\n")
