@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.probes.rawfuse import PASSTHROUGH, RawFuse, describe_flags  # noqa: E402
+from bench.probes.rawfuse import PASSTHROUGH, Log, RawFuse, describe_flags  # noqa: E402
 from bench.readbench.inputs import make_big_tree, make_small_tree  # noqa: E402
 from bench.readbench.project import build_layer, dir_entries, linux  # noqa: E402
 from layerstore.errors import LayerstoreError  # noqa: E402
@@ -91,19 +91,32 @@ def mountinfo_of(path: Path) -> str | None:
     return f"{m.fstype} {m.source} {m.options} dev={m.device}" if m else None
 
 
-def attempt_mount(stack: contextlib.ExitStack, kmsg: Kmsg, target: Path, do_mount: Callable[[], None], *,
-                  syscall: bool = True) -> Step:
-    """Run `do_mount()` (mount(2) through ctypes if `syscall`, else mount(8)); on success, unmount
-    `target` when `stack` closes."""
+def attempt_mount(stack: contextlib.ExitStack, kmsg: Kmsg, target: Path, do_mount: Callable[[], None]) -> Step:
+    """Run `do_mount()` (mount(2) through ctypes; its errno is kept); on success, unmount `target`
+    when `stack` closes."""
     target.mkdir(parents=True, exist_ok=True)
     kmsg.mark()
     try:
         do_mount()
     except (OSError, LayerstoreError) as e:
-        err = e.errno if isinstance(e, OSError) else ctypes.get_errno() if syscall else None
+        err = e.errno if isinstance(e, OSError) else ctypes.get_errno()
         return Step(False, errno.errorcode.get(err, str(err)) if err else None, str(e), kmsg.since())
     stack.callback(linux.detach_how, target)
     return Step(True, dmesg=kmsg.since(), mountinfo=mountinfo_of(target))
+
+
+def mount_erofs_loop(image: Path, target: Path, *, dio: bool = False) -> None:
+    """EROFS on a read-only loop device over `image` (buffered, or direct I/O on the file). The
+    device is detached at once: the kernel then frees it when the filesystem is unmounted."""
+    argv = ["losetup", "--find", "--show", "--read-only", *(["--direct-io=on"] if dio else []), str(image)]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise linux.MountError(f"losetup {image}: {res.stderr.strip()}")
+    dev = res.stdout.strip()
+    try:
+        linux.mount(dev, target, "erofs", linux.MS_RDONLY | linux.MS_NODEV | linux.MS_NOSUID)
+    finally:
+        subprocess.run(["losetup", "-d", dev], capture_output=True, check=False)
 
 
 def sha256_file(path: Path) -> str:
@@ -159,8 +172,7 @@ def probe_mode(work: Path, image: Path, src: Path, label: str, passthrough: bool
             out["c_overlay"] = asdict(overlay_on(stack, kmsg, base / "ovl", erofs_dir, src))
         # c'. the same through a loop device on the FUSE file
         loop_dir = base / "loop-erofs"
-        lp = attempt_mount(stack, kmsg, loop_dir, syscall=False,
-                           do_mount=lambda: linux.mount_image(fuse_dir / IMAGE, loop_dir, "erofs", "ro,nodev,nosuid"))
+        lp = attempt_mount(stack, kmsg, loop_dir, lambda: mount_erofs_loop(fuse_dir / IMAGE, loop_dir))
         if lp.ok:
             lp.detail["files_compared"], lp.detail["mismatches"] = same_tree(src, loop_dir)
         out["c2_erofs_on_loop"] = asdict(lp)
@@ -242,16 +254,17 @@ def run_workload(mode: str, root: Path) -> float:
     return float(res.stdout.split()[0])
 
 
-def bench_mounts(stack: contextlib.ExitStack, work: Path, images: dict[str, Path]) -> dict[str, dict[str, Path]]:
-    """config -> {"big"|"small": mounted EROFS root}."""
+def bench_mounts(stack: contextlib.ExitStack, work: Path,
+                 images: dict[str, Path]) -> tuple[dict[str, dict[str, Path]], dict[str, Log]]:
+    """config -> {"big"|"small": mounted EROFS root}; the two servers' logs."""
     kmsg = Kmsg()
     pt = stack.enter_context(RawFuse(work / "pt", images, passthrough=True, max_stack_depth=1))
     plain = stack.enter_context(RawFuse(work / "plain", images, passthrough=False, readahead_kb=4096))
-    del pt, plain
     configs: dict[str, dict[str, Path]] = {}
 
     def add(config: str, how: str, fuse_dir: Path | None) -> bool:
-        """Mount both images for `config`: the local files, or the files on `fuse_dir`."""
+        """Mount both images for `config` (file-backed, loop, loop_dio): the local files, or the
+        files on `fuse_dir`."""
         roots = {}
         for kind in images:
             target = work / "m" / config / kind
@@ -259,8 +272,8 @@ def bench_mounts(stack: contextlib.ExitStack, work: Path, images: dict[str, Path
             if how == "file":
                 step = attempt_mount(stack, kmsg, target, lambda s=src, t=target: linux.mount_erofs(s, t))
             else:
-                step = attempt_mount(stack, kmsg, target, syscall=False,
-                                     do_mount=lambda s=src, t=target: linux.mount_image(s, t, "erofs", "ro"))
+                step = attempt_mount(stack, kmsg, target,
+                                     lambda s=src, t=target: mount_erofs_loop(s, t, dio=how == "loop_dio"))
             if not step.ok:
                 print(f"# {config}: {step.errno} {step.error} {step.dmesg}", file=sys.stderr)
                 return False
@@ -270,10 +283,11 @@ def bench_mounts(stack: contextlib.ExitStack, work: Path, images: dict[str, Path
 
     add("erofs_local", "file", None)
     if not add("passthrough_file", "file", work / "pt"):
-        add("passthrough_loop", "loop", work / "pt")
-        add("local_loop", "loop", None)
+        for how in ("loop", "loop_dio"):
+            add(f"passthrough_{how}", how, work / "pt")
+            add(f"local_{how}", how, None)
     add("fuse_read", "file", work / "plain")
-    return configs
+    return configs, {"passthrough": pt.log, "fuse_read": plain.log}
 
 
 def bench(work: Path, rounds: int, big_mib: int, small_src: Path | None = None) -> dict[str, object]:
@@ -288,14 +302,16 @@ def bench(work: Path, rounds: int, big_mib: int, small_src: Path | None = None) 
         build_layer(dir_entries(work / f"{kind}-src", all_root=True), images[kind], all_root=True)
     times: dict[str, dict[str, list[float]]] = {}
     with contextlib.ExitStack() as stack:
-        configs = bench_mounts(stack, work, images)
+        configs, logs = bench_mounts(stack, work, images)
         names = list(configs)
         for r in range(rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 for mode, kind in (("seq", "big"), ("walk", "small")):
                     t = run_workload(mode, configs[name][kind])
                     times.setdefault(name, {}).setdefault(mode, []).append(t)
-    return summarize(times, rounds, big_mib)
+        servers = {k: {"reads": lg.reads, "read_bytes": lg.read_bytes, "passthrough_opens": lg.passthrough_opens}
+                   for k, lg in logs.items()}
+    return {**summarize(times, rounds, big_mib), "servers": servers}
 
 
 def summarize(times: dict[str, dict[str, list[float]]], rounds: int, big_mib: int) -> dict[str, object]:
