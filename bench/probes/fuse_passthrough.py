@@ -50,7 +50,9 @@ from bench.readbench.inputs import make_big_tree, make_small_tree  # noqa: E402
 from bench.readbench.project import build_layer, dir_entries, linux  # noqa: E402
 from layerstore.errors import LayerstoreError  # noqa: E402
 
-MODES = [("pt1", True, 1), ("pt2", True, 2), ("pt0", True, 0), ("nopt", False, 0)]
+# label, passthrough offered, max_stack_depth, backing file on an overlayfs (its depth 1)
+MODES = [("pt1", True, 1, False), ("pt2", True, 2, False), ("pt0", True, 0, False), ("nopt", False, 0, False),
+         ("pt1_backing_on_overlay", True, 1, True), ("pt2_backing_on_overlay", True, 2, True)]
 IMAGE = "layer.erofs"
 
 
@@ -141,15 +143,23 @@ def same_tree(src: Path, mnt: Path) -> tuple[int, int]:
 
 
 # -- the questions ----------------------------------------------------------------------------------
-def probe_mode(work: Path, image: Path, src: Path, label: str, passthrough: bool, depth: int) -> dict[str, object]:
+def probe_mode(work: Path, image: Path, src: Path, label: str, passthrough: bool, depth: int,
+               backing_on_overlay: bool = False) -> dict[str, object]:
     kmsg = Kmsg()
     base = work / label
     out: dict[str, object] = {"mode": label, "passthrough_offered_by_us": passthrough, "max_stack_depth": depth}
     with contextlib.ExitStack() as stack:
         fuse_dir = base / "fuse"
         fuse_dir.mkdir(parents=True)
+        backing = image
+        if backing_on_overlay:  # the backing file's filesystem is itself stacked (s_stack_depth 1)
+            (base / "lower").mkdir()
+            shutil.copyfile(image, base / "lower" / IMAGE)
+            step = overlay_on(stack, kmsg, base / "backing-ovl", base / "lower", None)
+            out["backing_overlay"] = asdict(step)
+            backing = base / "backing-ovl" / "merged" / IMAGE
         kmsg.mark()
-        fs = stack.enter_context(RawFuse(fuse_dir, {IMAGE: image}, passthrough=passthrough, max_stack_depth=depth))
+        fs = stack.enter_context(RawFuse(fuse_dir, {IMAGE: backing}, passthrough=passthrough, max_stack_depth=depth))
         lg = fs.log
         out["init"] = {"kernel_minor": lg.kernel_minor,
                        "kernel_offers_passthrough": bool(lg.kernel_flags & PASSTHROUGH),
@@ -184,7 +194,7 @@ def probe_mode(work: Path, image: Path, src: Path, label: str, passthrough: bool
     return out
 
 
-def overlay_on(stack: contextlib.ExitStack, kmsg: Kmsg, base: Path, lower: Path, src: Path) -> Step:
+def overlay_on(stack: contextlib.ExitStack, kmsg: Kmsg, base: Path, lower: Path, src: Path | None) -> Step:
     tmp = base / "tmpfs"
     t = attempt_mount(stack, kmsg, tmp, lambda: linux.mount("tmpfs", tmp, "tmpfs", 0, "size=16m,mode=0700"))
     if not t.ok:
@@ -194,7 +204,7 @@ def overlay_on(stack: contextlib.ExitStack, kmsg: Kmsg, base: Path, lower: Path,
     merged = base / "merged"
     opts = f"lowerdir={lower},upperdir={tmp / 'upper'},workdir={tmp / 'work'}"
     step = attempt_mount(stack, kmsg, merged, lambda: linux.mount("overlay", merged, "overlay", 0, opts))
-    if step.ok:
+    if step.ok and src is not None:
         step.detail["files_compared"], step.detail["mismatches"] = same_tree(src, merged)
         (merged / "written-by-probe").write_text("upper is writable\n")
         step.detail["upper_write"] = (tmp / "upper" / "written-by-probe").exists()
@@ -209,15 +219,33 @@ def make_small_src(root: Path) -> None:
         (root / "sub" / f"f{i:02}.txt").write_bytes(os.urandom(100 + 97 * i))
 
 
-def correctness(work: Path, modes: list[tuple[str, bool, int]] = MODES) -> dict[str, object]:
+def correctness(work: Path, modes: list[tuple[str, bool, int, bool]] = MODES) -> dict[str, object]:
     src = work / "src"
     make_small_src(src)
     image = work / IMAGE
     build_layer(dir_entries(src, all_root=True), image, all_root=True)
     found = {"kernel": os.uname().release, "image_bytes": image.stat().st_size, "modes": []}
-    for label, pt, depth in modes:
-        found["modes"].append(probe_mode(work, image, src, label, pt, depth))  # type: ignore[union-attr]
+    for label, pt, depth, on_overlay in modes:
+        found["modes"].append(probe_mode(work, image, src, label, pt, depth, on_overlay))  # type: ignore[union-attr]
     return found
+
+
+def table(found: dict[str, object]) -> str:
+    """One line per mode: what was accepted (ok) or refused (the errno)."""
+    def cell(step: object) -> str:
+        if not isinstance(step, dict):
+            return "-"
+        return "ok" if step["ok"] else str(step["errno"])
+
+    rows = ["mode | passthrough opens / server READs | a bytes | b EROFS file-backed | c overlayfs | "
+            "loop EROFS, overlayfs"]
+    for m in found["modes"]:  # type: ignore[union-attr]
+        a = m["a_read"]["detail"]
+        rows.append(f"{m['mode']} | {a['passthrough_opens']} / {a['server_reads']} {' '.join(a['backing_errors'])} | "
+                    f"{'equal' if a['bytes_equal'] else 'DIFFER'} | {cell(m['b_erofs_file_backed'])} | "
+                    f"{cell(m.get('c_overlay'))} | {cell(m['c2_erofs_on_loop'])}, "
+                    f"{cell(m.get('c2_overlay_on_loop_erofs'))}")
+    return "\n".join(rows)
 
 
 # -- the timing -------------------------------------------------------------------------------------
@@ -370,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             result["bench"] = bench(work / "b", args.rounds, args.big_mib, args.small_src)
             result["bench_seconds"] = round(time.monotonic() - t0, 1)
+    print(table(result["correctness"]), file=sys.stderr)  # type: ignore[arg-type]
     text = json.dumps(result, indent=1)
     if args.json:
         args.json.write_text(text + "\n")

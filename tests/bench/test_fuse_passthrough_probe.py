@@ -37,5 +37,8 @@ def test_passthrough_probe_answers(tmp_path: Path) -> None:
         # overlayfs was refused: the production stack is unavailable either way
         b, c = modes[label]["b_erofs_file_backed"], modes[label].get("c_overlay")
         assert not (b["ok"] and c and c["ok"]), modes[label]
+    # a backing file on overlayfs (depth 1) needs max_stack_depth 2: at 1, BACKING_OPEN is ELOOP
+    assert "ELOOP" in " ".join(modes["pt1_backing_on_overlay"]["a_read"]["detail"]["backing_errors"])
+    assert modes["pt2_backing_on_overlay"]["a_read"]["detail"]["passthrough_opens"] == 1
     pt0 = modes["pt0"]  # passthrough offered with max_stack_depth 0: the kernel does not enable it
     assert pt0["a_read"]["detail"]["passthrough_opens"] == 0 and pt0["b_erofs_file_backed"]["ok"]
