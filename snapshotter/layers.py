@@ -88,6 +88,13 @@ class RemoteLayers:
             raise BadInput(f"layer {blob} is not a layer of environment {environment}")
         return tuple(spec.prefetch.get(blob, ()))
 
+    def prewarm(self) -> None:
+        """Check the store now (its client made, the bucket or directory seen), at start in the
+        background, not in the first Prepare; a failure is the first Prepare's to report."""
+        if self.resolver is not None:
+            with contextlib.suppress(LayerstoreError, OSError):
+                self.resolver.check()
+
     def others(self, environment: str, blob: str) -> list[str]:
         """The environment's other layers (its spec as `check` resolved it: cached, trusted),
         bottom first; [] without an environment or a store."""

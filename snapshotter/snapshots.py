@@ -118,8 +118,14 @@ class Snapshotter:
         self._ahead: dict[str, float] = {}  # blob -> deadline: held ahead of its Prepare, not recorded yet
         self._ahead_threads: set[threading.Thread] = set()
         self.last_reconcile = self.reconcile()
-        if layers is not None:  # (the first Prepare would pay for loading the registry client)
-            threading.Thread(target=self.cri.prewarm, name="snapshotter-prewarm", daemon=True).start()
+        if layers is not None:  # (else the first Prepare pays for the registry client and the store's)
+            threading.Thread(target=self._prewarm, name="snapshotter-prewarm", daemon=True).start()
+
+    def _prewarm(self) -> None:
+        assert self.layers is not None
+        with contextlib.suppress(Exception):  # (an optimisation: the first Prepare reports what fails)
+            self.cri.prewarm()
+            self.layers.prewarm()
 
     def close(self) -> None:
         deadline = time.monotonic() + PREHOLD_JOIN

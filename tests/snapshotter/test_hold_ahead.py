@@ -42,6 +42,9 @@ class FakeLayers:
             raise PermissionDenied(f"environment {environment} is not signed by a trusted key")
         return ()
 
+    def prewarm(self) -> None:
+        pass
+
     def others(self, environment: str, blob: str) -> list[str]:
         return [b for b in (BASE, TOOL, WORK) if b != blob] if environment else []
 
