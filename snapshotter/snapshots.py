@@ -129,7 +129,9 @@ class Snapshotter:
 
     def close(self) -> None:
         deadline = time.monotonic() + PREHOLD_JOIN
-        for th in list(self._ahead_threads):  # (holds taken ahead: finished before the shim closes)
+        with self._blob_mu:
+            threads = list(self._ahead_threads)
+        for th in threads:  # (holds taken ahead: finished before the shim closes)
             th.join(max(0.0, deadline - time.monotonic()))
         with self.mu:
             self.meta.close()
@@ -249,9 +251,9 @@ class Snapshotter:
                 if other in self._ahead:
                     continue
                 self._ahead[other] = float("inf")  # (being held: until the thread sets its deadline)
-            th = threading.Thread(target=self._hold_one_ahead, args=(env, other), name="snapshotter-ahead",
-                                  daemon=True)
-            self._ahead_threads.add(th)
+                th = threading.Thread(target=self._hold_one_ahead, args=(env, other), name="snapshotter-ahead",
+                                      daemon=True)
+                self._ahead_threads.add(th)
             th.start()
 
     def _hold_one_ahead(self, env: str, blob: str) -> None:
@@ -259,8 +261,9 @@ class Snapshotter:
         try:
             with self._blob_lock(blob):
                 try:
-                    if self.layers.usable(blob):  # (held already: by a record, or a hold this process took)
+                    if self.layers.usable(blob):  # held already (by a record's Prepare meanwhile)
                         self._ahead.pop(blob, None)
+                        self._release_unused_locked(blob)  # (unless recorded: a Remove may have met the marker)
                         return
                     hints = self.layers.check(blob, env)  # the trust policy before anything is mounted
                     self.layers.hold(blob, hints, env)
@@ -276,7 +279,8 @@ class Snapshotter:
         except Exception as e:  # noqa: BLE001 - an optimisation: the layer's own Prepare reports it
             log.info("layer %s not held ahead (%s: %s); its own Prepare will try", blob, type(e).__name__, e)
         finally:
-            self._ahead_threads.discard(threading.current_thread())
+            with self._blob_mu:
+                self._ahead_threads.discard(threading.current_thread())
 
     def _expire_ahead(self, blob: str) -> None:
         """A layer held ahead whose Prepare never came (a pull given up): released unless recorded."""
