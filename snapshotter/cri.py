@@ -10,15 +10,21 @@ and turns a pointer layer into the labels of our remote-layer protocol (`layerst
 `layerctl ctr pull` (`Snapshotter._prepare_remote`). docs/snapshotter.md, "The CRI pull path".
 
 A descriptor digest names a pointer's bytes, which name the blob: the digest -> blob map never goes
-stale, and is kept (bounded) so one image costs one manifest read per snapshotter process.
+stale, and is kept (bounded) so one image costs one manifest read per snapshotter process. The
+manifest is read inside containerd's Prepare, which containerd 1.6 serialises with every other
+metadata write of the node: one registry client per host is kept (a few minutes: credentials may
+change) and the client code is loaded at start (`prewarm`), so a read costs a round trip, not a
+client's set-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from erofs_builder.sources.registry import Reference, RegistryClient
@@ -31,6 +37,7 @@ LABEL_CRI_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 LABEL_CRI_LAYERS = "containerd.io/snapshot/cri.image-layers"
 MAX_KNOWN = 4096
+CLIENT_TTL = 300.0  # seconds a registry client is reused (it read the node's credentials when made)
 log = logging.getLogger("layerstore.snapshotter")
 
 
@@ -48,7 +55,33 @@ class CriPointers:
         self.open_registry = open_registry
         self._mu = threading.Lock()
         self._known: OrderedDict[str, Pointer] = OrderedDict()
+        self._clients: dict[str, tuple[RegistryClient, float, threading.Lock]] = {}  # host -> client, made, its lock
         self.manifests_read = 0
+
+    def prewarm(self) -> None:
+        """Load the registry client's code and TLS context now (at start, in the background), not
+        in the first Prepare: a client made for nothing, no request sent."""
+        with contextlib.suppress(LayerstoreError, OSError):
+            RegistryClient("localhost").close()
+
+    def close(self) -> None:
+        with self._mu:
+            clients, self._clients = list(self._clients.values()), {}
+        for client, _made, _lock in clients:
+            client.close()
+
+    @contextlib.contextmanager
+    def _client(self, host: str) -> Iterator[RegistryClient]:
+        """The kept client of a registry host (one request at a time on it), made anew once old
+        (the old one is left to the garbage collector: a reader may still hold it)."""
+        now = time.monotonic()
+        with self._mu:
+            kept = self._clients.get(host)
+            if kept is None or now - kept[1] > CLIENT_TTL:
+                kept = self._clients[host] = (self.open_registry(host), now, threading.Lock())
+        client, _made, lock = kept
+        with lock:
+            yield client
 
     def lookup(self, labels: dict[str, str]) -> Pointer | None:
         """The pointer behind a Prepare's CRI labels; None without CRI labels, or when the manifest
@@ -73,7 +106,7 @@ class CriPointers:
 
     def _learn(self, ref: str, layers_label: str) -> dict[str, Pointer]:
         r = Reference.parse(ref)
-        with self.open_registry(r.registry) as reg:
+        with self._client(r.registry) as reg:
             body, _media, _digest = read_manifest(reg, r)
         self.manifests_read += 1
         environment, layers = pointer_layers(body)

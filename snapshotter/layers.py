@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import threading
 from pathlib import Path
 
 from layerstore import digest as digestmod
@@ -51,8 +50,6 @@ class RemoteLayers:
         self.resolver = resolver
         tag = hashlib.blake2b(str(self.root).encode(), digest_size=4).hexdigest()
         self.prefix = f"ctrd.{tag}."
-        self._warm_mu = threading.Lock()
-        self._warmed: set[str] = set()
 
     @classmethod
     def for_node(cls, root: Path, node_dir: str | os.PathLike[str] | None = None,
@@ -91,26 +88,19 @@ class RemoteLayers:
             raise BadInput(f"layer {blob} is not a layer of environment {environment}")
         return tuple(spec.prefetch.get(blob, ()))
 
-    def warm(self, environment: str, blob: str) -> None:
-        """Have the node daemon fetch the metadata of the environment's other layers now, in the
-        background (opening a blob's file makes the daemon fetch its chunk map and every metadata
-        chunk), once per blob per process: containerd Prepares a pull's layers one after another
-        (each needs its parent), so without this each cold layer mount would wait for its own
-        metadata in turn, where the shim mounts a sandbox's layers all at once. Only while the
-        daemon runs (a first Prepare starts it), and only an optimisation: failures are ignored."""
-        if self.resolver is None or not environment or self.shim.blobs.generation() is None:
-            return
-        others = [b for b in dict.fromkeys(self.resolver(environment).blobs) if b != blob]  # (cached by check)
-        with self._warm_mu:
-            todo = [b for b in others if b not in self._warmed]
-            self._warmed.update([*todo, blob])  # (this one is being mounted now)
+    def prewarm(self) -> None:
+        """Check the store now (its client made, the bucket or directory seen), at start in the
+        background, not in the first Prepare; a failure is the first Prepare's to report."""
+        if self.resolver is not None:
+            with contextlib.suppress(LayerstoreError, OSError):
+                self.resolver.check()
 
-        def open_once(b: str) -> None:
-            with contextlib.suppress(OSError, LayerstoreError):
-                os.close(os.open(self.shim.blobs.path(b), os.O_RDONLY | os.O_CLOEXEC))
-
-        for b in todo:
-            threading.Thread(target=open_once, args=(b,), name="snapshotter-warm", daemon=True).start()
+    def others(self, environment: str, blob: str) -> list[str]:
+        """The environment's other layers (its spec as `check` resolved it: cached, trusted),
+        bottom first; [] without an environment or a store."""
+        if self.resolver is None or not environment:
+            return []
+        return [b for b in dict.fromkeys(self.resolver(environment).blobs) if b != blob]
 
     # -- holds -----------------------------------------------------------------------------------
     def hold_id(self, blob: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import signal
@@ -37,6 +38,9 @@ LABEL_BLOB = "containerd.io/snapshot/layerstore.blob"
 LABEL_ENV = "containerd.io/snapshot/layerstore.environment"  # the manifest digest the blob came with
 REMOTE_PREFIX = "layerstore/"  # names of remote layer snapshots: layerstore/<target>
 CRASH_ENV = "LAYERSTORE_SNAPSHOTTER_CRASH"  # tests: die (SIGKILL) at the named step
+PREHOLD_TTL = 120.0  # seconds a layer held ahead of its Prepare stays held without a record
+PREHOLD_JOIN = 30.0  # seconds `close` waits for holds taken ahead
+log = logging.getLogger("layerstore.snapshotter")
 
 
 def crashpoint(step: str) -> None:
@@ -111,13 +115,29 @@ class Snapshotter:
         self.mu = threading.RLock()  # every record change; never held while a layer is mounted
         self._blob_mu = threading.Lock()
         self._blob_locks: dict[str, threading.Lock] = {}
+        self._ahead: dict[str, float] = {}  # blob -> deadline: held ahead of its Prepare, not recorded yet
+        self._ahead_threads: set[threading.Thread] = set()
         self.last_reconcile = self.reconcile()
+        if layers is not None:  # (else the first Prepare pays for the registry client and the store's)
+            threading.Thread(target=self._prewarm, name="snapshotter-prewarm", daemon=True).start()
+
+    def _prewarm(self) -> None:
+        assert self.layers is not None
+        with contextlib.suppress(Exception):  # (an optimisation: the first Prepare reports what fails)
+            self.cri.prewarm()
+            self.layers.prewarm()
 
     def close(self) -> None:
+        deadline = time.monotonic() + PREHOLD_JOIN
+        with self._blob_mu:
+            threads = list(self._ahead_threads)
+        for th in threads:  # (holds taken ahead: finished before the shim closes)
+            th.join(max(0.0, deadline - time.monotonic()))
         with self.mu:
             self.meta.close()
             if self.layers is not None:
                 self.layers.close()
+            self.cri.close()
             os.close(self._lock_fd)
 
     # -- paths ---------------------------------------------------------------------------------
@@ -191,13 +211,15 @@ class Snapshotter:
             return  # no remote layers here: an ordinary prepare, containerd unpacks the layer
         name = REMOTE_PREFIX + target
         _check_key(name)
-        with self.meta.read() as t:
-            self._check_remote(t, key, name, parent, blob)
-        # Outside the record lock: the trust check reads the store, a cold mount waits for the
-        # daemon to fetch the blob's metadata; other calls go on meanwhile.
+        # The trust check first (a Prepare of a layer already recorded too), outside the record
+        # lock: it reads the store once per environment; then the environment's other layers are
+        # held ahead, in parallel (containerd Prepares them one by one, each inside its metadata
+        # lock), so their own Prepares find them mounted.
         env = labels.get(LABEL_ENV, "")
         hints = self.layers.check(blob, env)
-        self.layers.warm(env, blob)  # (the pull's next layers: their metadata on the way meanwhile)
+        self._hold_ahead(env, blob)
+        with self.meta.read() as t:
+            self._check_remote(t, key, name, parent, blob)
         with self._blob_lock(blob):  # (held until recorded: a Remove or Cleanup meanwhile keeps the hold)
             self.layers.hold(blob, hints, env)  # the daemon's hints go after the metadata is in, as the shim does
             crashpoint("remote:mounted")
@@ -208,12 +230,66 @@ class Snapshotter:
                     t.add(Snapshot(name, t.next_id(), COMMITTED, parent, {**labels, LABEL_REF: target}, now, now,
                                    blob))
             except SnapshotExists:
+                self._ahead.pop(blob, None)  # (a record names it)
                 raise
             except BaseException:
                 self._release_unused_locked(blob)
                 raise
+            self._ahead.pop(blob, None)
         crashpoint("remote:recorded")
         raise SnapshotExists(f"target snapshot {target!r} exists (layerstore blob {blob})")
+
+    def _hold_ahead(self, env: str, blob: str) -> None:
+        """Hold the environment's other layers now, each in a thread of its own, unless held or
+        being held (once per blob at a time). Only an optimisation: a failure is logged, and the
+        layer's own Prepare tries again and fails loudly."""
+        assert self.layers is not None
+        for other in self.layers.others(env, blob):
+            if other in self._ahead or self.layers.usable(other):
+                continue
+            with self._blob_mu:
+                if other in self._ahead:
+                    continue
+                self._ahead[other] = float("inf")  # (being held: until the thread sets its deadline)
+                th = threading.Thread(target=self._hold_one_ahead, args=(env, other), name="snapshotter-ahead",
+                                      daemon=True)
+                self._ahead_threads.add(th)
+            th.start()
+
+    def _hold_one_ahead(self, env: str, blob: str) -> None:
+        assert self.layers is not None
+        try:
+            with self._blob_lock(blob):
+                try:
+                    if self.layers.usable(blob):  # held already (by a record's Prepare meanwhile)
+                        self._ahead.pop(blob, None)
+                        self._release_unused_locked(blob)  # (unless recorded: a Remove may have met the marker)
+                        return
+                    hints = self.layers.check(blob, env)  # the trust policy before anything is mounted
+                    self.layers.hold(blob, hints, env)
+                    crashpoint("ahead:held")
+                    self._ahead[blob] = time.monotonic() + PREHOLD_TTL
+                except BaseException:
+                    self._ahead.pop(blob, None)
+                    self._release_unused_locked(blob)  # (what a half-taken hold left, unless a record names it)
+                    raise
+            timer = threading.Timer(PREHOLD_TTL + 1.0, self._expire_ahead, (blob,))
+            timer.daemon = True
+            timer.start()
+        except Exception as e:  # noqa: BLE001 - an optimisation: the layer's own Prepare reports it
+            log.info("layer %s not held ahead (%s: %s); its own Prepare will try", blob, type(e).__name__, e)
+        finally:
+            with self._blob_mu:
+                self._ahead_threads.discard(threading.current_thread())
+
+    def _expire_ahead(self, blob: str) -> None:
+        """A layer held ahead whose Prepare never came (a pull given up): released unless recorded."""
+        with contextlib.suppress(Exception), self._blob_lock(blob):
+            deadline = self._ahead.get(blob)
+            if deadline is None or deadline > time.monotonic():
+                return
+            del self._ahead[blob]
+            self._release_unused_locked(blob)
 
     def _check_remote(self, t: Txn, key: str, name: str, parent: str, blob: str) -> None:
         have = t.get(name)
@@ -244,6 +320,8 @@ class Snapshotter:
         """Caller holds the blob's lock. Drop the hold on the blob's layer unless a record names
         the blob (again: one may have been written meanwhile)."""
         assert self.layers is not None
+        if self._ahead.get(blob, 0.0) > time.monotonic():
+            return False  # held ahead of its Prepare (until its deadline)
         with self.meta.read() as t:
             if t.blob_users(blob):
                 return False

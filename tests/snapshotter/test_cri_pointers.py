@@ -44,7 +44,13 @@ def test_lookup_reads_the_manifest_once_and_tells_pointers_from_ordinary_layers(
                 rc.push_blob("envs/x", b.data, b.digest)
             rc.put_manifest("envs/x", "1", img.manifest.data, img.manifest.media_type)
         push_busybox(tmp_path / "bb", reg.host, "test/busybox", "1")
-        cri = CriPointers()
+        made: list[str] = []
+
+        def open_registry(host: str) -> RegistryClient:
+            made.append(host)
+            return RegistryClient(host)
+
+        cri = CriPointers(open_registry)
         digests = [b.digest for b in img.layers]
         for i, d in enumerate(digests):
             p = cri.lookup({LABEL_CRI_REF: reg.ref("envs/x", "1"), LABEL_CRI_DIGEST: d,
@@ -63,6 +69,24 @@ def test_lookup_reads_the_manifest_once_and_tells_pointers_from_ordinary_layers(
             cri.lookup({LABEL_CRI_REF: reg.ref("test/busybox", "1"), LABEL_CRI_DIGEST: "sha256:" + "0" * 64})
         # no CRI labels: nothing to say
         assert cri.lookup({}) is None
+        assert made == [reg.host]  # one client for the host, kept across images (a manifest read is a round trip)
     # the registry gone: known digests still answer, unknown ones take the ordinary path
     assert cri.lookup({LABEL_CRI_REF: reg.ref("envs/x", "1"), LABEL_CRI_DIGEST: digests[0]}).blob == BLOB_A
     assert cri.lookup({LABEL_CRI_REF: reg.ref("envs/y", "1"), LABEL_CRI_DIGEST: "sha256:" + "1" * 64}) is None
+    cri.close()
+
+
+def test_one_tls_context_per_ca_bundle_version(tmp_path: Path) -> None:
+    import shutil
+
+    import certifi
+
+    from erofs_builder.sources.registry_auth import CA_ENV, tls_verify
+
+    bundle = tmp_path / "ca.pem"
+    shutil.copy(certifi.where(), bundle)
+    env = {CA_ENV: str(bundle)}
+    first = tls_verify(env)
+    assert tls_verify(env) is first  # (loading a bundle costs ~30 ms of CPU)
+    bundle.write_bytes(bundle.read_bytes() + b"\n")  # a new version of the bundle: loaded again
+    assert tls_verify(env) is not first

@@ -5,7 +5,6 @@ one, only on a node whose policy requires nothing."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -98,42 +97,3 @@ def test_prefetch_hints_of_the_environment_go_to_the_daemon(tmp_path: Path) -> N
     finally:
         layers.close()
         detach_under(tmp_path)
-
-
-def test_the_first_layer_of_a_pull_warms_the_others(tmp_path: Path) -> None:
-    """containerd Prepares a pull's layers one by one: the first one's Prepare has the daemon fetch
-    the metadata of the environment's other layers meanwhile (by opening their files), once."""
-    import threading
-
-    from runtime_shim.resolve.environment import EnvSpec, LayerSpec
-
-    base, tool, work = ("b3:" + c * 64 for c in "456")
-    opened: list[str] = []
-    done = threading.Event()
-
-    class Blobs(DirBlobs):
-        def path(self, blob: str) -> Path:
-            opened.append(blob)
-            if len(opened) == 2:
-                done.set()
-            return super().path(blob)
-
-    class Resolver:
-        policy = None
-
-        def __call__(self, ref: str) -> EnvSpec:
-            return EnvSpec(ref, (LayerSpec(base, 1, "base"), LayerSpec(tool, 1, "toolkit"), LayerSpec(work, 1, "w")))
-
-        def close(self) -> None:
-            pass
-
-    (tmp_path / "b").mkdir()
-    layers = RemoteLayers.with_blobs(tmp_path / "snap", tmp_path / "node", Blobs(tmp_path / "b"), Resolver())  # type: ignore[arg-type]
-    try:
-        layers.warm("b3:" + "3" * 64, base)
-        assert done.wait(10)
-        layers.warm("b3:" + "3" * 64, tool)  # once per blob
-        time.sleep(0.2)
-        assert sorted(opened) == sorted([tool, work])
-    finally:
-        layers.close()
