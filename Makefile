@@ -4,6 +4,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Bytecode and pytest's rewritten test modules are written to __pycache__ (git-ignored) even where the
+# environment says not to: collection then takes 5 s instead of 13 s per pytest process after the first run.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test check lint deps system-deps bench bench-ab clean
 
