@@ -1,7 +1,8 @@
 """`layerctl run --help` says what `--backend vm` with `--layer-device pmem` does as the backends do
 it (runtime_shim/backends/vm.py, microvm.py; docs/vm-memory.md): a virtio-pmem device per layer,
 full VM only, each layer fetched whole before the boot; and a layer device without a VM backend
-is refused before anything starts."""
+is refused before anything starts. `--no-init` (the workload as a container's PID 1) is described,
+and refused for the VM backends before anything starts."""
 
 from __future__ import annotations
 
@@ -29,3 +30,14 @@ def test_a_layer_device_without_a_vm_backend_is_refused() -> None:
     r = CliRunner().invoke(cli, ["run", "--layer-device", "pmem", "x:1", "--", "true"])
     assert r.exit_code == 2
     assert "--layer-device is for the VM backends" in r.output
+
+
+def test_no_init_is_described_and_refused_for_the_vm_backends() -> None:
+    text = _help()
+    assert "--no-init Run the workload as the container's PID 1" in text
+    assert "Container backend only: a VM's guest init always runs the workload as its child." in text
+    for backend in ("microvm", "vm"):
+        r = CliRunner().invoke(cli, ["run", "--backend", backend, "--no-init", "x:1", "--", "true"])
+        assert r.exit_code == 2, r.output
+        assert f"--no-init is for the container backend: the {backend} guest's init always runs the workload " \
+               f"as its child" in " ".join(r.output.split())

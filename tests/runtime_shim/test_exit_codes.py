@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,9 @@ def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
 
 
 def run(shim: Shim, blob: str, backend: str, script: str, out: Path, sandbox: str | None = None,
-        userns: bool | None = None) -> int:
+        userns: bool | None = None, conf: Confinement = CONF) -> int:
     with open(out, "wb") as o:
-        res = runner.run(shim, spec((blob, "base")), ["/bin/sh", "-c", script], runtime=backend, confinement=CONF,
+        res = runner.run(shim, spec((blob, "base")), ["/bin/sh", "-c", script], runtime=backend, confinement=conf,
                          sandbox=sandbox, stdin=subprocess.DEVNULL, stdout=o, userns=userns)
     return res.exit_code
 
@@ -91,6 +92,22 @@ def test_a_container_without_a_user_namespace_too(shim: Shim, image: tuple[Path,
     made inside it.)"""
     assert run(shim, image[1], backend, "kill -TERM $$", tmp_path / "out.txt", userns=False) == 143
     assert run(shim, image[1], backend, "exit 7", tmp_path / "out.txt", userns=False) == 7
+
+
+@pytest.mark.parametrize("backend", CONTAINERS)
+def test_with_no_init_the_workload_is_pid_1(shim: Shim, image: tuple[Path, str], tmp_path: Path,
+                                           backend: str) -> None:
+    """`--no-init` (an image with an init of its own): the workload is PID 1 of the container, and
+    so the kernel drops a SIGTERM it has no handler for (what tini is there for by default)."""
+    out = tmp_path / "out.txt"
+    assert run(shim, image[1], backend, "echo $$", out) == 0
+    assert out.read_text() != "1\n"  # (the default: tini's child)
+    no_init = replace(CONF, init=False)
+    assert run(shim, image[1], backend, "echo $$", out, conf=no_init) == 0
+    assert out.read_text() == "1\n"
+    assert run(shim, image[1], backend, "kill -TERM $$; echo alive", out, conf=no_init) == 0
+    assert out.read_text() == "alive\n"
+    assert shim.sandboxes() == []
 
 
 def signal_when(ready: Callable[[], bool], done: threading.Event, then: Callable[[], None] | None = None) -> None:
