@@ -3,7 +3,8 @@ crun, microVM, VM). The workload is never PID 1 (a container's is tini's child, 
 init's), so a workload that kills itself with SIGTERM exits 143 everywhere (before: 0 in a
 container, whose PID 1 ignored it), its own exit code is the run's, a stop signal to the run
 reaches the workload and ends the run with the same message on each backend, and a container's
-init reaps orphans. Every wait has a generous deadline that only turns a hang into a failure.
+init reaps orphans. With `--no-init` (`Confinement(init=False)`) a container's workload is PID 1.
+Every wait has a generous deadline that only turns a hang into a failure.
 
 VM boots are slow (TCG on this node kind): run the container cases first (`-k 'runc or crun'`).
 """
