@@ -126,20 +126,26 @@ def umount_cmd(node_dir: str | None, target: str) -> None:
               help="A user namespace with an id range of the sandbox's own (root in it is an unprivileged uid "
                    "on the host): auto = where the kernel supports it (else without, with a warning); "
                    "on = required; off = none (the sandbox's root is the host's root).")
+@click.option("--no-init", "no_init", is_flag=True,
+              help="Run the workload as the container's PID 1 (an image with an init of its own: systemd, s6, "
+                   "dumb-init) instead of as the child of a minimal init (tini, bound at /dev/init: signals "
+                   "and exit codes as in a VM, orphans reaped). Container backend only: a VM's guest init "
+                   "always runs the workload as its child.")
 @click.argument("env")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eager: bool, sandbox: str | None,
             keep: bool, backend: str, runtime: str, layer_device: str | None, extra_env: tuple[str, ...],
             pids_limit: int | None,
             memory: str | None, cpus: float | None, upper_size: str | None, seccomp: str, allow_ptrace: bool,
-            allow_setuid: bool, allow_devices: bool, unmask_system_paths: bool, userns: str, env: str,
-            command: tuple[str, ...]) -> None:
+            allow_setuid: bool, allow_devices: bool, unmask_system_paths: bool, userns: str, no_init: bool,
+            env: str, command: tuple[str, ...]) -> None:
     """Run COMMAND (default: the environment's) in a new sandbox of ENV; exit with its exit code.
 
     Least privilege unless relaxed by an option: a seccomp profile, Docker's default capabilities,
     no new privileges, masked /proc and /sys paths, nosuid,nodev mounts, limits on tasks, memory,
     CPU and the writable layer (NODE/limits.json sets the node's defaults), a user namespace of
-    the sandbox's own where the kernel supports it.
+    the sandbox's own where the kernel supports it. A container's PID 1 is tini, the command its
+    child (--no-init: the command is PID 1).
 
     \b
     layerctl run NAME:TAG -- sh -c 'echo hello'
@@ -154,6 +160,9 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
     variables = _env_items(extra_env)
     if layer_device is not None and backend == "container":
         raise click.UsageError("--layer-device is for the VM backends (--backend microvm|vm)")
+    if no_init and backend != "container":
+        raise click.UsageError(f"--no-init is for the container backend: the {backend} guest's init always runs "
+                               f"the workload as its child")
     with _shim(node_dir, store_url, policy) as shim:
         if layer_device is not None:
             shim.backends[backend].use_layer_device(layer_device)  # type: ignore[attr-defined]
@@ -167,7 +176,7 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
                                   system_paths=unmask_system_paths,
                                   pids=None if (p := limit(pids_limit, node.pids)) is None else int(p),
                                   memory=None if memory_limit is None else int(memory_limit),
-                                  cpus=limit(cpus, node.cpus))
+                                  cpus=limit(cpus, node.cpus), init=not no_init)
         res = runner.run(shim, env, list(command) or None, sandbox=sandbox, eager=eager, keep=keep,
                          runtime=runtime if backend == "container" else backend,
                          extra_env=variables, confinement=confinement, nodev=not allow_devices,

@@ -60,6 +60,10 @@ class Confinement:
     pids             at most this many tasks (a fork bomb stays inside)
     memory           bytes of memory (the page cache and tmpfs pages it writes included)
     cpus             CPU time, in CPUs (1.5 = one and a half CPUs' worth per period)
+    init             a container's PID 1 is a minimal init (`pid1`: tini), the workload its child;
+                     off = the workload is PID 1 itself (an image with an init of its own:
+                     systemd, s6, dumb-init). A VM's guest init always runs the workload as its
+                     child: the VM backends refuse it off
     """
 
     seccomp: bool = True
@@ -69,6 +73,7 @@ class Confinement:
     pids: int | None = None
     memory: int | None = None
     cpus: float | None = None
+    init: bool = True
 
 
 @dataclass

@@ -6,9 +6,10 @@ a minimal /proc, /dev, /sys and /tmp as runc's default spec has them; it runs as
 environment names a user) in its own pid, ipc, uts, mount and network namespaces (the network
 namespace has only loopback); in a user namespace of its own when the sandbox has an id range
 (`idmap`: root in it is an unprivileged uid on the host). PID 1 is a minimal init (`pid1`: tini,
-the workload its child), the one node file bound in: read-only, at /dev/init. No other node path
-is: the daemon's socket, the store, the cache and other sandboxes' uppers are simply not in its
-mount tree.
+the workload its child), the one node file bound in: read-only, at /dev/init; unless the caller
+gives no init (`Confinement.init` off): then the workload is PID 1 and nothing is bound in. No
+other node path is: the daemon's socket, the store, the cache and other sandboxes' uppers are
+simply not in its mount tree.
 
 Least privilege (`Confinement`, every measure on unless the caller relaxes it): the default
 seccomp profile (`seccomp`), Docker's default capability set (nothing else, none inheritable or

@@ -9,7 +9,10 @@ removes.
 
 The container's PID 1 is a minimal init (`pid1`: tini, bound read-only at /dev/init) with the
 workload as its child: signals reach the workload, its exit code (128+N for death by signal N) is
-the container's, and orphans are reaped, as in the microVM and VM backends.
+the container's, and orphans are reaped, as in the microVM and VM backends. Unless the caller
+turns it off (`Confinement.init`, `layerctl run --no-init`: an image with an init of its own):
+then the workload is PID 1 and no init is bound in. The init is looked up (`pid1.find_init`) by
+`prepare`, when a sandbox needs it, not by `check`: a node that runs only such images needs no tini.
 
 crun 1.8.1 refuses this machine's hybrid cgroup layout unless it runs in a private mount
 namespace where /sys/fs/cgroup/unified is unmounted; the backend wraps it accordingly with
@@ -89,8 +92,7 @@ class ContainerBackend:
         return self.found
 
     def check(self) -> None:
-        self.path  # noqa: B018 - resolving it is the check
-        find_init()
+        self.path  # noqa: B018 - resolving it is the check (the init: `prepare`, if the sandbox has one)
 
     def wrap(self, argv: list[str]) -> list[str]:
         return argv
@@ -107,9 +109,10 @@ class ContainerBackend:
         # the environment reaches the runtime through config.json only (0600 in a 0700 bundle):
         # never its command line
         bundle = self.bundle(sb.id)
+        init = find_init() if (confinement or Confinement()).init else None  # (None: the workload is PID 1)
         write_bundle(bundle, sb.target, sb.config, command, sandbox=sb.id, extra_env=extra_env,
                      cgroups_path=cgroups.sandbox_path(sb.id), confinement=confinement, userns=sb.userns,
-                     root_path=str(USERNS_ROOTFS) if sb.userns is not None else None, init=find_init())
+                     root_path=str(USERNS_ROOTFS) if sb.userns is not None else None, init=init)
         source = bundle / USERNS_SOURCE
         if sb.userns is not None:
             source.write_text(sb.target)

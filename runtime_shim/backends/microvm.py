@@ -56,7 +56,7 @@ from ..nodestate.paths import NodePaths
 from ..nodestate.state import Sandbox
 from ..vm.spec import Drive, VmSpec
 from .base import Confinement
-from .vm import MAX_MEMORY_MIB, VmBackend
+from .vm import MAX_MEMORY_MIB, VmBackend, refuse_no_init
 
 DEFAULT_MEMORY_MIB = 512
 
@@ -89,6 +89,7 @@ class MicrovmBackend(VmBackend):
             raise ShimError(f"sandbox {sb.id} was not made for the microVM backend (layerctl run --backend microvm)")
         self.check_layer_device(self.layer_device)
         conf = confinement or Confinement()
+        refuse_no_init(conf, self.name)
         memory = DEFAULT_MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
         vcpus = 1 if conf.cpus is None else max(1, min(math.ceil(conf.cpus), os.cpu_count() or 1))
         upper, config = self.write_guest_config(sb, command, extra_env, conf, memory)

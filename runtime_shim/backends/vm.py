@@ -48,7 +48,8 @@ Signals: the guest's init runs the workload as its child, so exit codes are the 
 for death by signal N), as in a container (whose PID 1 is tini, `pid1`). A signal for the
 workload (`stop`, and a stop signal `layerctl run` gets) goes to QEMU's "signal" stream; the
 guest's init passes it on to the workload. A stopped run gives the workload `stop_grace()` to
-end, then kills QEMU (`wait`).
+end, then kills QEMU (`wait`). No init (`Confinement.init` off, `--no-init`) is refused: the
+guest's init is what runs the workload, always as its child.
 
 If the caller dies, QEMU (its own session) runs to the command's end and powers off; `delete`
 (from `layerctl sandbox rm` or recovery) kills it by pid after checking its start time. If QEMU
@@ -96,6 +97,13 @@ SOCKETS = Path("/run/layerstore/vm")
 STREAMS = ("stdout", "stderr", "status", "mounts", "signal")
 LAYER_DEVICES = ("blk", "pmem")
 KEPT_REPORTS = 64  # guests' layer-mount reports kept in `layer_mounts`
+
+
+def refuse_no_init(conf: Confinement, backend: str) -> None:
+    """`ConfigError` for a workload to run as PID 1 in a VM, which cannot be (pure)."""
+    if not conf.init:
+        raise ConfigError(f"--no-init is for containers: the {backend} guest's init always runs the workload "
+                          f"as its child")
 
 
 class VmBackend:
@@ -146,6 +154,7 @@ class VmBackend:
                             f"(layerctl run --backend {self.name})")
         self.check_layer_device(self.layer_device)
         conf = confinement or Confinement()
+        refuse_no_init(conf, self.name)
         sources = [self.layer_source(blob) for blob in sb.layers]
         memory = MEMORY_MIB if conf.memory is None else max(128, min(MAX_MEMORY_MIB, conf.memory >> 20))
         plan: dict[str, Any]

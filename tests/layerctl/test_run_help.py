@@ -1,13 +1,24 @@
 """`layerctl run --help` says what `--backend vm` with `--layer-device pmem` does as the backends do
 it (runtime_shim/backends/vm.py, microvm.py; docs/vm-memory.md): a virtio-pmem device per layer,
 full VM only, each layer fetched whole before the boot; and a layer device without a VM backend
-is refused before anything starts."""
+is refused before anything starts. `--no-init` (the workload as a container's PID 1) is described,
+and refused for the VM backends before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
 from click.testing import CliRunner
 
+from layerctl import cmd_runtime
 from layerctl.main import cli
+from runtime_shim.nodestate.paths import NodePaths
+from runtime_shim.sandbox import runner
 
 
 def _help() -> str:
@@ -29,3 +40,36 @@ def test_a_layer_device_without_a_vm_backend_is_refused() -> None:
     r = CliRunner().invoke(cli, ["run", "--layer-device", "pmem", "x:1", "--", "true"])
     assert r.exit_code == 2
     assert "--layer-device is for the VM backends" in r.output
+
+
+def test_no_init_is_described_and_refused_for_the_vm_backends() -> None:
+    text = _help()
+    assert "--no-init Run the workload as the container's PID 1" in text
+    assert "Container backend only: a VM's guest init always runs the workload as its child." in text
+    for backend in ("microvm", "vm"):
+        r = CliRunner().invoke(cli, ["run", "--backend", backend, "--no-init", "x:1", "--", "true"])
+        assert r.exit_code == 2, r.output
+        assert f"--no-init is for the container backend: the {backend} guest's init always runs the workload " \
+               f"as its child" in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize("flag,init", [([], True), (["--no-init"], False)])
+def test_no_init_reaches_the_run_as_the_confinement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     flag: list[str], init: bool) -> None:
+    """The flag flows into the one value object `runner.run` hands to the backend (no node, no run)."""
+    seen: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def fake_shim(*_args: Any, **_kw: Any) -> Iterator[Any]:
+        yield SimpleNamespace(paths=NodePaths(tmp_path / "node"))
+
+    def fake_run(_shim: Any, _env: Any, command: Any, **kw: Any) -> runner.RunResult:
+        seen.update(kw, command=command)
+        return runner.RunResult("sb-1", 0, False)
+
+    monkeypatch.setattr(cmd_runtime, "_shim", fake_shim)
+    monkeypatch.setattr(runner, "run", fake_run)
+    r = CliRunner().invoke(cli, ["run", *flag, "x:1", "--", "/sbin/my-init"])
+    assert r.exit_code == 0, r.output
+    assert seen["command"] == ["/sbin/my-init"] and seen["runtime"] == "runc"
+    assert seen["confinement"].init is init and seen["confinement"].seccomp is True

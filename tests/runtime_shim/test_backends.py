@@ -284,10 +284,6 @@ def test_the_init_is_found_on_path_or_named_and_refused_when_unusable(tmp_path: 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(RuntimeNotAvailable, match=r"tini-static is not on PATH: install tini .* LAYERSTORE_CONTAINER"):
         pid1.find_init()
-    runc = RuncBackend(NodePaths(tmp_path))
-    runc.found = "/usr/sbin/runc"  # (as if found: the check goes on to the init)
-    with pytest.raises(RuntimeNotAvailable, match="install tini"):
-        runc.check()
     static = tmp_path / "init"
     static.write_bytes(b"\x7fELF" + bytes(60))  # an ELF with no program header: no interpreter
     static.chmod(0o755)
@@ -310,6 +306,44 @@ def test_the_init_is_found_on_path_or_named_and_refused_when_unusable(tmp_path: 
     tini = shutil.which("tini-static")
     if tini is not None:  # the real one (.ci/install-deps.sh installs it)
         assert not pid1.needs_interpreter(Path(tini).read_bytes()[:4096])
+
+
+def test_the_init_is_needed_by_a_sandbox_that_has_one_and_no_init_binds_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tini on the node: the backend is runnable (`check`), a sandbox with the default init is
+    refused at `prepare` ("install tini"), one without (`--no-init`) gets a bundle whose args are
+    the workload's own (PID 1) and which binds nothing of the node in."""
+    monkeypatch.delenv(pid1.INIT_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    paths = NodePaths(tmp_path / "node")
+    runc = RuncBackend(paths)
+    runc.found = "/usr/sbin/runc"  # (as if found)
+    runc.check()  # (the init is not the check's: a node that runs only images with their own needs none)
+    sb = sandbox(paths, config={"entrypoint": ["/sbin/my-init"], "cmd": ["--serve"]})
+    Path(sb.target).mkdir(parents=True)
+    with pytest.raises(RuntimeNotAvailable, match="tini-static is not on PATH: install tini"):
+        runc.prepare(sb, None)
+    runc.prepare(sb, None, confinement=Confinement(init=False))
+    cfg = json.loads((paths.bundle(sb.id) / "config.json").read_text())
+    assert cfg["process"]["args"] == ["/sbin/my-init", "--serve"]
+    assert pid1.IN_CONTAINER not in [m["destination"] for m in cfg["mounts"]]
+    assert all(m["type"] != "bind" for m in cfg["mounts"])
+
+
+def test_the_vm_backends_refuse_no_init_before_anything(tmp_path: Path) -> None:
+    """A VM's guest init always runs the workload as its child: `init` off is refused in one
+    line, before a root image or a config drive is made (no VM boot, no QEMU needed)."""
+    from dataclasses import replace
+
+    from runtime_shim.backends.microvm import MicrovmBackend
+
+    paths = NodePaths(tmp_path / "node")
+    for backend in (VmBackend(paths), MicrovmBackend(paths)):
+        sb = replace(sandbox(paths), backend=backend.name)
+        with pytest.raises(ConfigError, match=f"^--no-init is for containers: the {backend.name} guest's init "
+                                              f"always runs the workload as its child$"):
+            backend.prepare(sb, ["true"], confinement=Confinement(init=False))
+        assert not backend.workdir(sb.id).exists() and not backend.base.exists()
 
 
 def test_an_elf_interpreter_is_read_from_the_program_headers() -> None:

@@ -3,7 +3,8 @@ crun, microVM, VM). The workload is never PID 1 (a container's is tini's child, 
 init's), so a workload that kills itself with SIGTERM exits 143 everywhere (before: 0 in a
 container, whose PID 1 ignored it), its own exit code is the run's, a stop signal to the run
 reaches the workload and ends the run with the same message on each backend, and a container's
-init reaps orphans. Every wait has a generous deadline that only turns a hang into a failure.
+init reaps orphans. With `--no-init` (`Confinement(init=False)`) a container's workload is PID 1.
+Every wait has a generous deadline that only turns a hang into a failure.
 
 VM boots are slow (TCG on this node kind): run the container cases first (`-k 'runc or crun'`).
 """
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,9 +65,9 @@ def shim(tmp_path: Path, image: tuple[Path, str]) -> Iterator[Shim]:
 
 
 def run(shim: Shim, blob: str, backend: str, script: str, out: Path, sandbox: str | None = None,
-        userns: bool | None = None) -> int:
+        userns: bool | None = None, conf: Confinement = CONF) -> int:
     with open(out, "wb") as o:
-        res = runner.run(shim, spec((blob, "base")), ["/bin/sh", "-c", script], runtime=backend, confinement=CONF,
+        res = runner.run(shim, spec((blob, "base")), ["/bin/sh", "-c", script], runtime=backend, confinement=conf,
                          sandbox=sandbox, stdin=subprocess.DEVNULL, stdout=o, userns=userns)
     return res.exit_code
 
@@ -91,6 +93,22 @@ def test_a_container_without_a_user_namespace_too(shim: Shim, image: tuple[Path,
     made inside it.)"""
     assert run(shim, image[1], backend, "kill -TERM $$", tmp_path / "out.txt", userns=False) == 143
     assert run(shim, image[1], backend, "exit 7", tmp_path / "out.txt", userns=False) == 7
+
+
+@pytest.mark.parametrize("backend", CONTAINERS)
+def test_with_no_init_the_workload_is_pid_1(shim: Shim, image: tuple[Path, str], tmp_path: Path,
+                                           backend: str) -> None:
+    """`--no-init` (an image with an init of its own): the workload is PID 1 of the container, and
+    so the kernel drops a SIGTERM it has no handler for (what tini is there for by default)."""
+    out = tmp_path / "out.txt"
+    assert run(shim, image[1], backend, "echo $$", out) == 0
+    assert out.read_text() != "1\n"  # (the default: tini's child)
+    no_init = replace(CONF, init=False)
+    assert run(shim, image[1], backend, "echo $$", out, conf=no_init) == 0
+    assert out.read_text() == "1\n"
+    assert run(shim, image[1], backend, "kill -TERM $$; echo alive", out, conf=no_init) == 0
+    assert out.read_text() == "alive\n"
+    assert shim.sandboxes() == []
 
 
 def signal_when(ready: Callable[[], bool], done: threading.Event, then: Callable[[], None] | None = None) -> None:

@@ -124,6 +124,22 @@ def test_oci_config_confinement_and_its_relaxations() -> None:
     assert not any("ptrace" in r["names"] for r in traced["syscalls"])
 
 
+def test_oci_config_with_and_without_an_init() -> None:
+    """An init (its host path): bound read-only at /dev/init after the /dev tmpfs, the workload its
+    argv; none (`--no-init`): the workload's own args are PID 1's and nothing is bound in."""
+    with_init = bundle.oci_config("/r", ["/sbin/my-init", "-v"], env=[], init="/usr/bin/tini-static")
+    assert with_init["process"]["args"] == ["/dev/init", "--", "/sbin/my-init", "-v"]
+    dests = [m["destination"] for m in with_init["mounts"]]
+    assert dests.index("/dev") < dests.index("/dev/init")
+    assert [m for m in with_init["mounts"] if m["type"] == "bind"] == [
+        {"destination": "/dev/init", "type": "bind", "source": "/usr/bin/tini-static",
+         "options": ["bind", "ro", "nosuid", "nodev"]}]
+    without = bundle.oci_config("/r", ["/sbin/my-init", "-v"], env=[], init=None)
+    assert without["process"]["args"] == ["/sbin/my-init", "-v"]
+    assert "/dev/init" not in [m["destination"] for m in without["mounts"]]
+    assert all(m["type"] != "bind" for m in without["mounts"])
+
+
 def test_personality_rules_refuse_the_flags_but_not_the_query() -> None:
     from runtime_shim.backends.seccomp import default_profile
 
