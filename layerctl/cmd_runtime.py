@@ -163,6 +163,10 @@ def run_cmd(store_url: str | None, node_dir: str | None, policy: str | None, eag
     if no_init and backend != "container":
         raise click.UsageError(f"--no-init is for the container backend: the {backend} guest's init always runs "
                                f"the workload as its child")
+    if backend == "container" and not no_init:
+        from runtime_shim.backends.pid1 import find_init
+
+        find_init()  # (no usable tini: said now, not after a sandbox was mounted for nothing)
     with _shim(node_dir, store_url, policy) as shim:
         if layer_device is not None:
             shim.backends[backend].use_layer_device(layer_device)  # type: ignore[attr-defined]

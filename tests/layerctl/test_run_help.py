@@ -17,6 +17,8 @@ from click.testing import CliRunner
 
 from layerctl import cmd_runtime
 from layerctl.main import cli
+from runtime_shim.backends.pid1 import INIT_ENV
+from runtime_shim.errors import RuntimeNotAvailable
 from runtime_shim.nodestate.paths import NodePaths
 from runtime_shim.sandbox import runner
 
@@ -67,9 +69,34 @@ def test_no_init_reaches_the_run_as_the_confinement(tmp_path: Path, monkeypatch:
         seen.update(kw, command=command)
         return runner.RunResult("sb-1", 0, False)
 
+    init_file = tmp_path / "tini-static"
+    init_file.write_bytes(b"#!/bin/true\n")  # (an executable that names no ELF interpreter: found usable)
+    init_file.chmod(0o755)
+    monkeypatch.setenv(INIT_ENV, str(init_file))
     monkeypatch.setattr(cmd_runtime, "_shim", fake_shim)
     monkeypatch.setattr(runner, "run", fake_run)
     r = CliRunner().invoke(cli, ["run", *flag, "x:1", "--", "/sbin/my-init"])
     assert r.exit_code == 0, r.output
     assert seen["command"] == ["/sbin/my-init"] and seen["runtime"] == "runc"
     assert seen["confinement"].init is init and seen["confinement"].seccomp is True
+
+
+def test_a_missing_init_is_said_before_a_node_is_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No usable tini: the default run stops with what to do before it touches a node; --no-init,
+    which needs none, goes on to the run."""
+    opened: list[bool] = []
+
+    @contextlib.contextmanager
+    def fake_shim(*_args: Any, **_kw: Any) -> Iterator[Any]:
+        opened.append(True)
+        yield SimpleNamespace(paths=NodePaths(tmp_path / "node"))
+
+    monkeypatch.setenv(INIT_ENV, str(tmp_path / "absent"))
+    monkeypatch.setattr(cmd_runtime, "_shim", fake_shim)
+    monkeypatch.setattr(runner, "run", lambda *_a, **_kw: runner.RunResult("sb-1", 0, False))
+    r = CliRunner().invoke(cli, ["run", "x:1", "--", "true"])
+    assert isinstance(r.exception, RuntimeNotAvailable) and not opened  # (layerctl's edge says it in one line)
+    assert f"{INIT_ENV}={tmp_path / 'absent'}" in str(r.exception) and "install tini" in str(r.exception)
+    r = CliRunner().invoke(cli, ["run", "--no-init", "x:1", "--", "true"])
+    assert r.exit_code == 0, r.output
+    assert opened == [True]
