@@ -260,6 +260,29 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
 # -- one keeper, its cgroup, the watch's restart (docs/fanotify.md, "Dead alone", "Out of the killers' reach")
 
 
+def _keepers_of(cache: Path) -> list[int]:
+    """Pids of every keeper process of `cache` (by its exact command line), started or starting:
+    what a test must leave none of (a watch stopped just after it spawned one included)."""
+    want = ["-m", "fuse_client.fanotify.keeper", os.fspath(cache)]
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = [a.decode() for a in (d / "cmdline").read_bytes().split(b"\0") if a]
+                if argv[1:] == want and handover.proc_start_time(int(d.name)) is not None:
+                    pids.append(int(d.name))
+    return pids
+
+
+def _end_keepers(cache: Path) -> None:
+    """`keeper.stop`, then SIGKILL (by pid) of any keeper of `cache` left (one still starting)."""
+    keeper.stop(cache)
+    for pid in _keepers_of(cache):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _keepers_of(cache), 10, "no keeper left")
+
+
 def _rmdir_all(dirs: list[Path], timeout: float = 10.0) -> None:
     """Remove test cgroups, deepest first (an exiting process may hold one a moment longer)."""
     end = time.monotonic() + timeout
@@ -297,7 +320,7 @@ def test_one_keeper_per_cache_whoever_starts_it(tmp_path: Path) -> None:
     finally:
         for t in threads:
             t.join(60)
-        keeper.stop(cache)
+        _end_keepers(cache)
     assert all(p is None or _gone(p) for p in got)
 
 
@@ -343,7 +366,7 @@ def test_a_keeper_that_quits_removes_its_cgroup_and_a_killed_ones_goes_at_the_ne
         wait_until(lambda: not mine_b.exists(), 10, "the keeper's cgroup to go")
         assert "left and removed cgroup" in (cache / keeper.LOG_NAME).read_text()
     finally:
-        keeper.stop(cache)  # (by its recorded pid: SIGKILL if it lingers)
+        _end_keepers(cache)
         leaves = [top / p / q for p in ("a", "b") for q in (keeper.CGROUP_NAME, "node")]
         _rmdir_all([*leaves, top / "a", top / "b", top])
     assert all(p is None or _gone(p) for p in (first, second))
@@ -397,14 +420,14 @@ def test_the_watch_starts_a_keeper_killed_alone_and_the_daemon_hands_it_the_grou
         assert is_alive(rec) and sup.watch_pid() == watch_pid
         assert handover.holder_generation(paths.cache) == generation
         assert handover.read_identity(paths.cache) == ident
-        assert f"started keeper {new}" in paths.daemon_log.read_text()
+        wait_until(lambda: f"started keeper {new}" in paths.daemon_log.read_text(), 10, "the watch to log it")
     finally:
         if attached:
             with contextlib.suppress(Exception):
                 detach(paths.cache, layer.blob, "test")
         sup.stop(rec)
         stop_holder(paths.cache)
-        keeper.stop(paths.cache)
+        _end_keepers(paths.cache)
         state.close()
         force_unmount(paths.fuse)
     wait_until(lambda: all(_gone(p) for p in ours) and sup.watch_pid() is None, 20, "no process of ours left")
