@@ -13,7 +13,14 @@ What makes it outlive the daemon and the holder, which keep the group too:
   `layerstore-keeper`, or `$LAYERSTORE_FANOTIFY_KEEPER_CGROUP`), so a kill of the daemon's cgroup
   (cgroup.kill) does not reach it;
 - it ignores SIGTERM, SIGINT and SIGHUP (as the holder does); it exits on `Q` from root, with
-  SIGKILL, or once the cache directory is gone.
+  SIGKILL, or once the cache directory is gone. Leaving on its own (not killed), it moves out of
+  the default cgroup and removes it if that leaves it empty; `ensure` and `stop` remove the empty
+  cgroup of a keeper that was killed.
+
+One keeper per cache: it holds `CACHE/fanotify-keeper.lock` (flock) for its life, and one that
+cannot take it exits at once (EXIT_ANOTHER) before it touches anything, so two `ensure`s at once
+(the shim's, the watch's: runtime_shim/supervise/keeper_watch.py) or a starter that died half-way
+leave one keeper.
 
 Two sockets in the cache directory, mode 0600 (root only, in the cache's private directory):
 - `fanotify-keeper.notify`, a datagram socket speaking systemd's fd-store messages: the daemon
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -41,6 +49,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerstore.fileio import private_dir
@@ -57,6 +66,8 @@ NOTIFY_NAME = "fanotify-keeper.notify"
 SOCKET_NAME = "fanotify-keeper.sock"
 IDENTITY_NAME = "fanotify.keeper"
 LOG_NAME = "fanotify-keeper.log"
+LOCK_NAME = "fanotify-keeper.lock"  # flock held by the live keeper for its life
+EXIT_ANOTHER = 3  # the exit status of a keeper that found another one holding the lock
 READY_TIMEOUT = 10.0
 CHECK_INTERVAL = 2.0  # seconds between checks that the cache directory still exists
 
@@ -131,6 +142,7 @@ def stop(cache_dir: Path, timeout: float = 5.0) -> None:
     """Ask the keeper to quit (it lets its copy of the group go); SIGKILL if it lingers."""
     pid = running(cache_dir)
     if pid is None:
+        remove_stale_cgroup(cache_dir)
         return
     with contextlib.suppress(OSError):
         _ans, fd = handover.request(cache_dir, b"Q", path=socket_path(cache_dir), timeout=2)
@@ -143,6 +155,7 @@ def stop(cache_dir: Path, timeout: float = 5.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _reaped(pid)
+    remove_stale_cgroup(cache_dir)  # (if it was killed: one that quit removed it itself)
 
 
 def ensure(cache_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
@@ -155,6 +168,7 @@ def ensure(cache_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
     if pid is not None:
         return pid
     cache_dir = private_dir(os.path.abspath(cache_dir), parents=True)
+    remove_stale_cgroup(cache_dir)
     argv = [sys.executable, "-m", "fuse_client.fanotify.keeper", os.fspath(cache_dir)]
     out = os.open(cache_dir / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:  # (posix_spawn, not Popen: the keeper outlives whoever started it)
@@ -169,19 +183,54 @@ def ensure(cache_dir: Path, env: Mapping[str, str] | None = None) -> int | None:
     finally:
         os.close(out)
     deadline = time.monotonic() + READY_TIMEOUT
+    alive = True  # ours has not exited
     while time.monotonic() < deadline:
-        if running(cache_dir) == pid:
-            return pid
-        if _reaped(pid):
-            break
+        live = running(cache_dir)
+        if live is not None and (live == pid or not alive):
+            return live  # (ours, or another `ensure`'s, which ours gave way to: EXIT_ANOTHER)
+        if alive and (status := _exit_status(pid)) is not None:
+            alive = False
+            if status != EXIT_ANOTHER:
+                break
         time.sleep(0.01)
     else:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        while not _reaped(pid):
-            time.sleep(0.01)
+        if alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while not _reaped(pid):
+                time.sleep(0.01)
     log.error("the fanotify keeper did not start (see %s)", cache_dir / LOG_NAME)
     return None
+
+
+def remove_stale_cgroup(cache_dir: Path) -> None:
+    """Remove the cgroup of its own that the last keeper of this cache moved into, if that keeper
+    is gone (killed: it did not leave it) and nothing else is in it (the kernel refuses otherwise:
+    left alone). Only the default one (`CGROUP_NAME`): an operator's cgroup is theirs."""
+    try:
+        ident = json.loads((Path(cache_dir) / IDENTITY_NAME).read_text())
+        pid, start, rel = int(ident["pid"]), ident["start_time"], ident.get("cgroup")
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    root = cgroup.v2_root()
+    if not isinstance(rel, str) or os.path.basename(rel) != CGROUP_NAME or root is None:
+        return
+    if proc_start_time(pid) == start:
+        return  # (it runs)
+    if (root / rel.lstrip("/")).is_dir() and cgroup.remove_if_empty(rel, root):
+        log.info("removed the empty cgroup %s of fanotify keeper %d (gone)", rel, pid)
+
+
+def _exit_status(pid: int) -> int | None:
+    """The exit status of `pid` (a keeper this process started) once it exited (reaped), else None;
+    -1 if it was not this process's child or was killed by a signal."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return -1 if proc_start_time(pid) is None else None
+    if done != pid:
+        return None
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -1
 
 
 def _reaped(pid: int) -> bool:
@@ -196,9 +245,29 @@ def _reaped(pid: int) -> bool:
 # -- the keeper process -----------------------------------------------------------------------
 
 
-def place(env: Mapping[str, str]) -> str:
-    """Out of the OOM killer's reach and into a cgroup of its own (module doc); what it got, for
-    the log. A refusal is logged and the keeper still runs (it is then only as safe as the holder)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where `place` put the keeper."""
+
+    text: str  # what it got, for the log and its identity ("placed")
+    mine: str | None = None  # the default cgroup it moved into: it leaves and removes it on quitting
+    origin: str | None = None  # the cgroup it was started in
+
+    def leave(self) -> None:
+        """Out of its own cgroup (into the parent, else back where it came from), which is then
+        removed if empty (another cache's keeper may share it). Failures are logged, not raised."""
+        if self.mine is None or cgroup.cgroup_of() != self.mine:
+            return
+        to = [cgroup.parent(self.mine)] + ([self.origin] if self.origin else [])
+        if cgroup.leave(self.mine, to):
+            log.info("keeper: left and removed cgroup %s", self.mine)
+        else:
+            log.info("keeper: cgroup %s left in place (not empty, or the kernel refused)", self.mine)
+
+
+def place(env: Mapping[str, str]) -> Placement:
+    """Out of the OOM killer's reach and into a cgroup of its own (module doc); what it got. A
+    refusal is logged and the keeper still runs (it is then only as safe as the holder)."""
     got = []
     try:
         cgroup.set_oom_score_adj(cgroup.OOM_SCORE_ADJ_MIN)
@@ -210,15 +279,17 @@ def place(env: Mapping[str, str]) -> str:
     got.append(f"oom_score_adj {adj}{unsafe}")
     own = cgroup.cgroup_of()
     rel = env.get(CGROUP_ENV) or (cgroup.sibling(own, CGROUP_NAME) if own is not None else None)
+    mine = None
     if rel is None:
         log.warning("keeper: no unified (v2) cgroup: it stays in the cgroups it was started in")
     else:
         try:
             cgroup.move_self(rel)
             got.append(f"cgroup {cgroup.cgroup_of()}")
+            mine = rel if not env.get(CGROUP_ENV) else None
         except OSError as e:
             log.error("keeper: cannot move into cgroup %s: %s (it stays in %s)", rel, e, own)
-    return ", ".join(got)
+    return Placement(", ".join(got), mine, own)
 
 
 def _receive(notify: socket.socket, kept: tuple[int, str] | None) -> tuple[int, str] | None:
@@ -278,13 +349,14 @@ def _answer(srv: socket.socket, kept: tuple[int, str] | None) -> bytes:
             return b""
 
 
-def serve(cache_dir: Path, placed: str) -> None:
+def serve(cache_dir: Path, placed: Placement) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     notify = holder.bind(cache_dir, notify_path(cache_dir), socket.SOCK_DGRAM)
     srv = holder.bind(cache_dir, socket_path(cache_dir))
     tmp = cache_dir / f"{IDENTITY_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "placed": placed}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "start_time": proc_start_time(os.getpid()), "placed": placed.text,
+                               "cgroup": placed.mine}))
     os.replace(tmp, cache_dir / IDENTITY_NAME)
     kept: tuple[int, str] | None = None
     while True:
@@ -300,13 +372,20 @@ def serve(cache_dir: Path, placed: str) -> None:
         os.close(kept[0])
     notify.close()
     srv.close()
+    placed.leave()
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper %(levelname)s %(message)s")
     cache_dir = Path(os.path.abspath(argv[1]))
-    placed = place(os.environ)
-    log.info("keeper %d for %s: %s", os.getpid(), cache_dir, placed)
+    lock = os.open(cache_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("keeper %d for %s: another keeper runs: exits", os.getpid(), cache_dir)
+        return EXIT_ANOTHER
+    placed = place(os.environ)  # (the lock stays held until this process ends)
+    log.info("keeper %d for %s: %s", os.getpid(), cache_dir, placed.text)
     serve(cache_dir, placed)
     return 0
 

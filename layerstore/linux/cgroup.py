@@ -1,8 +1,9 @@
 """A process's own place among the kernel's killers: its OOM score adjustment
 (/proc/PID/oom_score_adj) and its cgroup in the unified (v2) hierarchy (/proc/PID/cgroup,
 cgroup.procs). Used by the fanotify keeper (fuse_client/fanotify/keeper.py), which must outlive
-an OOM kill or a cgroup kill of the node daemon. Pure (`own_v2_cgroup`, `sibling`) apart from the
-reads and writes of /proc and /sys.
+an OOM kill or a cgroup kill of the node daemon, and which leaves its cgroup when it quits
+(`leave`, `remove_if_empty`). Pure (`own_v2_cgroup`, `sibling`, `parent`) apart from the reads and
+writes of /proc and /sys.
 """
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ def own_v2_cgroup(proc_cgroup: str) -> str | None:
 def sibling(own: str, name: str) -> str:
     """`name` beside the cgroup `own` (a child of the root when `own` is the root): a cgroup that a
     kill of `own` (cgroup.kill, memory.oom.group) does not reach (pure)."""
-    parent = os.path.dirname(own.rstrip("/")) or "/"
-    return os.path.join(parent, name)
+    return os.path.join(parent(own), name)
+
+
+def parent(rel: str) -> str:
+    """The cgroup that holds `rel` ("/" for the root and its children) (pure)."""
+    return os.path.dirname(rel.rstrip("/")) or "/"
 
 
 def cgroup_of(pid: int | str = "self") -> str | None:
@@ -65,6 +70,43 @@ def move_self(rel: str, root: Path | None = None) -> Path:
     if root is None:
         raise OSError("no unified (v2) cgroup hierarchy")
     target = root / rel.lstrip("/")
-    target.mkdir(exist_ok=True)
-    (target / "cgroup.procs").write_text(f"{os.getpid()}\n")
-    return target
+    for _ in range(2):  # (once more if another process removed it, empty, between the two steps)
+        target.mkdir(exist_ok=True)
+        try:
+            (target / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            return target
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(f"cgroup {rel} removed while moving into it")
+
+
+def remove_if_empty(rel: str, root: Path | None = None) -> bool:
+    """Remove the v2 cgroup `rel` (never the root); whether it is gone now. The kernel refuses while
+    a process or a child cgroup is in it (EBUSY): then it stays, and so on any other error."""
+    root = root or v2_root()
+    if root is None or rel.strip("/") == "" or ".." in rel.split("/"):
+        return False
+    try:
+        (root / rel.lstrip("/")).rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def leave(rel: str, to: list[str], root: Path | None = None) -> bool:
+    """Move this process out of the v2 cgroup `rel` into the first cgroup of `to` that takes it
+    (a parent with controllers enabled for its children refuses processes: the internal-process
+    rule), then remove `rel` if that leaves it empty; whether it is gone. Never raises: a process
+    that cannot leave stays where it is."""
+    root = root or v2_root()
+    if root is None:
+        return False
+    for dest in to:
+        try:
+            (root / dest.lstrip("/") / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            break
+        except OSError:
+            continue
+    return remove_if_empty(rel, root)

@@ -24,6 +24,8 @@ the holder died too, it first makes a new group with every attached file marked 
 (`regroup`), which ends the time holes could read as zeros, and only then starts the daemon. It
 exits when the shim stops the daemon (it is stopped first), the record is gone, or the daemon
 was stopped on request rather than killed (it notes that: `fanotify.upgrade.note_clean_stop`).
+Where the operator opted in to the fanotify keeper, it also starts a keeper that died alone while a
+fanotify daemon runs (`keeper_watch`).
 """
 
 from __future__ import annotations
@@ -390,6 +392,8 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     from fuse_client.fanotify.upgrade import upgrading
     from fuse_client.nodecache.files import BlobFiles
 
+    from .keeper_watch import KeeperWatch
+
     paths = NodePaths(root)
     sup = DaemonSupervisor(paths)
     sup.watching_self = True
@@ -397,6 +401,7 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
     data_file = BlobFiles(paths.cache).path
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     restarter = _Restarter(paths, sup, state, interval)
+    keepers = KeeperWatch(paths.cache, os.environ)
     fanotify: bool | None = None  # the daemon's data path (None: not asked yet)
     try:
         while paths.root.is_dir() and not restarter.done.is_set():
@@ -407,6 +412,8 @@ def watch(root: Path, interval: float = WATCH_INTERVAL) -> int:
             daemon_up = is_alive(rec)
             if daemon_up and fanotify is None:
                 fanotify = _data_path(paths) != "fuse"
+            if daemon_up and fanotify:
+                keepers.tick(time.monotonic())  # (a keeper that died alone: started again)
             ident = handover.read_identity(paths.cache)
             if not daemon_up and ident is None and fanotify is not False:
                 # Holder and daemon gone: the group died. Mark the attached files on a new one now,

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,179 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
         force_unmount(paths.fuse)
     watch = sup.watch_pid()
     wait_until(lambda: all(_gone(p) for p in ours) and watch is None, 20, "no process of ours left")
+
+
+# -- one keeper, its cgroup, the watch's restart (docs/fanotify.md, "Dead alone", "Out of the killers' reach")
+
+
+def _keepers_of(cache: Path) -> list[int]:
+    """Pids of every keeper process of `cache` (by its exact command line), started or starting:
+    what a test must leave none of (a watch stopped just after it spawned one included)."""
+    want = ["-m", "fuse_client.fanotify.keeper", os.fspath(cache)]
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = [a.decode() for a in (d / "cmdline").read_bytes().split(b"\0") if a]
+                if argv[1:] == want and handover.proc_start_time(int(d.name)) is not None:
+                    pids.append(int(d.name))
+    return pids
+
+
+def _end_keepers(cache: Path) -> None:
+    """`keeper.stop`, then SIGKILL (by pid) of any keeper of `cache` left (one still starting)."""
+    keeper.stop(cache)
+    for pid in _keepers_of(cache):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _keepers_of(cache), 10, "no keeper left")
+
+
+def _rmdir_all(dirs: list[Path], timeout: float = 10.0) -> None:
+    """Remove test cgroups, deepest first (an exiting process may hold one a moment longer)."""
+    end = time.monotonic() + timeout
+    for d in dirs:
+        while d.exists():
+            try:
+                d.rmdir()
+            except OSError:
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+
+
+@pytest.mark.root
+def test_one_keeper_per_cache_whoever_starts_it(tmp_path: Path) -> None:
+    """Two `ensure`s at once (the shim's and the watch's) give one keeper; a keeper started by hand
+    while one runs gives way at once (EXIT_ANOTHER) and touches nothing."""
+    cache = tmp_path / "cache"
+    env = {**os.environ, keeper.OPT_IN_ENV: "1"}
+    got: list[int | None] = []
+    threads = [threading.Thread(target=lambda: got.append(keeper.ensure(cache, env))) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(got) == 2 and got[0] is not None and got[0] == got[1], got
+        ident = (cache / keeper.IDENTITY_NAME).read_text()
+        second = subprocess.run([sys.executable, "-m", "fuse_client.fanotify.keeper", str(cache)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == keeper.EXIT_ANOTHER, second.stderr
+        assert keeper.running(cache) == got[0] and (cache / keeper.IDENTITY_NAME).read_text() == ident
+        ans, fd = handover.request(cache, b"I", path=keeper.socket_path(cache))
+        assert fd is None and ans["pid"] == got[0]  # (its sockets answer: not replaced)
+    finally:
+        for t in threads:
+            t.join(60)
+        _end_keepers(cache)
+    assert all(p is None or _gone(p) for p in got)
+
+
+@pytest.mark.root
+def test_a_keeper_that_quits_removes_its_cgroup_and_a_killed_ones_goes_at_the_next_start(tmp_path: Path) -> None:
+    """Started from T/a/node, a keeper is in T/a/layerstore-keeper; killed -9 it cannot leave it
+    (empty, it stays), and the next `ensure` (from T/b/node) removes it; that keeper, quit with `Q`
+    (`keeper.stop`), leaves T/b/layerstore-keeper and removes it."""
+    root = cgroup.v2_root()
+    if root is None:
+        pytest.skip("no unified cgroup hierarchy")
+    top = root / f"layerstore-test-{secrets.token_hex(4)}"
+    for part in ("a", "b"):
+        (top / part / "node").mkdir(parents=True)
+    cache = tmp_path / "cache"
+    first = second = None
+
+    def start_from(node: Path) -> int:
+        code = ("import os, sys; from fuse_client.fanotify import keeper; "
+                "print(keeper.ensure(sys.argv[1], {**os.environ, 'LAYERSTORE_FANOTIFY_KEEPER': '1'}), flush=True)")
+        out = subprocess.run(["sh", "-c", f'echo $$ > {node}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c",
+                              code, str(cache)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
+    def rel(p: Path) -> str:
+        return "/" + p.relative_to(root).as_posix()
+
+    try:
+        first = start_from(top / "a" / "node")
+        mine_a = top / "a" / keeper.CGROUP_NAME
+        assert cgroup.cgroup_of(first) == rel(mine_a)
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: _gone(first), 10, "the keeper to die")
+        wait_until(lambda: (mine_a / "cgroup.procs").read_text() == "", 10, "the killed keeper's cgroup to empty")
+        assert mine_a.is_dir()  # (left behind)
+        second = start_from(top / "b" / "node")
+        mine_b = top / "b" / keeper.CGROUP_NAME
+        assert cgroup.cgroup_of(second) == rel(mine_b)
+        assert not mine_a.exists()  # the next start removed the killed one's
+        keeper.stop(cache)  # (`Q`)
+        wait_until(lambda: _gone(second), 10, "the keeper to quit")
+        wait_until(lambda: not mine_b.exists(), 10, "the keeper's cgroup to go")
+        assert "left and removed cgroup" in (cache / keeper.LOG_NAME).read_text()
+    finally:
+        _end_keepers(cache)
+        leaves = [top / p / q for p in ("a", "b") for q in (keeper.CGROUP_NAME, "node")]
+        _rmdir_all([*leaves, top / "a", top / "b", top])
+    assert all(p is None or _gone(p) for p in (first, second))
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@needs_fanotify
+def test_the_watch_starts_a_keeper_killed_alone_and_the_daemon_hands_it_the_group(
+        backend: CountingBackend, layer: BuiltLayer, tmp_path: Path, keeper_env: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shim-started daemon on fanotify (with a keeper), a layer attached: kill -9 of the keeper
+    alone. The watch starts a new keeper (not the next daemon start) and the running daemon hands
+    it the same group (its `I` answer); daemon, holder, watch and generation unchanged."""
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
+    from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
+
+    monkeypatch.setenv("LAYERSTORE_DATA_PATH", "auto")
+    monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)
+    paths = NodePaths(tmp_path / "node")
+    paths.root.mkdir()
+    sup = DaemonSupervisor(paths)
+    state = NodeState(paths.state)
+    rec = None
+    ours: list[int] = []
+    attached = False
+    try:
+        rec = sup.start(backend.url)
+        with state.write() as t:
+            t.put_daemon(rec)
+        old, watch_pid = keeper.running(paths.cache), sup.watch_pid()
+        assert old is not None and watch_pid is not None
+        ours = [old, watch_pid, rec.pid]
+        assert request_json(paths.cache, "GET", "/stats")["data_path"] == "fanotify"
+        attach(paths.cache, layer.blob, "test")
+        attached = True
+        generation = handover.holder_generation(paths.cache)
+        ident = handover.read_identity(paths.cache)
+        assert generation is not None and ident is not None
+        ours.append(ident[0])
+        group = generation.removeprefix("fanotify:")
+        wait_until(lambda: keeper.held(paths.cache) == group, 10, "the keeper to keep the daemon's group")
+        os.kill(old, signal.SIGKILL)
+        wait_until(lambda: _gone(old), 10, "the keeper to die")
+        wait_until(lambda: keeper.running(paths.cache) not in (None, old), 30, "the watch to start a keeper")
+        new = keeper.running(paths.cache)
+        assert new is not None
+        ours.append(new)
+        wait_until(lambda: keeper.held(paths.cache) == group, 10, "the daemon to hand the new keeper its group")
+        assert is_alive(rec) and sup.watch_pid() == watch_pid
+        assert handover.holder_generation(paths.cache) == generation
+        assert handover.read_identity(paths.cache) == ident
+        wait_until(lambda: f"started keeper {new}" in paths.daemon_log.read_text(), 10, "the watch to log it")
+    finally:
+        if attached:
+            with contextlib.suppress(Exception):
+                detach(paths.cache, layer.blob, "test")
+        sup.stop(rec)
+        stop_holder(paths.cache)
+        _end_keepers(paths.cache)
+        state.close()
+        force_unmount(paths.fuse)
+    wait_until(lambda: all(_gone(p) for p in ours) and sup.watch_pid() is None, 20, "no process of ours left")
