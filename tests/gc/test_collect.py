@@ -223,6 +223,7 @@ def _dedup_race(store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     return pushed["m"], result  # type: ignore[return-value]
 
 
+@pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
 def test_dedup_against_a_published_candidate_waits_and_stays_whole(store: Store, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, result = _dedup_race(store, tmp_path, monkeypatch)

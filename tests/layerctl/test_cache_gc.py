@@ -172,6 +172,7 @@ def test_gc_offline_keeps_pins_and_recovers_cleanly(store: Store, tmp_path: Path
     assert [x["blob"] for x in ls["blobs"]] == [a] and ls["blobs"][0]["complete"] and ls["used_bytes"] == len(da)
 
 
+@pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
 def test_cache_gc_cli_offline(store: Store, tmp_path: Path) -> None:
     cache_dir, blobs = _filled_cache(store, tmp_path)
     r = layerctl("cache", "gc", "--cache", str(cache_dir), "--older-than", "0s", "--dry-run", "--json")

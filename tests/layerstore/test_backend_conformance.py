@@ -236,6 +236,7 @@ class TestBackend:
         assert backend.exists("dmkeep/x")
         assert backend.delete_many([]) == 0
 
+    @pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
     def test_store_once_race(self, store_url: str) -> None:
         """Several processes write one key at once: exactly one write lands, everyone then
         reads the same bytes."""

@@ -7,6 +7,7 @@ import contextlib
 import json
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -110,6 +111,7 @@ def mutated_docs(draw: st.DrawFn) -> Any:
     return doc
 
 
+@pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
 @given(mutated_docs())
 def test_near_miss_documents_give_invalid_manifest(doc: Any) -> None:
     try:

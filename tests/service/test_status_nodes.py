@@ -140,6 +140,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | s
 FIELDS = ("format", "time", "cached_bytes", "fetched_bytes", "hits", "misses", "blobs", "samples")
 
 
+@pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=8) | JSON)
 def test_any_json_is_a_record_or_a_reason(obj: object) -> None:

@@ -336,6 +336,7 @@ def _png_pixels_vary(png: bytes) -> bool:
     return len(set(zlib.decompress(idat))) > 8
 
 
+@pytest.mark.slow  # about 2-3 s: kept out of `make check`'s 2 minutes
 @pytest.mark.skipif(browser.chromium() is None, reason="chromium is not installed (make test installs it)")
 def test_headless_chromium_shows_the_page(served_page: str, filled: Filled, tmp_path: Path) -> None:
     png = browser.screenshot(served_page, tmp_path / "status.png", width=1280, height=1600)
