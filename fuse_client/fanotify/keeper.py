@@ -235,11 +235,7 @@ def _exit_status(pid: int) -> int | None:
 
 def _reaped(pid: int) -> bool:
     """Whether `pid` (a keeper this process started) has exited; reaps it."""
-    try:
-        done, _status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return proc_start_time(pid) is None
-    return done == pid
+    return _exit_status(pid) is not None
 
 
 # -- the keeper process -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from testkit.fanotify_helpers import needs_fanotify, read_uncached, stop_holder
+from testkit.fanotify_helpers import needs_fanotify, read_uncached, shim_node, start_recorded, stop_holder
 from testkit.fuse_helpers import CountingBackend, force_unmount, make_tree, wait_until
 
 from erofs_builder.build import BuiltLayer
@@ -183,16 +183,7 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
     next shim call starts a daemon, which takes the group back from the keeper (the same group:
     the same generation, no remount) and the read completes with the right bytes. Nothing of ours
     is left after the cleanup."""
-    from runtime_shim.nodestate.paths import NodePaths
-    from runtime_shim.nodestate.state import NodeState
-    from runtime_shim.supervise.daemon import DaemonSupervisor
-
-    monkeypatch.setenv("LAYERSTORE_DATA_PATH", "auto")  # (asked for: the shim then starts its watch)
-    monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)
-    paths = NodePaths(tmp_path / "node")
-    paths.root.mkdir()
-    sup = DaemonSupervisor(paths)
-    state = NodeState(paths.state)
+    paths, sup, state = shim_node(tmp_path, monkeypatch, "auto")  # (asked for: the shim then starts its watch)
     target = tmp_path / "layer"
     target.mkdir()
     rec = None
@@ -200,9 +191,7 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
     got: list[bytes | BaseException] = []
     reader = None
     try:
-        rec = sup.start(backend.url)
-        with state.write() as t:
-            t.put_daemon(rec)
+        rec = start_recorded(sup, state, backend.url)
         keeper_pid, watch_pid = keeper.running(paths.cache), sup.watch_pid()
         assert keeper_pid is not None and watch_pid is not None
         stats = request_json(paths.cache, "GET", "/stats")
@@ -230,9 +219,7 @@ def test_the_keeper_keeps_the_group_through_daemon_holder_and_watch_killed(
         reader.start()  # (waits in the kernel: the group lives in the keeper only)
         reader.join(1.0)
         assert not got, got  # (not allowed by default: it waits)
-        rec = sup.start(backend.url)  # the next shim call (DaemonBlobs.ensure) starts a daemon
-        with state.write() as t:
-            t.put_daemon(rec)
+        rec = start_recorded(sup, state, backend.url)  # the next shim call (DaemonBlobs.ensure) starts a daemon
         reader.join(60)
         assert got and got[0] == (src / "big0.bin").read_bytes()
         assert handover.holder_generation(paths.cache) == generation  # the same group, a new holder
@@ -381,23 +368,14 @@ def test_the_watch_starts_a_keeper_killed_alone_and_the_daemon_hands_it_the_grou
     """A shim-started daemon on fanotify (with a keeper), a layer attached: kill -9 of the keeper
     alone. The watch starts a new keeper (not the next daemon start) and the running daemon hands
     it the same group (its `I` answer); daemon, holder, watch and generation unchanged."""
-    from runtime_shim.nodestate.paths import NodePaths
-    from runtime_shim.nodestate.state import NodeState
-    from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
+    from runtime_shim.supervise.daemon import is_alive
 
-    monkeypatch.setenv("LAYERSTORE_DATA_PATH", "auto")
-    monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)
-    paths = NodePaths(tmp_path / "node")
-    paths.root.mkdir()
-    sup = DaemonSupervisor(paths)
-    state = NodeState(paths.state)
+    paths, sup, state = shim_node(tmp_path, monkeypatch, "auto")
     rec = None
     ours: list[int] = []
     attached = False
     try:
-        rec = sup.start(backend.url)
-        with state.write() as t:
-            t.put_daemon(rec)
+        rec = start_recorded(sup, state, backend.url)
         old, watch_pid = keeper.running(paths.cache), sup.watch_pid()
         assert old is not None and watch_pid is not None
         ours = [old, watch_pid, rec.pid]

@@ -22,8 +22,10 @@ from testkit.fanotify_helpers import (
     needs_fanotify,
     node_daemon,
     read_uncached,
+    shim_node,
     start_daemon,
     start_daemon_from_fd_store,
+    start_recorded,
     stop_holder,
 )
 from testkit.fanotify_readers import verify_in_child
@@ -107,23 +109,14 @@ def test_the_watch_regroups_then_restarts_after_holder_and_daemon_killed(
     bytes (filled on the new group's events, never zeros). Then `daemon-upgrade` replaces the
     daemon: the watch adopts the new one into the shim's record instead of starting another."""
     from fuse_client.fanotify.upgrade import upgrade
-    from runtime_shim.nodestate.paths import NodePaths
-    from runtime_shim.nodestate.state import NodeState
-    from runtime_shim.supervise.daemon import DaemonSupervisor, is_alive
+    from runtime_shim.supervise.daemon import is_alive
 
-    monkeypatch.setenv("LAYERSTORE_DATA_PATH", "fanotify")
-    monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)
-    paths = NodePaths(tmp_path / "node")
-    paths.root.mkdir()
-    sup = DaemonSupervisor(paths)
-    state = NodeState(paths.state)
+    paths, sup, state = shim_node(tmp_path, monkeypatch, "fanotify")
     rec = None
     target = tmp_path / "layer"
     target.mkdir()
     try:
-        rec = sup.start(backend.url)
-        with state.write() as t:
-            t.put_daemon(rec)
+        rec = start_recorded(sup, state, backend.url)
         assert sup.watch_pid() is not None
         got = attach(paths.cache, layer.blob, "test")
         assert got is not None

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -27,6 +28,11 @@ from fuse_client.fanotify.frontend import FanotifyFrontEnd
 from layerstore.linux import MountError, mount_erofs, umount
 
 from .fuse_helpers import LAYERCTL, READY_TIMEOUT, DaemonProcess, force_unmount, wait_until
+
+if TYPE_CHECKING:
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import DaemonRecord, NodeState
+    from runtime_shim.supervise.daemon import DaemonSupervisor
 
 FANOTIFY_WHY = kernel.probe("/var/tmp") if os.geteuid() == 0 else "not root"
 needs_fanotify = pytest.mark.skipif(FANOTIFY_WHY is not None, reason=f"no fanotify pre-content events: {FANOTIFY_WHY}")
@@ -223,3 +229,27 @@ def pipe_answers(r: int) -> list[tuple[int, bool, int]]:
     except BlockingIOError:
         return []
     return [abi.decode_response(data[k:k + abi.RESPONSE.size]) for k in range(0, len(data), abi.RESPONSE.size)]
+
+
+def shim_node(tmp: Path, monkeypatch: pytest.MonkeyPatch,
+              data_path: str) -> tuple[NodePaths, DaemonSupervisor, NodeState]:
+    """A node directory `tmp/node` whose daemon the shim's supervisor starts on `data_path`, with
+    its watch (LAYERSTORE_DAEMON_WATCH unset): (paths, supervisor, state); the caller closes the
+    state."""
+    from runtime_shim.nodestate.paths import NodePaths
+    from runtime_shim.nodestate.state import NodeState
+    from runtime_shim.supervise.daemon import DaemonSupervisor
+
+    monkeypatch.setenv("LAYERSTORE_DATA_PATH", data_path)
+    monkeypatch.delenv("LAYERSTORE_DAEMON_WATCH", raising=False)
+    paths = NodePaths(tmp / "node")
+    paths.root.mkdir()
+    return paths, DaemonSupervisor(paths), NodeState(paths.state)
+
+
+def start_recorded(sup: DaemonSupervisor, state: NodeState, store_url: str) -> DaemonRecord:
+    """Start a daemon and record it in the node's state, as the shim does (the watch reads it)."""
+    rec = sup.start(store_url)
+    with state.write() as t:
+        t.put_daemon(rec)
+    return rec
