@@ -21,6 +21,7 @@ from testkit.shim_support import (
     needs_busybox,
     needs_root,
     needs_runc,
+    no_loops_left,
     node_mounts,
     spec,
     store_with_env,
@@ -82,7 +83,7 @@ def test_a_kept_sandboxs_disk_filler_gets_enospc_in_its_own_upper(shim: Shim, im
     assert vfs.f_bavail * vfs.f_frsize < MiB  # (full: less than one more of dd's blocks)
     assert len(loops_under(shim.paths.root)) == 1
     shim.unmount(sid)
-    assert loops_under(shim.paths.root) == [] and node_mounts(shim.paths.sandboxes) == []
+    assert no_loops_left(shim.paths.root) and node_mounts(shim.paths.sandboxes) == []
     assert not shim.paths.sandbox_dir(sid).exists()
 
 
@@ -96,7 +97,7 @@ def test_a_kept_sandboxs_files_survive_a_reboot(shim: Shim, image: tuple[Path, s
     node = shim.paths.root
     for m in sorted(linux.mounts_under(linux.read_mounts(), str(node)), key=lambda m: -len(m.mountpoint)):
         linux.umount(m.mountpoint, lazy=True)  # every mount is gone after a reboot
-    assert loops_under(node) == [] and not (target / "data").exists()
+    assert no_loops_left(node) and not (target / "data").exists()
     with Shim(NodePaths(node), DirBlobs(image[0]), auto_recover=False) as again:
         rep = again.recover_if_needed()
         assert rep is not None and rep.rebooted and rep.remounted_sandboxes == [sid], rep
@@ -104,7 +105,7 @@ def test_a_kept_sandboxs_files_survive_a_reboot(shim: Shim, image: tuple[Path, s
         assert (target / "data").read_text() == "kept\n" and (target / "d" / "e" / "f").read_text() == "deep\n"
         assert again.recover().remounted_sandboxes == []  # (mounted once: nothing left to do)
         again.unmount(sid)
-    assert loops_under(node) == [] and node_mounts(shim.paths.sandboxes) == []
+    assert no_loops_left(node) and node_mounts(shim.paths.sandboxes) == []
 
 
 def test_a_crash_after_the_image_is_mounted_is_rolled_back(shim: Shim, image: tuple[Path, str]) -> None:
@@ -117,7 +118,7 @@ def test_a_crash_after_the_image_is_mounted_is_rolled_back(shim: Shim, image: tu
         t.put_sandbox(cur, old=cur)
         t.put_pending(sb.id, "mount")
     shim.lifecycle.undo_mount(shim.find(sb.id), overlay=True, created_dir=True)  # (what recovery does then)
-    assert shim.sandboxes() == [] and loops_under(shim.paths.root) == []
+    assert shim.sandboxes() == [] and no_loops_left(shim.paths.root)
     assert node_mounts(shim.paths.sandboxes) == [] and not shim.paths.sandbox_dir(sb.id).exists()
 
 
@@ -147,7 +148,7 @@ def test_commit_of_a_kept_quotad_sandbox(tmp_path: Path, store: str) -> None:
             with Store.open(store) as st:
                 commit(st, shim.find(res.sandbox), "bb:2", workdir=tmp_path)
             shim.unmount(res.sandbox)
-            assert loops_under(node) == []
+            assert no_loops_left(node)
             with open(tmp_path / "out", "wb") as o:
                 res = runner.run(shim, "bb:2", ["/bin/cat", "/made"], stdin=subprocess.DEVNULL, stdout=o)
             assert res.exit_code == 0 and (tmp_path / "out").read_text() == "committed\n"

@@ -92,6 +92,19 @@ def loops_under(*roots: Path) -> list[str]:
     return out
 
 
+def no_loops_left(*roots: Path, timeout: float = 20.0) -> bool:
+    """Whether every loop device backed by a file under `roots` is gone, waiting up to `timeout`.
+    An unmounted image's loop device is autocleared when its filesystem is released, and that
+    can be a moment after umount(2) returns: a mount namespace another process created in the
+    meantime (runc, unshare; the other test shard) holds a copy of the mount until it goes."""
+    deadline = time.monotonic() + timeout
+    while loops_under(*roots):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def stop_watch(node: Path) -> None:
     """Stop the shim's watch of the node (NODE/watch.pid, by pid and start time) and wait for it
     to end: it must not start a daemon again while a test's clean-up stops the daemon. A watch
