@@ -40,7 +40,16 @@ def run_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _leftovers(tag: str, run_root: Path) -> list[str]:
+def _leftovers(tag: str, run_root: Path, settle: float = 20.0) -> list[str]:
+    """What the run left, after up to `settle` s: an unmounted image's loop device is autocleared
+    only once no mount namespace (another shard's runc, say) holds a copy of its mount."""
+    deadline = time.monotonic() + settle
+    while (left := _scan(tag, run_root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _scan(tag: str, run_root: Path) -> list[str]:
     left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
             if n.startswith((f"lsbl{tag}", f"lsbn{tag}x"))]
     left += [ln for ln in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout.splitlines()
