@@ -30,6 +30,7 @@ from .cri import CriPointers
 from .errors import SnapshotExists, SnapshotNotFound, SnapshotPrecondition, SnapshotterBusy
 from .layers import RemoteLayers
 from .metadata import ACTIVE, COMMITTED, VIEW, Metadata, Snapshot, Txn
+from .sweeper import Sweeper
 
 # Labels containerd passes to a proxy (it forwards only `containerd.io/snapshot.ref` and labels
 # under `containerd.io/snapshot/`): the target name of a layer being unpacked, and our blob.
@@ -117,6 +118,7 @@ class Snapshotter:
         self._blob_locks: dict[str, threading.Lock] = {}
         self._ahead: dict[str, float] = {}  # blob -> deadline: held ahead of its Prepare, not recorded yet
         self._ahead_threads: set[threading.Thread] = set()
+        self._sweeper = Sweeper(self._ahead_now, self._expire_ahead, time.monotonic, "snapshotter-ahead-sweep")
         self.last_reconcile = self.reconcile()
         if layers is not None:  # (else the first Prepare pays for the registry client and the store's)
             threading.Thread(target=self._prewarm, name="snapshotter-prewarm", daemon=True).start()
@@ -133,6 +135,7 @@ class Snapshotter:
             threads = list(self._ahead_threads)
         for th in threads:  # (holds taken ahead: finished before the shim closes)
             th.join(max(0.0, deadline - time.monotonic()))
+        self._sweeper.close()
         with self.mu:
             self.meta.close()
             if self.layers is not None:
@@ -273,14 +276,16 @@ class Snapshotter:
                     self._ahead.pop(blob, None)
                     self._release_unused_locked(blob)  # (what a half-taken hold left, unless a record names it)
                     raise
-            timer = threading.Timer(PREHOLD_TTL + 1.0, self._expire_ahead, (blob,))
-            timer.daemon = True
-            timer.start()
+            self._sweeper.poke()  # (one thread for every deadline: it wakes at the earliest)
         except Exception as e:  # noqa: BLE001 - an optimisation: the layer's own Prepare reports it
             log.info("layer %s not held ahead (%s: %s); its own Prepare will try", blob, type(e).__name__, e)
         finally:
             with self._blob_mu:
                 self._ahead_threads.discard(threading.current_thread())
+
+    def _ahead_now(self) -> dict[str, float]:
+        with self._blob_mu:
+            return dict(self._ahead)
 
     def _expire_ahead(self, blob: str) -> None:
         """A layer held ahead whose Prepare never came (a pull given up): released unless recorded."""

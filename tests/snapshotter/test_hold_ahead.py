@@ -4,9 +4,10 @@ holds the environment's other layers in parallel; their own Prepares then find t
 
 Pure logic against a fake layer source (no mounts, no root): the holds taken, once per blob; the
 trust check before any hold; a Cleanup meanwhile keeps a layer held ahead; one whose Prepare never
-comes is released at its deadline; a failed hold ahead leaves nothing and the layer's own Prepare
-fails loudly; a restart releases what was held ahead and not recorded. The real path (EROFS mounts,
-containerd's CRI plugin) is tests/snapshotter/test_cri.py's."""
+comes is released at its deadline (one sweeper thread for every deadline); a failed hold ahead
+leaves nothing and the layer's own Prepare fails loudly; a restart releases what was held ahead
+and not recorded. The real path (EROFS mounts, containerd's CRI plugin) is
+tests/snapshotter/test_cri.py's."""
 
 from __future__ import annotations
 
@@ -137,6 +138,8 @@ def test_cleanup_keeps_a_layer_held_ahead_until_its_deadline(tmp_path: Path, mon
         wait_for(lambda: fake.holds == {BASE, TOOL, WORK} and not any(d == float("inf") for d in sn._ahead.values()))
         assert sn.cleanup().layer_mounts == []  # (a Cleanup while the pull goes on: nothing released)
         assert fake.holds == {BASE, TOOL, WORK}
+        sweeps = [t for t in threading.enumerate() if t.name == "snapshotter-ahead-sweep"]
+        assert len(sweeps) == 1 and not any(isinstance(t, threading.Timer) for t in threading.enumerate())
         # the pull is given up: the layers held ahead go at their deadline, the recorded one stays
         wait_for(lambda: fake.holds == {BASE}, timeout=5.0)
         assert sn._ahead == {}
