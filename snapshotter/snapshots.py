@@ -41,6 +41,7 @@ REMOTE_PREFIX = "layerstore/"  # names of remote layer snapshots: layerstore/<ta
 CRASH_ENV = "LAYERSTORE_SNAPSHOTTER_CRASH"  # tests: die (SIGKILL) at the named step
 PREHOLD_TTL = 120.0  # seconds a layer held ahead of its Prepare stays held without a record
 PREHOLD_JOIN = 30.0  # seconds `close` waits for holds taken ahead
+AHEAD_PARALLEL = 4  # layers held ahead at once (an image of 30 layers must not start 30 cold mounts together)
 log = logging.getLogger("layerstore.snapshotter")
 
 
@@ -118,6 +119,7 @@ class Snapshotter:
         self._blob_locks: dict[str, threading.Lock] = {}
         self._ahead: dict[str, float] = {}  # blob -> deadline: held ahead of its Prepare, not recorded yet
         self._ahead_threads: set[threading.Thread] = set()
+        self._ahead_slots = threading.BoundedSemaphore(AHEAD_PARALLEL)
         self._sweeper = Sweeper(self._ahead_now, self._expire_ahead, time.monotonic, "snapshotter-ahead-sweep")
         self.last_reconcile = self.reconcile()
         if layers is not None:  # (else the first Prepare pays for the registry client and the store's)
@@ -262,7 +264,7 @@ class Snapshotter:
     def _hold_one_ahead(self, env: str, blob: str) -> None:
         assert self.layers is not None
         try:
-            with self._blob_lock(blob):
+            with self._ahead_slots, self._blob_lock(blob):  # (a slot first: a Prepare holds only the blob's lock)
                 try:
                     if self.layers.usable(blob):  # held already (by a record's Prepare meanwhile)
                         self._ahead.pop(blob, None)

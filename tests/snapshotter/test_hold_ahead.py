@@ -3,11 +3,11 @@ layers one by one, each inside its metadata lock, so the first Prepare of an env
 holds the environment's other layers in parallel; their own Prepares then find them mounted.
 
 Pure logic against a fake layer source (no mounts, no root): the holds taken, once per blob; the
-trust check before any hold; a Cleanup meanwhile keeps a layer held ahead; one whose Prepare never
-comes is released at its deadline (one sweeper thread for every deadline); a failed hold ahead
-leaves nothing and the layer's own Prepare fails loudly; a restart releases what was held ahead
-and not recorded. The real path (EROFS mounts, containerd's CRI plugin) is
-tests/snapshotter/test_cri.py's."""
+trust check before any hold; at most AHEAD_PARALLEL at once; a Cleanup meanwhile keeps a layer
+held ahead; one whose Prepare never comes is released at its deadline (one sweeper thread for
+every deadline); a failed hold ahead leaves nothing and the layer's own Prepare fails loudly; a
+restart releases what was held ahead and not recorded. The real path (EROFS mounts,
+containerd's CRI plugin) is tests/snapshotter/test_cri.py's."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class FakeLayers:
         self.holds: set[str] = set()
         self.taken: list[str] = []
         self.mu = threading.Lock()
+        self.layers = [BASE, TOOL, WORK]  # the environment's, bottom first
+        self.active = self.peak = 0  # holds in progress now, and at most
 
     def check(self, blob: str, environment: str) -> tuple[int, ...]:
         if self.untrusted:
@@ -47,7 +49,7 @@ class FakeLayers:
         pass
 
     def others(self, environment: str, blob: str) -> list[str]:
-        return [b for b in (BASE, TOOL, WORK) if b != blob] if environment else []
+        return [b for b in self.layers if b != blob] if environment else []
 
     def usable(self, blob: str) -> bool:
         return blob in self.holds
@@ -55,12 +57,19 @@ class FakeLayers:
     def hold(self, blob: str, hints: tuple[int, ...] = (), environment: str = "") -> None:
         if blob in self.holds:
             return
-        time.sleep(self.slow)
-        if blob in self.fail:
-            raise StoreUnavailable(f"the store does not answer for {blob}")
         with self.mu:
-            self.holds.add(blob)
-            self.taken.append(blob)
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(self.slow)
+            if blob in self.fail:
+                raise StoreUnavailable(f"the store does not answer for {blob}")
+            with self.mu:
+                self.holds.add(blob)
+                self.taken.append(blob)
+        finally:
+            with self.mu:
+                self.active -= 1
 
     def release(self, blob: str) -> None:
         self.holds.discard(blob)
@@ -111,6 +120,19 @@ def test_the_first_prepare_holds_the_other_layers_ahead_in_parallel(tmp_path: Pa
         recs = {s.key: s.blob for s in sn.walk() if s.blob}
         assert set(recs.values()) == {BASE, TOOL, WORK}
         assert sn._ahead == {}  # every layer held ahead was recorded
+    finally:
+        sn.close()
+
+
+def test_at_most_ahead_parallel_layers_are_held_ahead_at_once(tmp_path: Path) -> None:
+    fake = FakeLayers(slow=0.1)
+    fake.layers = ["b3:" + f"{i:064x}" for i in range(1, 13)]  # (an image of 12 layers)
+    sn = Snapshotter(tmp_path / "snap", fake)  # type: ignore[arg-type]
+    try:
+        pull(sn, fake.layers)
+        assert sorted(fake.taken) == sorted(fake.layers)  # each blob held once
+        assert 2 <= fake.peak <= snapmod.AHEAD_PARALLEL + 1  # (the slots, plus a Prepare's own hold)
+        assert {s.blob for s in sn.walk() if s.blob} == set(fake.layers) and sn._ahead == {}
     finally:
         sn.close()
 
