@@ -179,7 +179,7 @@ def test_an_upward_or_unlisted_sideways_import_is_caught() -> None:
     assert upward_imports(graph) == ["layerstore.store -> layerctl.main", "manifest.environment -> erofs_builder.tree"]
 
 
-# runtime_shim's sub-packages, bottom to top (docs/runtime-shim.md, "Sub-packages and their seams"):
+# runtime_shim's sub-packages, bottom to top (docs/runtime-shim.md, "Modules (one concern each)"):
 # the same rule one level down. `errors` is the shim's error family; `nodestate` the node's records
 # on disk; `resolve` manifests and trust; `supervise` the node daemon; `vm` guest kits and VMMs;
 # `backends` container, microVM and VM; `node` layer mounts, overlays and recovery; `sandbox` runs.

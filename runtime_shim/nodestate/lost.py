@@ -1,6 +1,6 @@
 """Which of a node's mounts depend on a node daemon that died, and which sandboxes lost their data
 with it (pure logic over the state's records and mount entries; the watch and recovery act on
-it: docs/runtime-shim.md, "The daemon's death").
+it: docs/daemon-death.md).
 
 A layer mounted on the daemon's FUSE file (NODE/fuse/blobs/<digest>) reads through that daemon's
 FUSE connection. Once the daemon is gone the connection is dead for good: every read of a page

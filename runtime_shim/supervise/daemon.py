@@ -17,7 +17,7 @@ of the fanotify holder between shim calls: when the daemon dies it adopts a daem
 in its place (an upgrade) or starts a new one at once. On the FUSE data path the dead daemon's
 mount and every layer mount that read through it are dead for good: under the node lock, it
 first marks the sandboxes stacked on them lost and takes those layer mounts down (`death.sever`;
-docs/runtime-shim.md, "The daemon's death"), then detaches the dead FUSE mount and starts the
+docs/daemon-death.md), then detaches the dead FUSE mount and starts the
 new daemon; the next shim call mounts the layers again on it. On the fanotify data path
 (docs/fanotify.md, "Every process of ours killed") reads on attached layers wait meanwhile; when
 the holder died too, it first makes a new group with every attached file marked again

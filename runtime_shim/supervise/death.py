@@ -1,5 +1,5 @@
 """What the node's supervision does about a node daemon that died, before a new one starts
-(docs/runtime-shim.md, "The daemon's death"): mark the sandboxes that lost their data lost, and
+(docs/daemon-death.md): mark the sandboxes that lost their data lost, and
 take down the layer mounts that read through the dead FUSE mount, which can never read again.
 
 The watch (`daemon.watch`) calls `sever` under the node lock when it found the recorded daemon
