@@ -11,8 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {".git", ".venv", ".cache", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache", "build", ".pp"}
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".c", ".service", ".cfg"}
-# docs/x.md, then optionally a quoted section name, possibly wrapped onto the next (comment) line
-REF = re.compile(r'(docs/[A-Za-z0-9_.-]+\.md)(?:,?\s*["“]([^"”]{3,100})["”])?')
+# docs/x.md, then any quoted section names (`, "A", "B" and "C"`), possibly wrapped onto the next line
+REF = re.compile(r'(docs/[A-Za-z0-9_.-]+\.md)((?:,?\s*(?:and\s+)?["“][^"”]{3,100}["”])*)')
+QUOTED = re.compile(r'["“]([^"”]{3,100})["”]')
 
 
 def sources(root: Path) -> list[Path]:
@@ -37,14 +38,13 @@ def broken(root: Path) -> list[str]:
     notes: dict[str, list[str]] = {}
     for p in sources(root):
         for m in REF.finditer(flatten(p.read_text(errors="replace"))):
-            doc, head = m.group(1), m.group(2)
-            where = str(p.relative_to(root))
+            doc, where = m.group(1), str(p.relative_to(root))
             if not (root / doc).is_file():
                 out.add(f"{where}: {doc} does not exist")
                 continue
-            if head:
+            have = notes.setdefault(doc, sections((root / doc).read_text()))
+            for head in QUOTED.findall(m.group(2)):
                 name = re.sub(r"\s+", " ", re.sub(r"[`*]", "", head)).strip().lower()
-                have = notes.setdefault(doc, sections((root / doc).read_text()))
                 if not any(h.startswith(name) or name in h for h in have):
                     out.add(f'{where}: {doc} has no section "{head}"')
     return sorted(out)
@@ -58,5 +58,7 @@ def test_a_reference_to_a_missing_note_or_section_is_caught(tmp_path: Path) -> N
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("# A\n\n## Who owns which state\n\n**The watch.** text\n")
     (tmp_path / "m.py").write_text('"""See docs/a.md, "Who owns\n# which state"; docs/a.md, "The watch"."""\n'
-                                   '# docs/a.md, "Gone away" and docs/b.md\n')
-    assert broken(tmp_path) == ['m.py: docs/a.md has no section "Gone away"', "m.py: docs/b.md does not exist"]
+                                   '# docs/a.md, "Gone away" and docs/b.md\n'
+                                   '# (docs/a.md, "The watch", "Who owns" and "Never was")\n')
+    assert broken(tmp_path) == ['m.py: docs/a.md has no section "Gone away"',
+                                'm.py: docs/a.md has no section "Never was"', "m.py: docs/b.md does not exist"]

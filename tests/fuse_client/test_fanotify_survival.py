@@ -1,5 +1,5 @@
 """The fanotify data path when its processes die (docs/fanotify.md, "Every process of ours killed",
-"Attach failures", "The holder's lifetime"): an attach failure is loud; a restart re-hashes the
+"Attach failures", "Who holds what"): an attach failure is loud; a restart re-hashes the
 recovered metadata before the attach answers again; the shim's watch makes a new group with the
 attached files marked when holder and daemon are both killed, then a daemon, and reads return the
 right bytes; the service manager's fd store keeps the group through every process of ours; an
