@@ -15,6 +15,26 @@
 
 static void report(const char *name, long rc) { printf("%s %d\n", name, rc < 0 ? errno : 0); }
 
+/* PTRACE_TRACEME in a child of the probe, never in the probe itself: a traced process stops on
+ * every signal it gets, and its parent (the sandbox's init, when the probe is the workload) then
+ * reaps a stop it did not ask for ("main child exited for unknown reason"). The child's exit
+ * code is the call's errno; a stop of the child is let go (this process is its tracer). */
+static long traceme(void) {
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) _exit(ptrace(PTRACE_TRACEME, 0, NULL, NULL) < 0 ? errno : 0);
+    if (pid < 0) return -1;
+    int status;
+    for (;;) {
+        if (waitpid(pid, &status, 0) < 0) return -1;
+        if (WIFSTOPPED(status)) { ptrace(PTRACE_CONT, pid, NULL, (void *)(long)WSTOPSIG(status)); continue; }
+        break;
+    }
+    if (!WIFEXITED(status)) { errno = EINTR; return -1; }
+    errno = WEXITSTATUS(status);
+    return errno ? -1 : 0;
+}
+
 int main(void) {
     report("keyctl", syscall(SYS_keyctl, 0 /* KEYCTL_GET_KEYRING_ID */, -3 /* session */, 1));
     report("add_key", syscall(SYS_add_key, "user", "probe", "x", 1, -2 /* process keyring */));
@@ -43,6 +63,6 @@ int main(void) {
     pe.exclude_kernel = 1;
     pe.exclude_hv = 1;
     report("perf_event_open", syscall(SYS_perf_event_open, &pe, 0, -1, -1, 0));
-    report("ptrace", ptrace(PTRACE_TRACEME, 0, NULL, NULL));
+    report("ptrace", traceme());
     return 0;
 }
