@@ -122,11 +122,8 @@ def mount_erofs_loop(image: Path, target: Path, *, dio: bool = False) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def same_tree(src: Path, mnt: Path) -> tuple[int, int]:

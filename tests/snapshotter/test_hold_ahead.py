@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from testkit.fuse_helpers import wait_until
 
 from layerstore.errors import PermissionDenied, StoreUnavailable
 from snapshotter import snapshots as snapmod
@@ -101,13 +102,6 @@ def pull(sn: Snapshotter, blobs: list[str]) -> None:
         parent = chain
 
 
-def wait_for(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_the_first_prepare_holds_the_other_layers_ahead_in_parallel(tmp_path: Path) -> None:
     fake = FakeLayers(slow=0.3)
     sn = Snapshotter(tmp_path / "snap", fake)  # type: ignore[arg-type]
@@ -157,13 +151,14 @@ def test_cleanup_keeps_a_layer_held_ahead_until_its_deadline(tmp_path: Path, mon
     try:
         with pytest.raises(SnapshotExists):
             sn.prepare("extract-0", "", labels(BASE, "sha256:chain0"))
-        wait_for(lambda: fake.holds == {BASE, TOOL, WORK} and not any(d == float("inf") for d in sn._ahead.values()))
+        wait_until(lambda: fake.holds == {BASE, TOOL, WORK} and float("inf") not in sn._ahead.values(), 10,
+                   "every layer held ahead")
         assert sn.cleanup().layer_mounts == []  # (a Cleanup while the pull goes on: nothing released)
         assert fake.holds == {BASE, TOOL, WORK}
         sweeps = [t for t in threading.enumerate() if t.name == "snapshotter-ahead-sweep"]
         assert len(sweeps) == 1 and not any(isinstance(t, threading.Timer) for t in threading.enumerate())
         # the pull is given up: the layers held ahead go at their deadline, the recorded one stays
-        wait_for(lambda: fake.holds == {BASE}, timeout=5.0)
+        wait_until(lambda: fake.holds == {BASE}, 5, "the holds ahead released")
         assert sn._ahead == {}
     finally:
         sn.close()
@@ -176,7 +171,7 @@ def test_a_failed_hold_ahead_leaves_nothing_and_its_prepare_fails_loudly(tmp_pat
     try:
         with pytest.raises(SnapshotExists):
             sn.prepare("extract-0", "", labels(BASE, "sha256:chain0"))
-        wait_for(lambda: TOOL not in sn._ahead and WORK in fake.holds)
+        wait_until(lambda: TOOL not in sn._ahead and WORK in fake.holds, 10, "the failed hold rolled back")
         assert TOOL not in fake.holds
         with pytest.raises(StoreUnavailable):  # its own Prepare tries again and reports the error
             sn.prepare("extract-1", REMOTE_PREFIX + "sha256:chain0", labels(TOOL, "sha256:chain1"))
@@ -190,7 +185,7 @@ def test_a_restart_releases_what_was_held_ahead_and_not_recorded(tmp_path: Path)
     sn = Snapshotter(tmp_path / "snap", fake)  # type: ignore[arg-type]
     with pytest.raises(SnapshotExists):
         sn.prepare("extract-0", "", labels(BASE, "sha256:chain0"))
-    wait_for(lambda: fake.holds == {BASE, TOOL, WORK})
+    wait_until(lambda: fake.holds == {BASE, TOOL, WORK}, 10, "every layer held")
     sn.close()  # (as a kill -9 would leave it: the holds on the node, the in-memory deadlines gone)
     sn2 = Snapshotter(tmp_path / "snap", fake)  # type: ignore[arg-type]
     try:

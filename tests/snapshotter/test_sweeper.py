@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from testkit.fuse_helpers import wait_until
 
 from snapshotter import sweeper as sweepmod
 from snapshotter.sweeper import Sweeper, due
@@ -48,13 +49,6 @@ class Owner:
         return at
 
 
-def wait_for(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
 def test_each_key_expires_at_its_deadline_in_one_thread() -> None:
     own = Owner()
     sw = Sweeper(own.read, own.expire, time.monotonic, name="test-sweep")
@@ -63,7 +57,7 @@ def test_each_key_expires_at_its_deadline_in_one_thread() -> None:
         late = own.add(sw, "late", 0.4)
         early = own.add(sw, "early", 0.1)  # (added after, due before: the sleeping thread wakes for it)
         own.add(sw, "never", math.inf)
-        wait_for(lambda: len(own.expired) == 2)
+        wait_until(lambda: len(own.expired) == 2, 5, "two keys expired")
         assert [k for k, _ in own.expired] == ["early", "late"]
         assert own.expired[0][1] >= early and own.expired[1][1] >= late  # (never before the deadline)
         assert own.read() == {"never": math.inf}
@@ -79,12 +73,12 @@ def test_a_key_left_due_is_handed_over_again_only_after_the_retry(monkeypatch: p
     sw = Sweeper(own.read, own.expire, time.monotonic)
     try:
         own.add(sw, "stuck", 0.0)
-        wait_for(lambda: len(own.expired) >= 3)
+        wait_until(lambda: len(own.expired) >= 3, 5, "three hand-overs")
         times = [t for _, t in own.expired[:3]]
         assert all(b - a >= 0.19 for a, b in zip(times, times[1:], strict=False)), times  # (not a busy loop)
         with own.mu:
             own.keep.clear()
-        wait_for(lambda: own.read() == {})
+        wait_until(lambda: own.read() == {}, 5, "the key expired")
     finally:
         sw.close()
 
@@ -105,7 +99,7 @@ def test_an_expire_that_raises_does_not_stop_the_sweeps() -> None:
     try:
         own.add(sw, "bad", 0.0)
         own.add(sw, "good", 0.1)
-        wait_for(lambda: own.read() == {})
+        wait_until(lambda: own.read() == {}, 5, "both keys expired")
         assert calls == ["bad", "good"]
     finally:
         sw.close()
